@@ -1,0 +1,116 @@
+"""The lowering registry: (op, target, variant) -> lowering, with reasons when none applies.
+
+A lowering is registered with a decorator that names its cell, an optional validator and a
+priority; lookup returns the highest-priority lowering whose validator accepts the node, and
+otherwise raises UnsupportedLowering listing why each candidate declined. A cell that cannot work
+is registered explicitly with `unsupported(...)`, so the op x target matrix has no empty cell.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from exporter.errors import UnsupportedLowering
+
+TARGETS = ("onnx", "coreml", "tensorrt")
+VARIANTS = ("sparse", "dense")
+
+# A validator returns None to accept the node, or a one-line reason to decline it.
+Validator = Callable[[Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    op: str
+    target: str
+    variant: str
+    fn: Callable
+    validator: Validator | None = None
+    priority: int = 0
+    unsupported_reason: str | None = None
+    doc: str = field(default="", compare=False)
+
+    def decline_reason(self, node: Any) -> str | None:
+        if self.unsupported_reason is not None:
+            return self.unsupported_reason
+        return self.validator(node) if self.validator else None
+
+
+_REGISTRY: dict[tuple[str, str, str], list[Lowering]] = {}
+
+
+def _check_cell(op: str, target: str, variant: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}: expected one of {TARGETS}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
+
+
+def register(entry: Lowering) -> Lowering:
+    _check_cell(entry.op, entry.target, entry.variant)
+    cell = _REGISTRY.setdefault((entry.op, entry.target, entry.variant), [])
+    cell.append(entry)
+    cell.sort(key=lambda e: -e.priority)
+    return entry
+
+
+def lowering(op: str, *, target: str, variant: str, validator: Validator | None = None, priority: int = 0):
+    """Decorator: register `fn(ctx, node)` as the lowering of `op` for (target, variant)."""
+    def wrap(fn: Callable) -> Callable:
+        register(Lowering(op, target, variant, fn, validator, priority, doc=(fn.__doc__ or "").strip()))
+        return fn
+    return wrap
+
+
+def unsupported(op: str, *, target: str, variant: str, reason: str) -> None:
+    """Declare a cell that cannot work (yet), with the reason users will read."""
+    def refuse(*_a, **_k):
+        raise UnsupportedLowering(op, target, variant, [reason])
+    register(Lowering(op, target, variant, refuse, unsupported_reason=reason, priority=-1000))
+
+
+def lookup(op: str, target: str, variant: str, node: Any = None) -> Lowering:
+    """The lowering for this node, or UnsupportedLowering with every candidate's reason."""
+    _load_targets()
+    if target not in TARGETS:
+        raise UnsupportedLowering(op, target, variant, [f"unknown target; choose one of {', '.join(TARGETS)}"])
+    if variant not in VARIANTS:
+        raise UnsupportedLowering(op, target, variant, [f"unknown variant; choose one of {', '.join(VARIANTS)}"])
+    reasons = []
+    for entry in _REGISTRY.get((op, target, variant), []):
+        why = entry.decline_reason(node)
+        if why is None:
+            return entry
+        reasons.append(f"{entry.fn.__name__}: {why}" if entry.unsupported_reason is None else why)
+    raise UnsupportedLowering(op, target, variant, reasons)
+
+
+def cells() -> dict[tuple[str, str, str], list[Lowering]]:
+    """Every registered cell (for the docs' matrix and the no-empty-cell test)."""
+    _load_targets()
+    return {k: list(v) for k, v in _REGISTRY.items()}
+
+
+@contextlib.contextmanager
+def override(entry: Lowering) -> Iterator[Lowering]:
+    """Put `entry` first in its cell for the duration (tests swap lowerings this way)."""
+    _load_targets()
+    key = (entry.op, entry.target, entry.variant)
+    saved = list(_REGISTRY.get(key, []))
+    _REGISTRY[key] = [entry] + saved
+    try:
+        yield entry
+    finally:
+        _REGISTRY[key] = saved
+
+
+_loaded = False
+
+
+def _load_targets() -> None:
+    """Import the target modules, which register their lowerings (lazily: no runtime imports)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from exporter.targets import coreml, onnx, tensorrt  # noqa: F401

@@ -1,0 +1,148 @@
+"""ONNX target (ONNX Runtime): each adaptex op is one custom-domain node with a model-local body.
+
+Path: torch.export -> torch.onnx.export(dynamo=True) with a custom translation per adaptex op that
+emits the `adaptex.<Op>` node -> the lowering's FunctionProto appended to model.functions.
+optimize=False: the exporter's optimiser would inline the functions away, and with them the
+one-node-per-op contract that TensorRT plugins and parity tooling rely on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import onnx
+
+import graphs  # noqa: F401
+from exporter import artifact
+from exporter.errors import ExportError
+from exporter.registry import lowering
+from exporter.targets import onnx_functions as fx
+from exporter.trace import INPUT_NAMES, adaptex_nodes, output_names, trace
+
+PRECISIONS = ("fp32",)
+
+
+@dataclass
+class OnnxLowering:
+    """What an ONNX lowering hands the exporter: the translation that emits the node, and bodies."""
+    translation: Callable
+    functions: list[onnx.FunctionProto]
+
+
+def _budgeted_attention_node(x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads: int):
+    from onnxscript.values import Opset
+
+    return Opset(fx.DOMAIN, fx.OPSET_VERSION).BudgetedAttention(
+        x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads=num_heads)
+
+
+@lowering("adaptex::budgeted_attention", target="onnx", variant="sparse")
+def budgeted_attention_onnx_sparse(ctx, node):
+    """TopK with a runtime K (the batch's largest k), Gather of those heads' weight rows and output
+    columns, attention on k heads only. At batch 1 exactly k heads run; in a batch, max_b k_b heads run
+    and heads past a sample's own k get weight zero."""
+    return OnnxLowering(_budgeted_attention_node, [fx.budgeted_attention_function("sparse")])
+
+
+@lowering("adaptex::budgeted_attention", target="onnx", variant="dense")
+def budgeted_attention_onnx_dense(ctx, node):
+    """Every head projected and attended, unselected heads weighted by zero: static shapes."""
+    return OnnxLowering(_budgeted_attention_node, [fx.budgeted_attention_function("dense")])
+
+
+def _name_dynamic_axes(proto: onnx.ModelProto) -> None:
+    """Rename the tracer's symbols (s0, s1...) to 'batch' and 'sequence' everywhere."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    rename = {dims[0].dim_param: "batch", dims[1].dim_param: "sequence"}
+    for vi in list(proto.graph.input) + list(proto.graph.output) + list(proto.graph.value_info):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in rename:
+                d.dim_param = rename[d.dim_param]
+
+
+def _io_spec(values) -> dict:
+    out = {}
+    for v in values:
+        tt = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tt.shape.dim]
+        out[v.name] = {"dtype": onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name, "shape": shape}
+    return out
+
+
+def lower(model, *, variant: str = "sparse") -> tuple[onnx.ModelProto, dict]:
+    """Trace `model` and lower it to an ONNX ModelProto; returns (proto, lowering notes)."""
+    from exporter.registry import lookup
+
+    ep = trace(model, mode="hard")
+    table, functions, notes = {}, {}, {}
+    for node in adaptex_nodes(ep):
+        op = node.target.name()  # "adaptex::budgeted_attention"
+        entry = lookup(op, "onnx", variant, node)
+        res = entry.fn(None, node)
+        table[node.target] = res.translation
+        for f in res.functions:
+            functions[(f.domain, f.name)] = f
+        notes[op] = entry.fn.__name__
+    fx.register_schema()
+    names = output_names(model.cfg.num_layers, model.cfg.adaptive)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = torch_onnx_export(ep, table, names)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"torch.onnx.export failed: {first}") from e
+    proto = prog.model_proto
+    proto.functions.extend(functions.values())
+    if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
+    _name_dynamic_axes(proto)
+    return proto, notes
+
+
+def torch_onnx_export(ep_or_module, table: dict, names: list[str], args=None):
+    import torch
+
+    return torch.onnx.export(
+        ep_or_module, args or (), dynamo=True, custom_translation_table=table or None,
+        optimize=False, opset_version=fx.ONNX_OPSET, input_names=INPUT_NAMES, output_names=names,
+        verbose=False,
+    )
+
+
+def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp32") -> dict:
+    """Export to `out` atomically; returns the artifact metadata."""
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
+                          f"use one of {', '.join(PRECISIONS)}")
+    artifact.check_writable(out)
+    proto, notes = lower(model, variant=variant)
+    cfg = model.cfg
+    meta = {
+        "format": artifact.FORMAT_VERSION,
+        "family": cfg.family,
+        "target": "onnx",
+        "variant": variant,
+        "precision": precision,
+        "opset": {"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
+        "lowerings": notes,
+        "budget_range": [cfg.s_min, cfg.s_max],
+        "config": cfg.to_dict(),
+        "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
+        "inputs": _io_spec(proto.graph.input),
+        "outputs": _io_spec(proto.graph.output),
+        "max_sequence": cfg.max_len,
+    }
+    proto.metadata_props.append(onnx.StringStringEntryProto(key=artifact.META_KEY, value=json.dumps(meta)))
+    proto.producer_name, proto.doc_string = "adaptex", f"{cfg.family} exported by adaptex ({variant})"
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:
+        raise ExportError(f"the exported model fails onnx.checker: {str(e).splitlines()[0]}") from e
+    with artifact.atomic_path(out) as tmp:
+        onnx.save_model(proto, str(tmp))
+    return meta

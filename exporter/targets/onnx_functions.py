@@ -1,0 +1,149 @@
+"""ONNX function bodies of the adaptex ops (model-local functions, opset 18).
+
+Each op becomes one custom-domain node (`adaptex.BudgetedAttention`) whose body ships in
+`model.functions`; ONNX Runtime and TensorRT's parser inline it. Bodies are written node by node so
+every op in them is a standard one a reader can check against the spec in docs/ops.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+DOMAIN = "adaptex"
+OPSET_VERSION = 1  # version of the adaptex op set
+ONNX_OPSET = 18
+
+
+class _Body:
+    """Accumulates the nodes of one function body; each call adds a node and returns its output(s)."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.nodes, self.n = prefix, [], 0
+
+    def __call__(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+        self.n += 1
+        names = [f"{self.prefix}{op_type}_{self.n}" + (f"_{i}" if outputs > 1 else "") for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
+        return names[0] if outputs == 1 else names
+
+    def const(self, value, dtype=np.int64) -> str:
+        arr = np.array(value, dtype=dtype)
+        return self("Constant", value=numpy_helper.from_array(arr))
+
+    def attr_int(self, attr: str) -> str:
+        """A scalar int64 tensor holding the function's attribute `attr` (resolved at the call site)."""
+        self.n += 1
+        name = f"{self.prefix}{attr}_{self.n}"
+        node = helper.make_node("Constant", [], [name])
+        a = onnx.AttributeProto(name="value_int", ref_attr_name=attr, type=onnx.AttributeProto.INT)
+        node.attribute.append(a)
+        self.nodes.append(node)
+        return name
+
+
+def _routing(b: _Body, s: str, p: str, full_order: bool):
+    """k = clamp(floor(s*H), 1, H) and the top-k order of p. fp32 throughout: a decision computed in
+    lower precision could land on the other side of an integer or swap a near-tie."""
+    H = b.attr_int("num_heads")  # int64 scalar
+    H1 = b("Unsqueeze", H, b.const([0]))  # (1,)
+    Hf = b("Cast", H, to=TensorProto.FLOAT)
+    sH = b("Mul", s, Hf)  # (B,)
+    kf = b("Clip", b("Floor", sH), b.const(1.0, np.float32), Hf)
+    k = b("Cast", kf, to=TensorProto.INT64)  # (B,)
+    K = H1 if full_order else b("ReduceMax", k, keepdims=1)  # (1,) heads to rank
+    topv, order = b("TopK", p, K, axis=-1, largest=1, sorted=1, outputs=2)  # (B, K); ties -> lower index
+    j = b("Range", b.const(0), b("Squeeze", K), b.const(1))  # (K,)
+    valid = b("Less", b("Unsqueeze", j, b.const([0])), b("Unsqueeze", k, b.const([1])))  # (B, K)
+    valid_f = b("Cast", valid, to=TensorProto.FLOAT)
+    zeros = b("Mul", p, b.const(0.0, np.float32))  # (B, H)
+    mask_f = b("ScatterElements", zeros, order, valid_f, axis=1)  # (B, H)
+    return H1, sH, k, topv, order, valid_f, mask_f
+
+
+def _attend(b: _Body, q: str, kk: str, v: str, key_mask: str) -> str:
+    """Scaled dot-product attention over (B, K, T, dh) with padded keys ignored."""
+    dh = b("Cast", b("Shape", q, start=-1), to=TensorProto.FLOAT)  # (1,)
+    q = b("Mul", q, b("Reciprocal", b("Sqrt", dh)))
+    scores = b("MatMul", q, b("Transpose", kk, perm=[0, 1, 3, 2]))  # (B, K, T, T)
+    bias = b("Where", key_mask, b.const(0.0, np.float32), b.const(-np.inf, np.float32))  # (B, T)
+    bias = b("Unsqueeze", bias, b.const([1, 2]))  # (B, 1, 1, T)
+    attn = b("Softmax", b("Add", scores, bias), axis=-1)
+    return b("MatMul", attn, v)  # (B, K, T, dh)
+
+
+def _split3(b: _Body, qkv: str):
+    parts = b("Split", qkv, axis=0, num_outputs=3, outputs=3)  # each (1, B, K, T, dh)
+    return [b("Squeeze", t, b.const([0])) for t in parts]
+
+
+INPUTS = ["x", "key_mask", "s", "p", "w_qkv", "b_qkv", "w_o", "b_o"]
+OUTPUTS = ["y", "k", "head_mask"]
+
+
+def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
+    """The body of adaptex.BudgetedAttention for `variant` ("sparse" or "dense")."""
+    b = _Body("ba_")
+    x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o = INPUTS
+    H1, sH, k, topv, order, valid_f, mask_f = _routing(b, s, p, full_order=(variant == "dense"))
+    d1 = b("Shape", w_o, start=0, end=1)  # (1,) = [d]
+    c3, c1, cm1, c0 = b.const([3]), b.const([1]), b.const([-1]), b.const([0])
+    if variant == "sparse":
+        # Gather the selected heads' weight rows first, so that only k heads are projected.
+        w4 = b("Reshape", w_qkv, b("Concat", c3, H1, cm1, d1, axis=0))  # (3, H, dh, d)
+        w4 = b("Transpose", w4, perm=[0, 1, 3, 2])  # (3, H, d, dh): folded to a constant by ORT
+        wg = b("Gather", w4, order, axis=1)  # (3, B, K, d, dh)
+        b4 = b("Reshape", b_qkv, b("Concat", c3, H1, c1, cm1, axis=0))  # (3, H, 1, dh)
+        bg = b("Gather", b4, order, axis=1)  # (3, B, K, 1, dh)
+        xu = b("Unsqueeze", x, b.const([0, 2]))  # (1, B, 1, T, d)
+        qkv = b("Add", b("MatMul", xu, wg), bg)  # (3, B, K, T, dh)
+        weights = b("Mul", b("Mul", topv, b("Unsqueeze", sH, b.const([1]))), valid_f)  # (B, K)
+    else:
+        # Static shapes: every head projected and attended, unselected heads weighted by zero.
+        qkv = b("Add", b("MatMul", x, b("Transpose", w_qkv, perm=[1, 0])), b_qkv)  # (B, T, 3d)
+        qkv = b("Reshape", qkv, b("Concat", c0, c0, c3, H1, cm1, axis=0))  # (B, T, 3, H, dh)
+        qkv = b("Transpose", qkv, perm=[2, 0, 3, 1, 4])  # (3, B, H, T, dh)
+        weights = b("Mul", b("Mul", b("Unsqueeze", sH, b.const([1])), p), mask_f)  # (B, H)
+    q, kk, v = _split3(b, qkv)
+    o = _attend(b, q, kk, v, key_mask)  # (B, K, T, dh)
+    o = b("Mul", o, b("Unsqueeze", weights, b.const([2, 3])))
+    o = b("Reshape", b("Transpose", o, perm=[0, 2, 1, 3]), b.const([0, 0, -1]))  # (B, T, K*dh)
+    wo_t = b("Transpose", w_o, perm=[1, 0])  # (d_in, d_out)
+    if variant == "sparse":
+        wo = b("Reshape", wo_t, b("Concat", H1, cm1, d1, axis=0))  # (H, dh, d)
+        wo = b("Gather", wo, order, axis=0)  # (B, K, dh, d): the selected heads' columns
+        wo_t = b("Reshape", wo, b("Concat", c0, cm1, d1, axis=0))  # (B, K*dh, d)
+    y = b("Add", b("MatMul", o, wo_t), b_o)  # (B, T, d)
+    # bind the declared outputs
+    b.nodes.append(helper.make_node("Identity", [y], ["y"]))
+    b.nodes.append(helper.make_node("Identity", [k], ["k"]))
+    b.nodes.append(helper.make_node("Cast", [mask_f], ["head_mask"], to=TensorProto.BOOL))
+    return helper.make_function(
+        DOMAIN, "BudgetedAttention", INPUTS, OUTPUTS, b.nodes,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["num_heads"],
+        doc_string=f"adaptex::budgeted_attention, {variant} lowering (see docs/ops.md)",
+    )
+
+
+def register_schema() -> None:
+    """Register the node's schema with onnx (in this process only) so onnxscript can emit it.
+
+    Models never depend on it: the body ships as a function, which is what runtimes read."""
+    from onnx import defs
+
+    if defs.has("BudgetedAttention", DOMAIN):
+        return
+    FP = defs.OpSchema.FormalParameter
+    float_in = {"x", "w_qkv", "b_qkv", "w_o", "b_o"}
+    schema = defs.OpSchema(
+        "BudgetedAttention", DOMAIN, OPSET_VERSION,
+        doc="Multi-head self-attention computing only the top-k heads; see docs/ops.md.",
+        inputs=[FP(n, "T" if n in float_in else ("B" if n == "key_mask" else "F")) for n in INPUTS],
+        outputs=[FP("y", "T"), FP("k", "I"), FP("head_mask", "B")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"),
+                          ("F", ["tensor(float)"], "routing stays fp32"),
+                          ("B", ["tensor(bool)"], ""), ("I", ["tensor(int64)"], "")],
+        attributes=[defs.OpSchema.Attribute("num_heads", defs.OpSchema.AttrType.INT, "H")],
+    )
+    defs.register_schema(schema)

@@ -1,0 +1,108 @@
+"""Checkpoints: a directory holding config.json and model.safetensors, written atomically.
+
+Shipped models live in graphs/zoo/<name>/ and are addressed by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorsError
+from safetensors.torch import load_file, save_file
+
+from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
+from graphs.errors import CheckpointError
+
+ZOO = Path(__file__).parent / "zoo"
+DEFAULT_MODEL = "budgetformer-graded"
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer)}
+
+
+def shipped_models() -> dict[str, Path]:
+    return {p.name: p for p in sorted(ZOO.iterdir()) if (p / CONFIG).is_file()} if ZOO.is_dir() else {}
+
+
+def resolve(model: str | os.PathLike | None) -> Path:
+    """A checkpoint directory, or the name of a shipped model (None: the default model)."""
+    if model is None:
+        model = DEFAULT_MODEL
+    path = Path(model)
+    if path.is_dir():
+        return path
+    zoo = shipped_models()
+    if str(model) in zoo:
+        return zoo[str(model)]
+    if path.exists():
+        raise CheckpointError(f"{model}: not a checkpoint directory; pass a directory written by "
+                              "'adaptex train' or a shipped model name ('adaptex models' lists them)")
+    raise CheckpointError(f"{model}: no such checkpoint directory or shipped model; "
+                          f"shipped models: {', '.join(zoo) or 'none'}")
+
+
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]:
+    """Load a checkpoint; returns (model in eval mode, info dict with config, training and hash)."""
+    path = resolve(model)
+    cfg_path, w_path = path / CONFIG, path / WEIGHTS
+    for f in (cfg_path, w_path):
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {f.name} is missing; a checkpoint holds {CONFIG} and "
+                                  f"{WEIGHTS} as written by 'adaptex train'")
+    try:
+        info = json.loads(cfg_path.read_text())
+        family = info["family"]
+        cfg_cls, model_cls = FAMILIES[family]
+        cfg = cfg_cls.from_dict(info["config"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: corrupt config ({type(e).__name__}: {e}); "
+                              "re-run 'adaptex train' to write a fresh checkpoint") from None
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorsError, OSError, Exception) as e:  # safetensors raises several types
+        raise CheckpointError(f"{w_path}: corrupt weights ({str(e).splitlines()[0]}); "
+                              "re-run 'adaptex train' to write a fresh checkpoint") from None
+    net = model_cls(cfg)
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{w_path}: weights do not match config.json (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); the two files come from different runs")
+    net.eval()
+    info["path"] = str(path)
+    info["sha256"] = file_hash(w_path)
+    return net, info
+
+
+def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = None) -> Path:
+    """Write config.json + model.safetensors into `path` atomically (temp dir, then rename)."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise CheckpointError(f"{path}: parent directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"{path}: directory {parent} is not writable; choose another -o")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=parent))
+    try:
+        info = {"family": net.cfg.family, "config": net.cfg.to_dict(), **(extra or {})}
+        (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
+        state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,130 @@
+"""`adaptex::budgeted_attention`: multi-head self-attention that computes only k of H heads.
+
+Schema (see docs/ops.md for the full spec)::
+
+    budgeted_attention(Tensor x, Tensor key_mask, Tensor s, Tensor p,
+                       Tensor w_qkv, Tensor b_qkv, Tensor w_o, Tensor b_o,
+                       int num_heads) -> (Tensor y, Tensor k, Tensor head_mask)
+
+    x         (B, T, d)  float   layer input (already normalised)
+    key_mask  (B, T)     bool    True where the token is real (keys outside it are ignored)
+    s         (B,)       float32 budget in (0, 1): the fraction of heads to use
+    p         (B, H)     float32 head preferences (softmax of the head scores)
+    w_qkv     (3d, d)    float   fused projection, rows [q heads | k heads | v heads],
+                                 head i owning rows i*dh:(i+1)*dh of each third
+    b_qkv     (3d,)      float
+    w_o       (d, d)     float   output projection; head i owns columns i*dh:(i+1)*dh
+    b_o       (d,)       float
+    ->
+    y         (B, T, d)  float   sum over selected heads of w_i * head_i(x) @ w_o[:, cols_i].T + b_o
+    k         (B,)       int64   heads used: clamp(floor(s*H), 1, H)
+    head_mask (B, H)     bool    True for the k heads of largest p (ties: lower index first)
+
+with w_i = s * H * p_i. Heads outside the mask contribute nothing and cost nothing: the eager
+kernel gathers only the selected heads' weight rows and columns.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+OP_NAME = "adaptex::budgeted_attention"
+
+
+def head_budget(s: Tensor, num_heads: int) -> Tensor:
+    """k = clamp(floor(s*H), 1, H) as int64; computed in fp32 whatever the body precision."""
+    return torch.clamp(torch.floor(s.float() * num_heads), 1, num_heads).to(torch.int64)
+
+
+def select_heads(s: Tensor, p: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Routing decisions: (k (B,), head_mask (B,H) bool, order (B,H) heads by descending p).
+
+    The stable descending sort gives ties to the lower head index, which is also ONNX TopK's rule,
+    so every lowering selects the same heads as this reference.
+    """
+    k = head_budget(s, num_heads)
+    order = torch.sort(p.float(), dim=-1, descending=True, stable=True).indices  # (B, H)
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(num_heads, device=p.device).expand_as(order).contiguous()
+    )
+    head_mask = ranks < k[:, None]
+    return k, head_mask, order
+
+
+def head_weights(s: Tensor, p: Tensor, num_heads: int) -> Tensor:
+    """w_i = s * H * p_i, (B, H) fp32."""
+    return s.float()[:, None] * num_heads * p.float()
+
+
+def attend_selected(
+    x: Tensor, key_mask: Tensor, weights: Tensor, head_mask: Tensor,
+    w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor, num_heads: int,
+) -> Tensor:
+    """The kernel body: per sample, project and attend with the masked-in heads only.
+
+    Samples are grouped by their head set, so a batch whose samples agree costs one pass per group.
+    """
+    B, T, d = x.shape
+    dh = d // num_heads
+    y = torch.empty_like(x)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, row in enumerate(head_mask.tolist()):
+        groups.setdefault(tuple(i for i, m in enumerate(row) if m), []).append(b)
+    arange_dh = torch.arange(dh, device=x.device)
+    for heads, members in groups.items():
+        idx = torch.tensor(members, device=x.device)
+        h = torch.tensor(heads, device=x.device)
+        kk = len(heads)
+        cols = (h[:, None] * dh + arange_dh).reshape(-1)  # (kk*dh,) rows of one third of w_qkv
+        rows = torch.cat([cols, cols + d, cols + 2 * d])  # (3*kk*dh,)
+        xs = x.index_select(0, idx)  # (b, T, d)
+        qkv = F.linear(xs, w_qkv.index_select(0, rows), b_qkv.index_select(0, rows))  # (b, T, 3*kk*dh)
+        q, k, v = qkv.view(len(members), T, 3, kk, dh).permute(2, 0, 3, 1, 4)  # each (b, kk, T, dh)
+        attn_mask = key_mask.index_select(0, idx)[:, None, None, :]  # (b, 1, 1, T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (b, kk, T, dh)
+        w = weights.index_select(0, idx).index_select(1, h).to(o.dtype)  # (b, kk)
+        o = (o * w[:, :, None, None]).transpose(1, 2).reshape(len(members), T, kk * dh)
+        y[idx] = F.linear(o, w_o.index_select(1, cols), b_o)  # (b, T, d)
+    return y
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def budgeted_attention(
+    x: Tensor, key_mask: Tensor, s: Tensor, p: Tensor,
+    w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor, num_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    k, head_mask, _ = select_heads(s, p, num_heads)
+    y = attend_selected(
+        x, key_mask, head_weights(s, p, num_heads), head_mask, w_qkv, b_qkv, w_o, b_o, num_heads
+    )
+    return y, k, head_mask
+
+
+@budgeted_attention.register_fake
+def _(x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads):
+    B = x.shape[0]
+    return (
+        torch.empty_like(x),
+        x.new_empty((B,), dtype=torch.int64),
+        x.new_empty((B, num_heads), dtype=torch.bool),
+    )
+
+
+def budgeted_attention_dense_reference(
+    x: Tensor, key_mask: Tensor, s: Tensor, p: Tensor,
+    w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor, num_heads: int,
+    head_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every head computed, unselected ones zeroed: the obvious implementation, for tests and for
+    the naive export. `head_mask` forces a routing (parity uses it to replay excused flips)."""
+    B, T, d = x.shape
+    dh = d // num_heads
+    k, selected, _ = select_heads(s, p, num_heads)
+    if head_mask is not None:
+        selected, k = head_mask, head_mask.sum(-1)
+    q, kk, v = F.linear(x, w_qkv, b_qkv).view(B, T, 3, num_heads, dh).permute(2, 0, 3, 1, 4)
+    o = F.scaled_dot_product_attention(q, kk, v, attn_mask=key_mask[:, None, None, :])  # (B,H,T,dh)
+    w = head_weights(s, p, num_heads) * selected
+    o = (o * w[:, :, None, None].to(o.dtype)).transpose(1, 2).reshape(B, T, d)
+    return F.linear(o, w_o, b_o), k, selected

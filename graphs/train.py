@@ -1,0 +1,159 @@
+"""Training BudgetFormer and its same-size standard Transformer baseline, with a summary table."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from graphs import losses
+from graphs.budgetformer import BudgetFormer, BudgetFormerConfig, RoutingSchedule, flops_per_sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    seed: int = 0
+    budget_weight: float = 10.0
+    tau_start: float = 2.0  # falls geometrically to the model's tau_infer
+    noise_start: float = 1.0  # exploration noise std on head scores, falls linearly to 0
+    beta_explore: float = -0.02  # entropy weight early (negative: rewards exploration)
+    beta_exploit: float = 0.02  # entropy weight late (positive: rewards specialisation)
+    rank_sharpness_start: float = 1.0  # budget-aware rank mask, sharpening to rank_sharpness_end
+    rank_sharpness_end: float = 10.0
+    eval_size: int = 2000
+
+
+class Progress:
+    """A one-line progress bar on stderr (a plain log line every 10% when stderr is not a tty)."""
+
+    def __init__(self, total: int, desc: str, stream=sys.stderr):
+        self.total, self.desc, self.stream = total, desc, stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+        self.last_decile = -1
+
+    def update(self, step: int, **fields):
+        frac = step / self.total
+        extra = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(frac, 1e-9) - elapsed
+        line = f"{self.desc} {step}/{self.total} [{elapsed:5.0f}s<{eta:4.0f}s] {extra}"
+        if self.tty:
+            bar = "#" * int(20 * frac)
+            self.stream.write(f"\r{self.desc} [{bar:<20}] {line[len(self.desc) + 1:]}\033[K")
+            if step == self.total:
+                self.stream.write("\n")
+        elif int(frac * 10) > self.last_decile:
+            self.last_decile = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def schedule(tc: TrainConfig, cfg: BudgetFormerConfig, t: float) -> RoutingSchedule:
+    return RoutingSchedule(
+        tau=losses.geometric(t, tc.tau_start, cfg.tau_infer),
+        noise_std=losses.linear(t, tc.noise_start, 0.0),
+        rank_sharpness=losses.geometric(t, tc.rank_sharpness_start, tc.rank_sharpness_end),
+    )
+
+
+def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "train") -> BudgetFormer:
+    torch.manual_seed(tc.seed)
+    rng = np.random.default_rng(tc.seed)
+    model = BudgetFormer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    lr_at = lambda step: tc.lr * min(1.0, (step + 1) / tc.warmup) * 0.5 * (1 + np.cos(np.pi * step / tc.steps))
+    bar = Progress(tc.steps, desc)
+    model.train()
+    for step in range(tc.steps):
+        t = step / tc.steps
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        b = task.sample(tc.batch_size, rng)
+        logits, decisions = model(b.input_ids, b.attention_mask, mode="soft", sched=schedule(tc, cfg, t))
+        loss = task_loss = F.cross_entropy(logits, b.labels)
+        if cfg.adaptive:
+            budget = sum(losses.budget_hinge(d["s"].mean(), cfg.s_min, cfg.s_max) for d in decisions)
+            entropy = sum(losses.head_entropy(d["p"]).mean() for d in decisions)
+            beta = losses.entropy_beta(t, tc.beta_explore, tc.beta_exploit)
+            loss = loss + tc.budget_weight * budget / len(decisions) + beta * entropy / len(decisions)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 0 or step == tc.steps - 1:
+            fields = {"loss": float(task_loss)}
+            if cfg.adaptive:
+                fields["s"] = float(torch.stack([d["s"].mean() for d in decisions]).mean())
+            bar.update(step + 1, **fields)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def evaluate(model: BudgetFormer, task, n: int, seed: int = 12345, mode: str = "hard") -> dict:
+    """Held-out accuracy, heads used, FLOPs against the dense model, and mean s by difficulty."""
+    rng = np.random.default_rng(seed)
+    cfg = model.cfg
+    correct, per_level_s, per_level_k, per_level_acc, fracs, flop_ratios = [], {}, {}, {}, [], []
+    for start in range(0, n, 256):
+        b = task.sample(min(256, n - start), rng)
+        logits, dec = model(b.input_ids, b.attention_mask, mode=mode if cfg.adaptive else "dense")
+        ok = (logits.argmax(-1) == b.labels).float()
+        correct.append(ok)
+        lengths = b.attention_mask.sum(-1)
+        for i in range(len(b.labels)):
+            lv = int(b.difficulty[i])
+            per_level_acc.setdefault(lv, []).append(float(ok[i]))
+            if cfg.adaptive:
+                ks = [float(d["k"][i]) for d in dec]
+                per_level_s.setdefault(lv, []).append(float(np.mean([float(d["s"][i]) for d in dec])))
+                per_level_k.setdefault(lv, []).append(np.mean(ks) / cfg.num_heads)
+                fracs.append(np.mean(ks) / cfg.num_heads)
+                T = int(lengths[i])
+                flop_ratios.append(flops_per_sample(cfg, T, ks) / flops_per_sample(cfg, T, None))
+    out = {
+        "accuracy": float(torch.cat(correct).mean()),
+        "accuracy_by_level": {lv: float(np.mean(v)) for lv, v in sorted(per_level_acc.items())},
+    }
+    if cfg.adaptive:
+        out.update(
+            heads_fraction=float(np.mean(fracs)),
+            flop_ratio=float(np.mean(flop_ratios)),
+            s_by_level={lv: float(np.mean(v)) for lv, v in sorted(per_level_s.items())},
+            heads_by_level={lv: float(np.mean(v)) for lv, v in sorted(per_level_k.items())},
+        )
+    return out
+
+
+def summary_table(task, adaptive: dict, soft: dict, baseline: dict | None) -> str:
+    rows = [("model", "accuracy", "heads used", "FLOPs vs dense")]
+    rows.append(("BudgetFormer (hard, deployed)", f"{adaptive['accuracy']:.4f}",
+                 f"{adaptive['heads_fraction']:.1%}", f"{adaptive['flop_ratio']:.3f}"))
+    rows.append(("BudgetFormer (soft, training mode)", f"{soft['accuracy']:.4f}", "100%", "1.000"))
+    if baseline:
+        rows.append(("standard Transformer, same size", f"{baseline['accuracy']:.4f}", "100%", "1.000"))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    lines.append("")
+    lines.append("difficulty level        mean s   heads(k/H)  acc(hard)" + ("  acc(baseline)" if baseline else ""))
+    for lv, s in adaptive["s_by_level"].items():
+        name = task.levels[lv] if lv < len(task.levels) else str(lv)
+        frac = adaptive["heads_by_level"][lv]
+        line = f"{lv} {name:<20}  {s:.3f}   {frac:6.1%}      {adaptive['accuracy_by_level'][lv]:.4f}"
+        if baseline:
+            line += f"     {baseline['accuracy_by_level'][lv]:.4f}"
+        lines.append(line)
+    return "\n".join(lines)
