@@ -116,8 +116,7 @@ class BudgetedSelfAttention(nn.Module):
                 # is scaled by sigmoid(g*(s*H - r - 1/2)), so s only pays off through the heads it
                 # keeps and its gradient learns what one more head is worth on this input. As g
                 # grows the mask approaches the hard top-k of inference and the soft/hard gap closes.
-                _, _, order = ba.select_heads(s, p, H)
-                ranks = torch.argsort(order, dim=-1).float()  # (B, H) rank of each head
+                ranks = ba.head_ranks(p).float()  # (B, H)
                 w = w * torch.sigmoid(sched.rank_sharpness * (s[:, None] * H - ranks - 0.5))
             y = self._dense(x, mask, w)
             return y, {"s": s, "p": p}

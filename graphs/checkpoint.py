@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorsError
 from safetensors.torch import load_file, save_file
 
 from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
@@ -71,7 +70,7 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
                               "re-run 'adaptex train' to write a fresh checkpoint") from None
     try:
         state = load_file(str(w_path))
-    except (SafetensorsError, OSError, Exception) as e:  # safetensors raises several types
+    except Exception as e:  # safetensors raises several types (SafetensorError, OSError, ...)
         raise CheckpointError(f"{w_path}: corrupt weights ({str(e).splitlines()[0]}); "
                               "re-run 'adaptex train' to write a fresh checkpoint") from None
     net = model_cls(cfg)

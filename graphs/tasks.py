@@ -6,7 +6,6 @@ Each task yields batches of (input_ids, attention_mask, labels, difficulty) with
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,6 +143,8 @@ TASKS = {"graded": GradedCues, "stdlib": StdlibSource}
 
 
 def get_task(name: str):
+    from graphs.errors import AdaptexError
+
     if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
+        raise AdaptexError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[name]()

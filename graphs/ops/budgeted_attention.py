@@ -37,19 +37,23 @@ def head_budget(s: Tensor, num_heads: int) -> Tensor:
     return torch.clamp(torch.floor(s.float() * num_heads), 1, num_heads).to(torch.int64)
 
 
-def select_heads(s: Tensor, p: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Routing decisions: (k (B,), head_mask (B,H) bool, order (B,H) heads by descending p).
+def head_ranks(p: Tensor) -> Tensor:
+    """Rank of each head by descending p, ties to the lower index (ONNX TopK's rule): (B, H) int64.
 
-    The stable descending sort gives ties to the lower head index, which is also ONNX TopK's rule,
-    so every lowering selects the same heads as this reference.
-    """
+    Pairwise comparison rather than a sort: exact, and every exporter can translate it."""
+    H = p.shape[-1]
+    pi, pj = p.float()[:, :, None], p.float()[:, None, :]  # (B, H, 1), (B, 1, H)
+    lower = torch.ones(H, H, dtype=torch.bool, device=p.device).tril(-1)  # [i, j]: j < i
+    return ((pj > pi) | ((pj == pi) & lower)).sum(-1)
+
+
+def select_heads(s: Tensor, p: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Routing decisions: (k (B,), head_mask (B,H) bool, ranks (B,H)).
+
+    Every lowering selects the same heads as this reference: the k heads of rank < k."""
     k = head_budget(s, num_heads)
-    order = torch.sort(p.float(), dim=-1, descending=True, stable=True).indices  # (B, H)
-    ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(num_heads, device=p.device).expand_as(order).contiguous()
-    )
-    head_mask = ranks < k[:, None]
-    return k, head_mask, order
+    ranks = head_ranks(p)
+    return k, ranks < k[:, None], ranks
 
 
 def head_weights(s: Tensor, p: Tensor, num_heads: int) -> Tensor:

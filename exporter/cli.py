@@ -1,0 +1,267 @@
+"""The `adaptex` command line: models, train, export, inspect, check, bench.
+
+Every error reaches the user as one line on stderr ("adaptex: error: ...") with a non-zero exit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+EXIT_ERROR, EXIT_FAILED = 2, 1
+
+
+def _err(msg: str) -> None:
+    print(f"adaptex: error: {msg}", file=sys.stderr)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _threads(n: int | None) -> None:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+def cmd_models(args) -> int:
+    from graphs import checkpoint
+
+    models = checkpoint.shipped_models()
+    if not models:
+        print("no shipped models")
+        return 0
+    print(f"{'name':<28} {'family':<14} {'task':<8} {'layers x heads':<15} {'d_model':<8} description")
+    for name, path in models.items():
+        info = json.loads((path / checkpoint.CONFIG).read_text())
+        cfg = info["config"]
+        default = " (default)" if name == checkpoint.DEFAULT_MODEL else ""
+        task = (info.get("training") or {}).get("task", "?")
+        print(f"{name:<28} {info['family']:<14} {task:<8} {cfg['num_layers']} x {cfg['num_heads']:<11} "
+              f"{cfg['d_model']:<8} {info.get('description', '')}{default}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from graphs import checkpoint
+    from graphs.budgetformer import BudgetFormerConfig
+    from graphs.tasks import get_task
+    from graphs.train import TrainConfig, evaluate, summary_table, train_model
+
+    if args.family != "budgetformer":
+        _err(f"unknown family {args.family!r}; 'adaptex train' knows: budgetformer")
+        return EXIT_ERROR
+    _threads(args.threads)
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        _err(f"{out}: exists and is not a directory; pass a directory for the checkpoint")
+        return EXIT_ERROR
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        _err(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+        return EXIT_ERROR
+    task = get_task(args.task)
+    cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=args.d_model,
+                             num_heads=args.heads, num_layers=args.layers, d_ff=args.d_ff,
+                             s_min=args.s_min, s_max=args.s_max)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    t0 = time.perf_counter()
+    model = train_model(cfg, task, tc, desc="budgetformer")
+    adaptive = evaluate(model, task, tc.eval_size)
+    soft = _soft_eval(model, task, tc)
+    baseline = None
+    if not args.no_baseline:
+        base_cfg = BudgetFormerConfig.from_dict({**cfg.to_dict(), "adaptive": False})
+        base = train_model(base_cfg, task, tc, desc="baseline    ")
+        baseline = evaluate(base, task, tc.eval_size)
+    table = summary_table(task, adaptive, soft, baseline)
+    print(table)
+    extra = {
+        "description": args.description or f"BudgetFormer trained on the {task.name} task",
+        "training": {"task": task.name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "torch": torch.__version__},
+        "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
+        "summary_table": table,
+    }
+    checkpoint.save(out, model, extra)
+    _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})")
+    return 0
+
+
+def _soft_eval(model, task, tc) -> dict:
+    """Accuracy in training mode at the end of the schedule: the soft/hard gap is a quality figure."""
+    import numpy as np
+    import torch
+
+    from graphs.budgetformer import RoutingSchedule
+
+    rng = np.random.default_rng(12345)
+    sched = RoutingSchedule(tau=model.cfg.tau_infer, noise_std=0.0, rank_sharpness=tc.rank_sharpness_end)
+    correct = []
+    with torch.no_grad():
+        for start in range(0, tc.eval_size, 256):
+            b = task.sample(min(256, tc.eval_size - start), rng)
+            logits, _ = model(b.input_ids, b.attention_mask, mode="soft", sched=sched)
+            correct.append((logits.argmax(-1) == b.labels).float())
+    return {"accuracy": float(torch.cat(correct).mean())}
+
+
+def cmd_export(args) -> int:
+    from exporter import artifact
+    from exporter.registry import TARGETS, VARIANTS
+    from graphs import checkpoint
+
+    if args.target not in TARGETS:
+        _err(f"unknown target {args.target!r}; choose one of {', '.join(TARGETS)}")
+        return EXIT_ERROR
+    if args.variant not in VARIANTS:
+        _err(f"unknown variant {args.variant!r}; choose one of {', '.join(VARIANTS)}")
+        return EXIT_ERROR
+    artifact.check_writable(args.output)
+    model, info = checkpoint.load(args.model)
+    info["name"] = args.model or checkpoint.DEFAULT_MODEL
+    if args.target == "onnx":
+        from exporter.targets import onnx as target
+    else:
+        # every op's cell for these targets is declared; lookup raises UnsupportedLowering with why
+        from exporter.registry import lookup
+        lookup("adaptex::budgeted_attention", args.target, args.variant)
+        raise AssertionError("unreachable: a registered lowering must have a target module")
+    _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
+    meta = target.export(model, info, args.output, variant=args.variant, precision=args.precision)
+    _say(f"wrote {args.output}: {len(meta['outputs'])} outputs, lowerings {meta['lowerings']}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from exporter.artifact import format_metadata, read_onnx_metadata
+
+    meta = read_onnx_metadata(args.artifact)
+    print(json.dumps(meta, indent=2) if args.json else f"{args.artifact}\n{format_metadata(meta)}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from runtimes.onnxruntime import open_artifact
+    from runtimes.parity import check
+    from runtimes.source import load_source_model
+    from runtimes.torch_ref import TorchRunner
+
+    if args.samples < 1:
+        _err("--samples must be at least 1")
+        return EXIT_ERROR
+    _threads(args.threads)
+    runner = open_artifact(args.artifact, args.threads)
+    meta = runner.meta
+    model, info = load_source_model(meta, args.model)
+    report = check(runner, TorchRunner(model), samples=args.samples, precision=meta.get("precision", "fp32"),
+                   task=(info.get("training") or {}).get("task"), seed=args.seed, artifact_name=str(args.artifact))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.passed else EXIT_FAILED
+
+
+def cmd_bench(args) -> int:
+    from runtimes.bench import format_bench, run_bench
+    from runtimes.onnxruntime import open_artifact
+    from runtimes.source import load_source_model
+
+    runner = open_artifact(args.artifact, args.threads)
+    model, info = load_source_model(runner.meta, args.model)
+    _threads(args.threads)
+    r = run_bench(args.artifact, model, info, batch=args.batch, seq=args.seq, threads=args.threads,
+                  warmup=args.warmup, runs=args.runs, progress=None if args.json else _say)
+    print(json.dumps(r, indent=2) if args.json else format_bench(r))
+    return 0
+
+
+# --- parser ---------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adaptex", description="Export adaptive Transformers with their savings intact.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("models", help="list the shipped models")
+    s.set_defaults(fn=cmd_models)
+
+    s = sub.add_parser("train", help="train an adaptive model and its same-size baseline")
+    s.add_argument("family", help="model family (budgetformer)")
+    s.add_argument("--task", default="graded", help="graded (generated, 4 difficulty levels) or stdlib (real text)")
+    s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
+    s.add_argument("--steps", type=int, default=1500)
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--lr", type=float, default=2e-3)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--d-model", type=int, default=128)
+    s.add_argument("--heads", type=int, default=8)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--d-ff", type=int, default=512)
+    s.add_argument("--s-min", type=float, default=0.25)
+    s.add_argument("--s-max", type=float, default=0.5)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--no-baseline", action="store_true", help="skip training the standard Transformer")
+    s.add_argument("--description", default=None)
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("export", help="export a model to a runtime artifact")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or shipped model name (default: the shipped BudgetFormer)")
+    s.add_argument("--target", required=True, help="onnx | coreml | tensorrt")
+    s.add_argument("-o", "--output", required=True, help="artifact path to write")
+    s.add_argument("--variant", default="sparse", help="sparse (really skips heads) | dense (static shapes, masks)")
+    s.add_argument("--precision", default="fp32", help="body precision (onnx: fp32)")
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("inspect", help="print an artifact's metadata")
+    s.add_argument("artifact")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("check", help="parity of an artifact against the eager reference on many inputs")
+    s.add_argument("artifact")
+    s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
+    s.add_argument("--samples", type=int, default=200, help="number of sequences to compare")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("bench", help="latency against the dense counterpart and the naive export")
+    s.add_argument("artifact")
+    s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--seq", type=int, default=128)
+    s.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: runtime default)")
+    s.add_argument("--warmup", type=int, default=10)
+    s.add_argument("--runs", type=int, default=None, help="timed rounds (default: as many as fit in ~8 s, 30..500)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    args = build_parser().parse_args(argv)
+    from graphs.errors import AdaptexError
+
+    try:
+        return args.fn(args)
+    except AdaptexError as e:
+        _err(str(e))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

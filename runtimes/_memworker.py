@@ -1,0 +1,39 @@
+"""Peak resident memory of one ONNX Runtime session, in a process of its own.
+
+Run as `python -m runtimes._memworker MODEL.onnx INPUTS.npz THREADS`; prints one JSON line. Imports
+only numpy and onnxruntime, so the figure is the session's and not torch's.
+"""
+import json
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+
+def _hwm_mb() -> float:
+    """Peak resident set of this process image. getrusage's ru_maxrss would be wrong here: Linux
+    carries it across exec, so a child started by a large parent reports the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: peak memory needs Linux's procfs")
+
+
+def main() -> None:
+    path, inputs, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    base = _hwm_mb()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    feeds = dict(np.load(inputs))
+    for _ in range(3):
+        sess.run(None, feeds)
+    print(json.dumps({"peak_rss_mb": _hwm_mb(), "import_rss_mb": base}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Latency: an adaptive artifact against the dense counterpart and the naive stock export.
+
+- dense counterpart: the same weights as an ordinary dense Transformer (fused QKV, every head, every
+  token, full attention, no routers), exported by the stock exporter with its optimiser on, and run
+  with ONNX Runtime's optimisations on: the fastest ordinary graph, not the adaptive graph at k = H.
+- naive export: the stock exporter on the model's plain PyTorch inference path (every head computed,
+  unselected ones masked), which is what a user gets without adaptex.
+Timing interleaves the sessions in one process (a round of each per iteration), so drifting load on
+a shared machine hits all of them alike; peak memory is measured per artifact in a process of its
+own, so one session does not hide another's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from graphs.budgetformer import flops_per_sample
+from graphs.errors import AdaptexError
+from runtimes.onnxruntime import OnnxRuntimeRunner, session_options
+
+
+@dataclass
+class Timing:
+    name: str
+    path: str | None
+    times_ms: list = field(default_factory=list)
+    reason: str | None = None  # why there is no measurement
+    peak_rss_mb: float | None = None
+    size_mb: float | None = None
+
+    def pct(self, q: float) -> float | None:
+        return float(np.percentile(self.times_ms, q)) if self.times_ms else None
+
+
+def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str | None]]:
+    """Dense counterpart and naive export as ONNX files: name -> (path, reason if none)."""
+    import logging
+
+    import torch
+
+    from exporter.targets.onnx import torch_onnx_export
+    from exporter.trace import ExportWrapper, dynamic_shapes, example_inputs, output_names
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    out = {}
+    for name, mode in (("dense", "dense"), ("naive", "naive")):
+        path = workdir / f"{name}.onnx"
+        try:
+            wrapper = ExportWrapper(model, mode).eval()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(wrapper, example_inputs(model.cfg), dynamic_shapes=dynamic_shapes(model.cfg))
+                names = output_names(model.cfg.num_layers, adaptive=(mode != "dense") and model.cfg.adaptive)
+                prog = torch.onnx.export(ep, (), dynamo=True, optimize=True, verbose=False,
+                                         input_names=["input_ids", "attention_mask"], output_names=names)
+            prog.save(str(path))
+            out[name] = (str(path), None)
+        except Exception as e:
+            out[name] = (None, f"stock export failed: {str(e).strip().splitlines()[0][:200]}")
+    return out
+
+
+def bench_inputs(cfg, task_name: str | None, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Task inputs at the requested length where the task can make them, else random tokens."""
+    from graphs.tasks import get_task
+
+    rng = np.random.default_rng(seed)
+    try:
+        task = get_task(task_name) if task_name else None
+        b = task.sample(batch, rng, length=seq) if task else None
+    except Exception:  # an unknown or unavailable task: random tokens
+        b = None
+    if b is not None and b.input_ids.shape[1] == seq:
+        return {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy()}
+    ids = rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+
+
+def _peak_rss(path: str, inputs: str, threads: int) -> float | None:
+    r = subprocess.run([sys.executable, "-m", "runtimes._memworker", path, inputs, str(threads)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
+              warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
+              progress=None) -> dict:
+    import onnxruntime as ort
+
+    meta = OnnxRuntimeRunner(artifact).meta
+    cfg = model.cfg
+    if seq > cfg.max_len:
+        raise AdaptexError(f"--seq {seq} exceeds the model's maximum sequence length {cfg.max_len}; "
+                           f"use --seq {cfg.max_len} or less")
+    if batch < 1 or seq < 1 or threads < 0:
+        raise AdaptexError("--batch and --seq must be at least 1 and --threads at least 0")
+    say = progress or (lambda msg: None)
+    feeds = bench_inputs(cfg, (info.get("training") or {}).get("task"), batch, seq)
+    with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
+        tmp = Path(tmp)
+        say("exporting the dense counterpart and the naive stock export ...")
+        counterparts = export_counterparts(model, tmp)
+        timings = [Timing("adaptive", str(artifact))]
+        for name in ("dense", "naive"):
+            path, reason = counterparts[name]
+            timings.append(Timing(name, path, reason=reason))
+        live = [t for t in timings if t.path]
+        sessions = {t.name: ort.InferenceSession(t.path, session_options(threads), providers=["CPUExecutionProvider"])
+                    for t in live}
+        adaptive_out = dict(zip([o.name for o in sessions["adaptive"].get_outputs()],
+                                sessions["adaptive"].run(None, feeds)))
+        say(f"warming up ({warmup} runs each) ...")
+        per_round = 0.0
+        for t in live:
+            t0 = time.perf_counter()
+            for _ in range(warmup):
+                sessions[t.name].run(None, feeds)
+            per_round += (time.perf_counter() - t0) / max(warmup, 1)
+        n = runs or int(min(500, max(30, time_budget_s / max(per_round, 1e-6))))
+        say(f"timing {n} interleaved rounds ...")
+        for _ in range(n):
+            for t in live:
+                t0 = time.perf_counter_ns()
+                sessions[t.name].run(None, feeds)
+                t.times_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        del sessions
+        say("measuring peak memory in separate processes ...")
+        npz = tmp / "inputs.npz"
+        np.savez(npz, **feeds)
+        for t in live:
+            t.size_mb = os.path.getsize(t.path) / 2**20
+            t.peak_rss_mb = _peak_rss(t.path, str(npz), threads)
+
+    # FLOPs implied by the decisions (per sample) and executed by the artifact (what its graph computes)
+    L, H, T = cfg.num_layers, cfg.num_heads, seq
+    dense_flops = flops_per_sample(cfg, T, None)
+    ks = np.stack([adaptive_out[f"decisions.layer{i}.k"] for i in range(L)], axis=1)  # (B, L)
+    decision_ratio = float(np.mean([flops_per_sample(cfg, T, list(map(float, row))) for row in ks]) / dense_flops)
+    if meta.get("variant") == "dense":
+        executed = [float(H)] * L
+    else:  # the sparse lowering runs the batch's largest k for every sample of the batch
+        executed = [float(x) for x in ks.max(axis=0)]
+    flop_ratio = flops_per_sample(cfg, T, executed) / dense_flops
+    ad, de, na = timings
+    lat_ratio = ad.pct(50) / de.pct(50) if de.times_ms else None
+    realisation = ((1 - lat_ratio) / (1 - flop_ratio)) if lat_ratio is not None and flop_ratio < 0.99 else None
+    result = {
+        "artifact": str(artifact), "runtime": f"onnxruntime {ort.__version__} (CPU)", "variant": meta.get("variant"),
+        "batch": batch, "seq": seq, "threads": threads, "runs": len(ad.times_ms), "warmup": warmup,
+        "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
+        "throughput_seq_per_s": batch * 1000.0 / ad.pct(50),
+        "dense_p50_ms": de.pct(50), "dense_p90_ms": de.pct(90), "dense_p99_ms": de.pct(99),
+        "dense_reason": de.reason,
+        "naive_p50_ms": na.pct(50), "naive_p90_ms": na.pct(90), "naive_p99_ms": na.pct(99),
+        "naive_reason": na.reason,
+        "mean_k_per_layer": [float(x) for x in ks.mean(axis=0)],
+        "decision_flop_ratio": decision_ratio, "flop_ratio": flop_ratio,
+        "latency_ratio": lat_ratio, "realisation": realisation,
+        "naive_latency_ratio": (na.pct(50) / de.pct(50)) if na.times_ms and de.times_ms else None,
+        "size_mb": {t.name: t.size_mb for t in timings},
+        "peak_rss_mb": {t.name: t.peak_rss_mb for t in timings},
+    }
+    return result
+
+
+def format_bench(r: dict) -> str:
+    def f(x, spec="8.3f"):
+        return format(x, spec) if x is not None else "     n/a"
+
+    lines = [f"bench: {r['artifact']} ({r['variant']}) on {r['runtime']}",
+             f"  batch={r['batch']} seq={r['seq']} threads={r['threads']} runs={r['runs']} "
+             f"(interleaved, after {r['warmup']} warm-up runs each)",
+             f"  {'graph':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'seq/s':>9} {'size MB':>8} {'peak RSS MB':>12}"]
+    for name, key in (("adaptive", ""), ("dense", "dense_"), ("naive", "naive_")):
+        p50 = r[f"{key}p50_ms"] if key else r["p50_ms"]
+        if p50 is None:
+            lines.append(f"  {name:<10} {'-':>8}  ({r[f'{name}_reason']})")
+            continue
+        p90 = r[f"{key}p90_ms"] if key else r["p90_ms"]
+        p99 = r[f"{key}p99_ms"] if key else r["p99_ms"]
+        lines.append(f"  {name:<10} {p50:8.3f} {p90:8.3f} {p99:8.3f} {r['batch'] * 1000 / p50:9.1f} "
+                     f"{f(r['size_mb'][name], '8.2f')} {f(r['peak_rss_mb'][name], '12.1f')}")
+    lines.append(f"  mean k per layer: {', '.join(f'{k:.2f}' for k in r['mean_k_per_layer'])}")
+    lines.append(f"  FLOP ratio (executed / dense): {r['flop_ratio']:.3f}   (implied by the decisions: "
+                 f"{r['decision_flop_ratio']:.3f})")
+    lines.append(f"  latency ratio (p50 adaptive / dense): {f(r['latency_ratio'], '.3f')}")
+    lines.append(f"  realisation (1 - latency ratio) / (1 - FLOP ratio): {f(r['realisation'], '.3f')}")
+    if r.get("naive_latency_ratio") is not None:
+        lines.append(f"  naive export latency ratio: {r['naive_latency_ratio']:.3f}")
+    return "\n".join(lines)
