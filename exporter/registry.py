@@ -93,16 +93,19 @@ def cells() -> dict[tuple[str, str, str], list[Lowering]]:
 
 
 @contextlib.contextmanager
-def override(entry: Lowering) -> Iterator[Lowering]:
-    """Put `entry` first in its cell for the duration (tests swap lowerings this way)."""
+def override(*entries: Lowering, replace: bool = False) -> Iterator[None]:
+    """Put `entries` first in their cell for the duration, or make them the whole cell with
+    replace=True (tests swap lowerings this way, never by patching globals)."""
     _load_targets()
-    key = (entry.op, entry.target, entry.variant)
-    saved = list(_REGISTRY.get(key, []))
-    _REGISTRY[key] = [entry] + saved
+    keys = {(e.op, e.target, e.variant) for e in entries}
+    saved = {key: list(_REGISTRY.get(key, [])) for key in keys}
+    for key in keys:
+        mine = [e for e in entries if (e.op, e.target, e.variant) == key]
+        _REGISTRY[key] = mine + ([] if replace else saved[key])
     try:
-        yield entry
+        yield
     finally:
-        _REGISTRY[key] = saved
+        _REGISTRY.update(saved)
 
 
 _loaded = False

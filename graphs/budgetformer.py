@@ -163,7 +163,10 @@ class BudgetFormer(nn.Module):
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.num_classes)
+        # A two-layer head: classes that compose several cues (sums, differences) are not linear
+        # in the pooled features.
+        self.head = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.GELU(),
+                                  nn.Linear(cfg.d_model, cfg.num_classes))
         self.apply(self._init)
 
     @staticmethod
@@ -215,5 +218,5 @@ def flops_per_sample(cfg: BudgetFormerConfig, seq_len: int, heads_per_layer: lis
         total += 2 * 2 * T * d * f  # FFN
         if cfg.adaptive and heads_per_layer is not None:
             total += 2 * 2 * (d * cfg.router_hidden) + 2 * cfg.router_hidden * (1 + H)
-    total += 2 * d * cfg.num_classes
+    total += 2 * d * d + 2 * d * cfg.num_classes  # classifier head
     return total

@@ -1,0 +1,67 @@
+"""Shared fixtures, and the one place where missing runtimes turn into visible skips."""
+from __future__ import annotations
+
+import importlib.util
+import platform
+
+import pytest
+
+from tests import zoo
+
+
+def _coreml_runtime_reason() -> str | None:
+    if platform.system() != "Darwin":
+        return "Core ML predictions need macOS (coremltools converts on Linux but cannot run models)"
+    if importlib.util.find_spec("coremltools") is None:
+        return "coremltools is not installed"
+    return None
+
+
+def _tensorrt_reason() -> str | None:
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT is not installed (its wheels are download stubs on these machines)"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "TensorRT needs a CUDA GPU and none is visible"
+    except ImportError:
+        return "TensorRT tests need torch with CUDA"
+    return None
+
+
+RUNTIME_REASONS = {"coreml_runtime": _coreml_runtime_reason, "tensorrt": _tensorrt_reason}
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for marker, probe in RUNTIME_REASONS.items():
+            if item.get_closest_marker(marker) is not None:
+                if marker not in reasons:
+                    reasons[marker] = probe()
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=reasons[marker]))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny BudgetFormer whose routers spread k over 1..H (so decisions vary)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    zoo.save_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint exported to ONNX, both variants: {variant: path}."""
+    from exporter.targets import onnx as target
+    from graphs import checkpoint
+
+    model, info = checkpoint.load(tiny_checkpoint)
+    out = {}
+    for variant in ("sparse", "dense"):
+        path = tmp_path_factory.mktemp("onnx") / f"tiny.{variant}.onnx"
+        target.export(model, info, path, variant=variant)
+        out[variant] = path
+    return out

@@ -1,0 +1,64 @@
+"""The lowering registry: every op x target x variant cell works or refuses with a reason."""
+import pytest
+
+from exporter import registry
+from exporter.errors import UnsupportedLowering
+from graphs.ops import OPS
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("target", registry.TARGETS)
+@pytest.mark.parametrize("variant", registry.VARIANTS)
+def test_no_empty_cell(op, target, variant):
+    cells = registry.cells()
+    assert (op, target, variant) in cells, f"no lowering or explicit refusal for {op} on {target} ({variant})"
+    try:
+        entry = registry.lookup(op, target, variant)
+    except UnsupportedLowering as e:
+        assert e.reasons and all(len(r) > 20 for r in e.reasons), "a refusal must say why"
+        assert target in str(e) and op in str(e)
+    else:
+        assert entry.fn.__doc__, "a lowering documents what it emits"
+
+
+@pytest.mark.parametrize("target", ["coreml", "tensorrt"])
+def test_pending_targets_refuse_with_the_issue_and_a_workaround(target):
+    with pytest.raises(UnsupportedLowering) as e:
+        registry.lookup("adaptex::budgeted_attention", target, "sparse")
+    assert "not implemented yet" in str(e.value) and "--target onnx" in str(e.value)
+
+
+def test_unknown_target_and_variant_are_refused_with_choices():
+    with pytest.raises(UnsupportedLowering, match="choose one of onnx, coreml, tensorrt"):
+        registry.lookup("adaptex::budgeted_attention", "tflite", "sparse")
+    with pytest.raises(UnsupportedLowering, match="choose one of sparse, dense"):
+        registry.lookup("adaptex::budgeted_attention", "onnx", "fast")
+
+
+def test_validator_reasons_are_collected_and_override_restores():
+    op = "adaptex::budgeted_attention"
+
+    def picky_lowering(ctx, node):
+        """Test lowering."""
+
+    picky = registry.Lowering(op, "onnx", "sparse", picky_lowering,
+                              validator=lambda node: "declines nodes without num_heads" if node is None else None)
+    with registry.override(picky):
+        # the picky entry declines, the next one accepts
+        assert registry.lookup(op, "onnx", "sparse").fn.__name__ == "budgeted_attention_onnx_sparse"
+        assert registry.lookup(op, "onnx", "sparse", node=object()).fn is picky_lowering
+    assert all(e.fn is not picky_lowering for e in registry.cells()[(op, "onnx", "sparse")])
+
+
+def test_all_declining_lists_every_reason():
+    op = "adaptex::budgeted_attention"
+
+    def never(ctx, node):
+        """Test lowering."""
+
+    entries = [registry.Lowering(op, "onnx", "dense", never, validator=lambda n, i=i: f"reason {i}") for i in range(2)]
+    with registry.override(*entries, replace=True):
+        with pytest.raises(UnsupportedLowering) as e:
+            registry.lookup(op, "onnx", "dense")
+    assert e.value.reasons == ["never: reason 0", "never: reason 1"]
+    assert registry.lookup(op, "onnx", "dense").fn.__name__ == "budgeted_attention_onnx_dense"
