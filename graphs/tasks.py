@@ -46,7 +46,7 @@ class GradedCues:
     levels = ("single cue", "bound cue", "two cues", "ordered pair")
     PAD, MARK_A, MARK_B, VALUE0 = 0, 1, 2, 3
 
-    def __init__(self, num_classes: int = 4, vocab_size: int = 64, min_len: int = 12, max_len: int = 40):
+    def __init__(self, num_classes: int = 4, vocab_size: int = 64, min_len: int = 10, max_len: int = 24):
         self.num_classes = num_classes
         self.vocab_size = vocab_size
         self.min_len, self.max_len = min_len, max_len
@@ -108,7 +108,7 @@ class StdlibSource:
         for pkg in self.packages:
             chunks = []
             for dirpath, _, files in os.walk(os.path.join(root, pkg)):
-                if "test" in dirpath.split(os.sep)[-1]:
+                if os.path.basename(dirpath) in ("test", "tests"):
                     continue
                 for f in sorted(files):
                     if f.endswith(".py"):
@@ -116,8 +116,10 @@ class StdlibSource:
                             chunks.append(fh.read())
             text = "\n".join(chunks)
             if len(text) < 10_000:
-                raise RuntimeError(f"standard library package {pkg!r} not found under {root}: "
-                                   "the stdlib task needs CPython's Lib/ sources")
+                from graphs.errors import AdaptexError
+
+                raise AdaptexError(f"standard library package {pkg!r} not found under {root}: "
+                                   "the stdlib task needs CPython's Lib/ sources; use --task graded")
             self.texts.append(text)
 
     def encode(self, s: str) -> list[int]:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainConfig:
-    steps: int = 1500
+    steps: int = 3000
     batch_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01
@@ -26,7 +26,7 @@ class TrainConfig:
     seed: int = 0
     budget_weight: float = 10.0
     tau_start: float = 2.0  # falls geometrically to the model's tau_infer
-    noise_start: float = 1.0  # exploration noise std on head scores, falls linearly to 0
+    noise_start: float = 0.5  # exploration noise std on head scores, falls linearly to 0
     beta_explore: float = -0.02  # entropy weight early (negative: rewards exploration)
     beta_exploit: float = 0.02  # entropy weight late (positive: rewards specialisation)
     rank_sharpness_start: float = 1.0  # budget-aware rank mask, sharpening to rank_sharpness_end
@@ -37,9 +37,9 @@ class TrainConfig:
 class Progress:
     """A one-line progress bar on stderr (a plain log line every 10% when stderr is not a tty)."""
 
-    def __init__(self, total: int, desc: str, stream=sys.stderr):
-        self.total, self.desc, self.stream = total, desc, stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, desc: str, stream=None):
+        self.total, self.desc, self.stream = total, desc, stream or sys.stderr
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
         self.last_decile = -1
 
@@ -93,9 +93,9 @@ def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "tra
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 10 == 0 or step == tc.steps - 1:
-            fields = {"loss": float(task_loss)}
+            fields = {"loss": task_loss.item()}
             if cfg.adaptive:
-                fields["s"] = float(torch.stack([d["s"].mean() for d in decisions]).mean())
+                fields["s"] = torch.stack([d["s"].mean() for d in decisions]).mean().item()
             bar.update(step + 1, **fields)
     model.eval()
     return model

@@ -47,8 +47,8 @@ def test_metadata_records_what_a_user_needs(tiny_onnx, tiny_checkpoint):
     _, info = checkpoint.load(tiny_checkpoint)
     assert meta["family"] == "budgetformer" and meta["variant"] == "sparse" and meta["precision"] == "fp32"
     assert meta["source"]["sha256"] == info["sha256"]
-    assert meta["opset"] == {"adaptex": 1, "onnx": 18}
-    assert meta["budget_range"] == [0.25, 0.5]
+    assert meta["opset"] == {"adaptex": 1, "onnx": 20}
+    assert meta["budget_range"] == [0.25, 0.375]
     assert meta["inputs"]["input_ids"]["shape"] == ["batch", "sequence"]
     assert meta["outputs"]["decisions.layer0.k"]["dtype"] == "int64"
 

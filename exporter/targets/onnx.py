@@ -96,12 +96,26 @@ def lower(model, *, variant: str = "sparse") -> tuple[onnx.ModelProto, dict]:
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed: {first}") from e
-    proto = prog.model_proto
+    proto = _optimize_main_graph(prog.model_proto)
     proto.functions.extend(functions.values())
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
     _name_dynamic_axes(proto)
     return proto, notes
+
+
+def _optimize_main_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Constant folding and clean-ups on the main graph, leaving the adaptex nodes whole.
+
+    Without it ONNX Runtime's fusions (LayerNorm+residual, bias+GELU) miss the exporter's raw
+    patterns and the adaptive graph pays for them, not for its attention."""
+    import onnxscript.optimizer
+
+    try:
+        return onnxscript.optimizer.optimize(proto, inline=False)
+    except Exception as e:  # an optimiser failure costs speed, never correctness: keep the raw graph
+        logging.getLogger(__name__).warning("onnxscript optimizer skipped: %s", str(e).splitlines()[0])
+        return proto
 
 
 def torch_onnx_export(ep_or_module, table: dict, names: list[str], args=None):

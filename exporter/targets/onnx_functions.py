@@ -1,4 +1,4 @@
-"""ONNX function bodies of the adaptex ops (model-local functions, opset 18).
+"""ONNX function bodies of the adaptex ops (model-local functions, ONNX opset 20).
 
 Each op becomes one custom-domain node (`adaptex.BudgetedAttention`) whose body ships in
 `model.functions`; ONNX Runtime and TensorRT's parser inline it. Bodies are written node by node so
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 DOMAIN = "adaptex"
 OPSET_VERSION = 1  # version of the adaptex op set
-ONNX_OPSET = 18
+ONNX_OPSET = 20
 
 
 class _Body:
@@ -89,22 +89,28 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
     d1 = b("Shape", w_o, start=0, end=1)  # (1,) = [d]
     c3, c1, cm1, c0 = b.const([3]), b.const([1]), b.const([-1]), b.const([0])
     if variant == "sparse":
-        # Gather the selected heads' weight rows first, so that only k heads are projected.
-        w4 = b("Reshape", w_qkv, b("Concat", c3, H1, cm1, d1, axis=0))  # (3, H, dh, d)
-        w4 = b("Transpose", w4, perm=[0, 1, 3, 2])  # (3, H, d, dh): folded to a constant by ORT
-        wg = b("Gather", w4, order, axis=1)  # (3, B, K, d, dh)
-        b4 = b("Reshape", b_qkv, b("Concat", c3, H1, c1, cm1, axis=0))  # (3, H, 1, dh)
-        bg = b("Gather", b4, order, axis=1)  # (3, B, K, 1, dh)
-        xu = b("Unsqueeze", x, b.const([0, 2]))  # (1, B, 1, T, d)
-        qkv = b("Add", b("MatMul", xu, wg), bg)  # (3, B, K, T, dh)
+        # Gather the selected heads' weights first, head-major so that each gathered block is one
+        # contiguous copy and each head's Q, K and V come out of one MatMul already in attention
+        # layout (no transposes or squeezes of activations).
+        dh1 = b("Div", d1, H1)  # (1,) = [dh]
+        w_h = b("Transpose", w_qkv, perm=[1, 0])  # (d, 3d); this chain folds to a constant in ORT
+        w_h = b("Reshape", w_h, b("Concat", d1, c3, H1, dh1, axis=0))  # (d, 3, H, dh)
+        w_h = b("Transpose", w_h, perm=[2, 0, 1, 3])  # (H, d, 3, dh)
+        w_h = b("Reshape", w_h, b("Concat", H1, d1, cm1, axis=0))  # (H, d, 3*dh)
+        wg = b("Gather", w_h, order, axis=0)  # (B, K, d, 3*dh)
+        b_h = b("Transpose", b("Reshape", b_qkv, b("Concat", c3, H1, dh1, axis=0)), perm=[1, 0, 2])  # (H, 3, dh)
+        b_h = b("Reshape", b_h, b("Concat", H1, c1, cm1, axis=0))  # (H, 1, 3*dh)
+        bg = b("Gather", b_h, order, axis=0)  # (B, K, 1, 3*dh)
+        qkv = b("Add", b("MatMul", b("Unsqueeze", x, b.const([1])), wg), bg)  # (B, K, T, 3*dh)
         weights = b("Mul", b("Mul", topv, b("Unsqueeze", sH, b.const([1]))), valid_f)  # (B, K)
+        q, kk, v = b("Split", qkv, axis=-1, num_outputs=3, outputs=3)  # (B, K, T, dh) each
     else:
         # Static shapes: every head projected and attended, unselected heads weighted by zero.
         qkv = b("Add", b("MatMul", x, b("Transpose", w_qkv, perm=[1, 0])), b_qkv)  # (B, T, 3d)
         qkv = b("Reshape", qkv, b("Concat", c0, c0, c3, H1, cm1, axis=0))  # (B, T, 3, H, dh)
         qkv = b("Transpose", qkv, perm=[2, 0, 3, 1, 4])  # (3, B, H, T, dh)
         weights = b("Mul", b("Mul", b("Unsqueeze", sH, b.const([1])), p), mask_f)  # (B, H)
-    q, kk, v = _split3(b, qkv)
+        q, kk, v = _split3(b, qkv)
     o = _attend(b, q, kk, v, key_mask)  # (B, K, T, dh)
     o = b("Mul", o, b("Unsqueeze", weights, b.const([2, 3])))
     o = b("Reshape", b("Transpose", o, perm=[0, 2, 1, 3]), b.const([0, 0, -1]))  # (B, T, K*dh)

@@ -1,0 +1,134 @@
+"""Bad input: one line naming the problem and the fix, a non-zero exit, no partial file."""
+import json
+
+import numpy as np
+import pytest
+
+from exporter.cli import main
+from graphs.errors import InputError
+from runtimes.onnxruntime import OnnxRuntimeRunner
+
+
+def fails(capsys, *argv, match):
+    code = main([str(a) for a in argv])
+    _, err = capsys.readouterr()
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adaptex: error: "), err
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+def no_files(d):
+    return [p.name for p in d.iterdir()] == []
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    fails(capsys, "export", tmp_path / "nope", "--target", "onnx", "-o", tmp_path / "m.onnx",
+          match="no such checkpoint directory or shipped model")
+    assert no_files(tmp_path)
+
+
+def _broken_checkpoint(tmp_path, config: str | None, weights: bytes):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    if config is not None:
+        (ck / "config.json").write_text(config)
+    if weights:
+        (ck / "model.safetensors").write_bytes(weights)
+    out = tmp_path / "out"
+    out.mkdir()
+    return ck, out
+
+
+@pytest.mark.parametrize("case, match", [("no_weights", "model.safetensors is missing"),
+                                         ("bad_config", "corrupt config"),
+                                         ("bad_weights", "corrupt weights"),
+                                         ("mismatch", "weights do not match config.json")])
+def test_broken_checkpoints(tmp_path, capsys, tiny_checkpoint, case, match):
+    config = (tiny_checkpoint / "config.json").read_text()
+    weights = (tiny_checkpoint / "model.safetensors").read_bytes()
+    if case == "mismatch":
+        config = config.replace('"num_layers": 2', '"num_layers": 3')
+    ck, out = _broken_checkpoint(tmp_path, "{ not json" if case == "bad_config" else config,
+                                 {"no_weights": b"", "bad_weights": b"\x00" * 100}.get(case, weights))
+    fails(capsys, "export", ck, "--target", "onnx", "-o", out / "m.onnx", match=match)
+    assert no_files(out)
+
+
+def test_unknown_target(tmp_path, capsys, tiny_checkpoint):
+    fails(capsys, "export", tiny_checkpoint, "--target", "tflite", "-o", tmp_path / "m.onnx",
+          match="unknown target 'tflite'; choose one of onnx, coreml, tensorrt")
+    assert no_files(tmp_path)
+
+
+def test_pending_target_refuses_with_reason(tmp_path, capsys, tiny_checkpoint):
+    fails(capsys, "export", tiny_checkpoint, "--target", "coreml", "-o", tmp_path / "m.mlpackage",
+          match="cannot lower adaptex::budgeted_attention to coreml")
+    assert no_files(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "dir_is_file", "out_is_dir"])
+def test_unwritable_output(tmp_path, capsys, tiny_checkpoint, where):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = {"missing_dir": tmp_path / "no" / "m.onnx", "dir_is_file": blocker / "m.onnx", "out_is_dir": tmp_path}[where]
+    fails(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", out, match=str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_failed_export_leaves_no_partial_file(tmp_path, capsys, tiny_checkpoint, monkeypatch):
+    import onnx
+
+    def broken_save(proto, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(onnx, "save_model", broken_save)
+    with pytest.raises(OSError):
+        main(["export", str(tiny_checkpoint), "--target", "onnx", "-o", str(tmp_path / "m.onnx")])
+    assert no_files(tmp_path)
+
+
+def test_check_an_onnx_file_not_made_by_adaptex(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(g), str(tmp_path / "other.onnx"))
+    fails(capsys, "check", tmp_path / "other.onnx", match="has no adaptex metadata")
+
+
+def test_check_missing_artifact(tmp_path, capsys):
+    fails(capsys, "check", tmp_path / "m.onnx", match="no such artifact")
+
+
+def test_bench_sequence_past_maximum(tiny_onnx, capsys):
+    fails(capsys, "bench", tiny_onnx["sparse"], "--seq", "65", match="exceeds the model's maximum sequence length 64")
+
+
+@pytest.fixture
+def runner(tiny_onnx):
+    return OnnxRuntimeRunner(tiny_onnx["sparse"])
+
+
+def feeds(B=2, T=5):
+    return {"input_ids": np.ones((B, T), dtype=np.int64), "attention_mask": np.ones((B, T), dtype=np.int64)}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda f: {**f, "input_ids": f["input_ids"].astype(np.int32)}, "input_ids: dtype int32, expected int64"),
+    (lambda f: {**f, "input_ids": f["input_ids"][0]}, "input_ids: rank 1"),
+    (lambda f: {k: np.ones((1, 65), dtype=np.int64) for k in f}, "sequence length 65 exceeds the model's maximum 64"),
+    (lambda f: {**f, "input_ids": f["input_ids"] * 64}, "input_ids: values must lie in [0, 64)"),
+    (lambda f: {**f, "attention_mask": np.zeros_like(f["attention_mask"])}, "row 0 has no real token"),
+    (lambda f: {"input_ids": f["input_ids"]}, "missing ['attention_mask']"),
+    (lambda f: {**f, "attention_mask": np.ones((2, 4), dtype=np.int64)}, "must have the same (batch, sequence)"),
+])
+def test_runner_rejects_bad_inputs(runner, bad, match):
+    with pytest.raises(InputError) as e:
+        runner.infer(bad(feeds()))
+    assert match in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,92 @@
+"""Parity catches what a one-input comparison misses, and excuses only boundary cases."""
+import numpy as np
+import pytest
+
+from exporter import registry
+from exporter.targets import onnx as onnx_target
+from exporter.targets import onnx_functions as fx
+from graphs import checkpoint
+from runtimes.onnxruntime import OnnxRuntimeRunner
+from runtimes.parity import _k_margin, _mask_margin, check, parity_inputs
+from runtimes.torch_ref import TorchRunner
+from tests import zoo
+
+
+def test_inputs_span_batches_lengths_padding_and_levels():
+    cfg = zoo.tiny_model().cfg
+    feeds = parity_inputs(cfg, "graded", samples=200)
+    assert sum(f["input_ids"].shape[0] for f in feeds) == 200
+    batch_sizes = {f["input_ids"].shape[0] for f in feeds}
+    lengths = {f["input_ids"].shape[1] for f in feeds}
+    assert {1, 2, 8} <= batch_sizes
+    assert 1 in lengths and cfg.max_len in lengths
+    assert any((f["attention_mask"] == 0).any() for f in feeds)  # padded rows
+
+
+def test_margins():
+    assert np.allclose(_k_margin(np.array([0.25, 0.2501, 0.3]), 8), [0.0, 0.0008, 0.4])
+    p = np.array([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    assert np.allclose(_mask_margin(p, np.array([2, 4])), [0.1, np.inf])
+
+
+def _off_by_one_function(variant):
+    """A wrong body: k = floor(s*H) + 1, the bug a naive clamp would make."""
+    f = fx.budgeted_attention_function(variant)
+    for node in f.node:
+        if node.op_type == "Floor":
+            node.op_type = "Ceil"
+    return f
+
+
+def test_a_wrong_lowering_fails_with_unexcused_flips(tiny_checkpoint, tmp_path):
+    model, info = checkpoint.load(tiny_checkpoint)
+
+    def budgeted_attention_ceil(ctx, node):
+        """Deliberately wrong: ceil instead of floor."""
+        return onnx_target.OnnxLowering(onnx_target._budgeted_attention_node, [_off_by_one_function("sparse")])
+
+    wrong = registry.Lowering("adaptex::budgeted_attention", "onnx", "sparse", budgeted_attention_ceil)
+    with registry.override(wrong):
+        onnx_target.export(model, info, tmp_path / "wrong.onnx")
+    report = check(OnnxRuntimeRunner(tmp_path / "wrong.onnx"), TorchRunner(model), samples=40, task="graded")
+    assert not report.passed
+    assert report.unexcused_flips > 0
+    assert any("unexcused flip" in f and "decisions.layer" in f for f in report.failures)
+    text = report.format()
+    assert "FAILED" in text and "FAIL decisions.layer" in text
+
+
+def test_a_numeric_error_names_output_input_and_needed_tolerance(tiny_checkpoint, tiny_onnx):
+    model, _ = checkpoint.load(tiny_checkpoint)
+
+    class Nudged(OnnxRuntimeRunner):
+        def _infer(self, feeds):
+            out = super()._infer(feeds)
+            out["logits"] = out["logits"] + 3e-3
+            return out
+
+    report = check(Nudged(tiny_onnx["sparse"]), TorchRunner(model), samples=10)
+    assert not report.passed and report.unexcused_flips == 0
+    msg = report.failures[0]
+    assert msg.startswith("logits:") and "batch 0" in msg and "smallest atol that passes is 3.0" in msg
+
+
+def test_excused_flip_is_replayed_not_failed(tiny_checkpoint, tiny_onnx):
+    """An artifact that flips a decision only where the reference sat on the boundary passes, and
+    its values are compared under the artifact's routing."""
+    model, _ = checkpoint.load(tiny_checkpoint)
+    H = model.cfg.num_heads
+
+    class BoundaryRef(TorchRunner):
+        """A reference whose layer-0 budget sits exactly on an integer boundary for row 0."""
+        def run_with_routing(self, feeds, force_masks=None):
+            out, ps = super().run_with_routing(feeds, force_masks)
+            out["decisions.layer0.s"] = out["decisions.layer0.s"].copy()
+            out["decisions.layer0.s"][0] = 2.0 / H  # margin 0: any k flip here is excused
+            out["decisions.layer0.k"] = out["decisions.layer0.k"].copy()
+            out["decisions.layer0.k"][0] += 1  # the reference "decided" differently
+            return out, ps
+
+    report = check(OnnxRuntimeRunner(tiny_onnx["sparse"]), BoundaryRef(model), samples=6)
+    assert report.excused_flips > 0 and report.unexcused_flips == 0
+    assert report.decisions["decisions.layer0.k"].excused > 0

@@ -1,0 +1,43 @@
+"""The shipped default model: present, loadable, and as good as its training summary says."""
+import json
+
+import numpy as np
+import pytest
+
+from graphs import checkpoint
+from graphs.tasks import GradedCues
+from graphs.train import evaluate
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    path = checkpoint.resolve(None)
+    return checkpoint.load(path), json.loads((path / checkpoint.CONFIG).read_text())
+
+
+def test_default_model_is_shipped_and_small(shipped):
+    (model, info), _ = shipped
+    assert info["family"] == "budgetformer" and info["training"]["task"] == "graded"
+    size = (checkpoint.resolve(None) / checkpoint.WEIGHTS).stat().st_size
+    assert size < 5 * 2**20, "shipped checkpoints stay a few MB at most"
+
+
+def test_recorded_summary_meets_the_bar(shipped):
+    """Accuracy within 1 point of the same-size standard Transformer or better, at most half the
+    heads on average, and a budget that rises with difficulty."""
+    _, raw = shipped
+    ev = raw["evaluation"]
+    ours, base = ev["budgetformer"], ev["baseline"]
+    assert ours["accuracy"] >= base["accuracy"] - 0.01, (ours["accuracy"], base["accuracy"])
+    assert ours["heads_fraction"] <= 0.5
+    s = [ours["s_by_level"][str(lv)] for lv in range(len(GradedCues.levels))]
+    assert s[-1] > s[0], s
+    assert np.corrcoef(range(len(s)), s)[0, 1] > 0.5, s
+
+
+def test_recorded_accuracy_reproduces(shipped):
+    (model, _), raw = shipped
+    recorded = raw["evaluation"]["budgetformer"]
+    r = evaluate(model, GradedCues(), n=2000)  # the same held-out seed as training's evaluation
+    assert abs(r["accuracy"] - recorded["accuracy"]) < 1e-6
+    assert abs(r["heads_fraction"] - recorded["heads_fraction"]) < 1e-6
