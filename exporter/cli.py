@@ -78,6 +78,7 @@ def cmd_train(args) -> int:
                      eval_size=args.eval_size)
     t0 = time.perf_counter()
     model = train_model(cfg, task, tc, desc="budgetformer")
+    checkpoint.round_weights(model, args.save_dtype)  # evaluate exactly what gets stored
     adaptive = evaluate(model, task, tc.eval_size)
     soft = _soft_eval(model, task, tc)
     baseline = None
@@ -94,7 +95,7 @@ def cmd_train(args) -> int:
         "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
         "summary_table": table,
     }
-    checkpoint.save(out, model, extra)
+    checkpoint.save(out, model, extra, dtype=args.save_dtype)
     _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})")
     return 0
 
@@ -119,6 +120,7 @@ def _soft_eval(model, task, tc) -> dict:
 
 def cmd_export(args) -> int:
     from exporter import artifact
+    from graphs.ops import OPS
     from exporter.registry import TARGETS, VARIANTS
     from graphs import checkpoint
 
@@ -131,13 +133,18 @@ def cmd_export(args) -> int:
     artifact.check_writable(args.output)
     model, info = checkpoint.load(args.model)
     info["name"] = args.model or checkpoint.DEFAULT_MODEL
-    if args.target == "onnx":
-        from exporter.targets import onnx as target
-    else:
-        # every op's cell for these targets is declared; lookup raises UnsupportedLowering with why
+    if args.target != "onnx":
+        # Every op's cell for the other targets is declared in the registry; until their exporters
+        # land, lookup raises UnsupportedLowering saying why and what to do instead.
         from exporter.registry import lookup
-        lookup("adaptex::budgeted_attention", args.target, args.variant)
-        raise AssertionError("unreachable: a registered lowering must have a target module")
+
+        for op in sorted(OPS):
+            lookup(op, args.target, args.variant)
+        from exporter.errors import ExportError
+
+        raise ExportError(f"target {args.target} has lowerings but no exporter in this version")
+    from exporter.targets import onnx as target
+
     _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
     meta = target.export(model, info, args.output, variant=args.variant, precision=args.precision)
     _say(f"wrote {args.output}: {len(meta['outputs'])} outputs, lowerings {meta['lowerings']}")
@@ -211,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--s-max", type=float, default=0.375, help="budget target interval, upper end")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--no-baseline", action="store_true", help="skip training the standard Transformer")
+    s.add_argument("--save-dtype", default="float16", choices=["float16", "float32"],
+                   help="weights storage; float16 halves the checkpoint, the model still computes in fp32")
     s.add_argument("--description", default=None)
     s.set_defaults(fn=cmd_train)
 

@@ -74,6 +74,7 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
         raise CheckpointError(f"{w_path}: corrupt weights ({str(e).splitlines()[0]}); "
                               "re-run 'adaptex train' to write a fresh checkpoint") from None
     net = model_cls(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{w_path}: weights do not match config.json (missing {missing[:3]}, "
@@ -84,8 +85,24 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     return net, info
 
 
-def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = None) -> Path:
-    """Write config.json + model.safetensors into `path` atomically (temp dir, then rename)."""
+def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """Round the parameters to what a `dtype` checkpoint stores, in place (evaluate after this)."""
+    if dtype == "float16":
+        with torch.no_grad():
+            for t in net.state_dict().values():
+                if t.is_floating_point():
+                    t.copy_(t.half().float())
+    return net
+
+
+def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = None,
+         dtype: str = "float32") -> Path:
+    """Write config.json + model.safetensors into `path` atomically (temp dir, then rename).
+
+    dtype="float16" stores the weights at half size; they load back as float32 (round_weights
+    first, so that what was evaluated is exactly what is stored)."""
+    if dtype not in ("float32", "float16"):
+        raise CheckpointError(f"checkpoint dtype {dtype!r} is not supported; use float32 or float16")
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -94,9 +111,11 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
         raise CheckpointError(f"{path}: directory {parent} is not writable; choose another -o")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=parent))
     try:
-        info = {"family": net.cfg.family, "config": net.cfg.to_dict(), **(extra or {})}
+        info = {"family": net.cfg.family, "config": net.cfg.to_dict(), "weights_dtype": dtype, **(extra or {})}
         (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
-        state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+        cast = torch.float16 if dtype == "float16" else torch.float32
+        state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous()
+                 for k, v in net.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
         if path.exists():
             shutil.rmtree(path)

@@ -68,7 +68,7 @@ def test_a_numeric_error_names_output_input_and_needed_tolerance(tiny_checkpoint
     report = check(Nudged(tiny_onnx["sparse"]), TorchRunner(model), samples=10)
     assert not report.passed and report.unexcused_flips == 0
     msg = report.failures[0]
-    assert msg.startswith("logits:") and "batch 0" in msg and "smallest atol that passes is 3.0" in msg
+    assert msg.startswith("logits:") and "batch 0 (B=1" in msg and "smallest atol that passes is 2.99" in msg
 
 
 def test_excused_flip_is_replayed_not_failed(tiny_checkpoint, tiny_onnx):

@@ -25,6 +25,15 @@ from exporter.trace import INPUT_NAMES, adaptex_nodes, output_names, trace
 PRECISIONS = ("fp32",)
 
 
+@dataclass(frozen=True)
+class LoweringContext:
+    """What a lowering may depend on besides the node itself."""
+    target: str
+    variant: str
+    precision: str
+    onnx_opset: int
+
+
 @dataclass
 class OnnxLowering:
     """What an ONNX lowering hands the exporter: the translation that emits the node, and bodies."""
@@ -72,16 +81,17 @@ def _io_spec(values) -> dict:
     return out
 
 
-def lower(model, *, variant: str = "sparse") -> tuple[onnx.ModelProto, dict]:
+def lower(model, *, variant: str = "sparse", precision: str = "fp32") -> tuple[onnx.ModelProto, dict]:
     """Trace `model` and lower it to an ONNX ModelProto; returns (proto, lowering notes)."""
     from exporter.registry import lookup
 
     ep = trace(model, mode="hard")
+    ctx = LoweringContext("onnx", variant, precision, fx.ONNX_OPSET)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         op = node.target.name()  # "adaptex::budgeted_attention"
         entry = lookup(op, "onnx", variant, node)
-        res = entry.fn(None, node)
+        res = entry.fn(ctx, node)
         table[node.target] = res.translation
         for f in res.functions:
             functions[(f.domain, f.name)] = f
@@ -134,7 +144,7 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
                           f"use one of {', '.join(PRECISIONS)}")
     artifact.check_writable(out)
-    proto, notes = lower(model, variant=variant)
+    proto, notes = lower(model, variant=variant, precision=precision)
     cfg = model.cfg
     meta = {
         "format": artifact.FORMAT_VERSION,
