@@ -117,6 +117,9 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
         state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous()
                  for k, v in net.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is ordinary data
+        for f in (CONFIG, WEIGHTS):
+            os.chmod(tmp / f, 0o644)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
