@@ -1,7 +1,8 @@
 """Why adaptex exists: the legacy ONNX tracer bakes the routing of its example input into the graph.
 
-Exports the shipped BudgetFormer's plain PyTorch inference path with torch.onnx.export(dynamo=False),
-then runs it on inputs whose k differs from the traced one, next to the adaptex artifact.
+Exports the shipped BudgetFormer's plain-PyTorch skipping implementation (per sample, compute only
+the chosen heads) with torch.onnx.export(dynamo=False), then runs it on inputs whose k differs from
+the traced one, next to the adaptex artifact.
 
     python examples/legacy_tracer_bakes_k.py
 """
@@ -26,26 +27,38 @@ def main() -> None:
     info["name"] = checkpoint.DEFAULT_MODEL
     task = GradedCues()
     rng = np.random.default_rng(0)
-    trace_batch = task.sample(1, rng, levels=[0])
+    T = 20  # one length throughout: the legacy trace also bakes the sequence length
+    trace_batch = task.sample(1, rng, levels=[0], length=T)
     with tempfile.TemporaryDirectory() as tmp:
         legacy, ours = Path(tmp) / "legacy.onnx", Path(tmp) / "adaptex.onnx"
         with torch.no_grad():
-            torch.onnx.export(ExportWrapper(model, "naive"), (trace_batch.input_ids, trace_batch.attention_mask),
+            torch.onnx.export(ExportWrapper(model, "eager"), (trace_batch.input_ids, trace_batch.attention_mask),
                               str(legacy), dynamo=False, input_names=["input_ids", "attention_mask"],
                               output_names=output_names(model.cfg.num_layers),
                               dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}})
         onnx_target.export(model, info, ours)
-        s_legacy, s_ours = ort.InferenceSession(str(legacy)), ort.InferenceSession(str(ours))
-        print(f"{'input':<18} {'k (eager)':<14} {'legacy max err':>14} {'adaptex max err':>16}")
-        for level in range(4):
-            b = task.sample(1, rng, levels=[level])
+        so = ort.SessionOptions()
+        so.log_severity_level = 3  # the legacy graph's failure is reported below, once
+        s_legacy, s_ours = ort.InferenceSession(str(legacy), so), ort.InferenceSession(str(ours), so)
+        with torch.no_grad():
+            traced_k = [int(d["k"][0]) for d in model(trace_batch.input_ids, trace_batch.attention_mask)[1]]
+        print(f"traced on a level-0 input with k = {traced_k}; max |logits error| against eager PyTorch:")
+        print(f"{'input':<26} {'k (eager)':<10} {'legacy':>10} {'adaptex':>10}")
+        for level in [lv for lv in range(4) for _ in range(2)]:
+            b = task.sample(1, rng, levels=[level], length=T)
             feeds = {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy()}
             with torch.no_grad():
                 ref, dec = model(b.input_ids, b.attention_mask)
             ks = [int(d["k"][0]) for d in dec]
             e_legacy = np.abs(s_legacy.run(None, feeds)[0] - ref.numpy()).max()
             e_ours = np.abs(s_ours.run(None, feeds)[0] - ref.numpy()).max()
-            print(f"level {level} ({task.levels[level]})".ljust(18) + f" {str(ks):<14} {e_legacy:14.2e} {e_ours:16.2e}")
+            print(f"level {level} ({task.levels[level]})".ljust(26) + f" {str(ks):<10} {e_legacy:10.2e} {e_ours:10.2e}")
+        b = task.sample(1, rng, levels=[0], length=T + 3)
+        try:
+            s_legacy.run(None, {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy()})
+            print("legacy graph at another length: ran")
+        except Exception as e:
+            print(f"legacy graph at length {T + 3}: fails ({str(e).split('Status Message:')[0].strip()[:80]}...)")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from graphs.ops import budgeted_attention as ba
 
-MODES = ("soft", "hard", "naive", "dense")
+MODES = ("soft", "hard", "naive", "eager", "dense")
 
 
 @dataclass
@@ -144,6 +144,8 @@ class BudgetedSelfAttention(nn.Module):
             y, k, head_mask = torch.ops.adaptex.budgeted_attention(*args)
         elif mode in ("hard", "naive"):
             y, k, head_mask = ba.budgeted_attention_dense_reference(*args, head_mask=force_mask)
+        elif mode == "eager":
+            y, k, head_mask = ba.budgeted_attention_eager(*args)
         else:
             raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
         return y, {"s": s, "p": p, "k": k, "head_mask": head_mask}
@@ -213,7 +215,8 @@ class BudgetFormer(nn.Module):
         """(B, T) ids and mask -> logits (B, C) and per-layer decisions.
 
         mode: "soft" (training), "hard" (inference through the custom op), "naive" (inference with
-        every head computed and masked: what a stock exporter sees), "dense" (no routing at all).
+        every head computed and masked: what a stock exporter sees), "eager" (the op's skipping
+        kernel as plain Python: what tracers bake), "dense" (no routing at all).
         force_masks: per-layer (B, H) head masks to replay a given routing (parity uses it).
         """
         if mode not in MODES:

@@ -68,9 +68,10 @@ def test_console_script_is_installed():
     assert r.returncode == 0 and "export" in r.stdout and "bench" in r.stdout
 
 
-def test_train_writes_a_loadable_checkpoint_and_a_summary(tmp_path, capsys):
+@pytest.mark.parametrize("task", ["graded", "stdlib"])
+def test_train_writes_a_loadable_checkpoint_and_a_summary(tmp_path, capsys, task):
     out = tmp_path / "ck"
-    code, text, err = run(capsys, "train", "budgetformer", "--task", "graded", "-o", out, "--steps", "6",
+    code, text, err = run(capsys, "train", "budgetformer", "--task", task, "-o", out, "--steps", "6",
                           "--batch-size", "8", "--d-model", "32", "--heads", "4", "--layers", "1",
                           "--d-ff", "32", "--eval-size", "64")
     assert code == 0, err
@@ -79,7 +80,8 @@ def test_train_writes_a_loadable_checkpoint_and_a_summary(tmp_path, capsys):
     from graphs import checkpoint
 
     model, info = checkpoint.load(out)
-    assert info["training"]["task"] == "graded" and "baseline" in info["evaluation"]
+    assert info["training"]["task"] == task and "baseline" in info["evaluation"]
+    assert info["weights_dtype"] == "float16"
 
 
 def test_train_rejects_unknown_family_and_task(tmp_path, capsys):

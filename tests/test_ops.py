@@ -87,3 +87,19 @@ def test_fake_kernel_shapes():
         y, k, mask = torch.ops.adaptex.budgeted_attention(*args)
     assert y.shape == (2, 5, 8) and k.shape == (2,) and k.dtype == torch.int64
     assert mask.shape == (2, 4) and mask.dtype == torch.bool
+
+
+def test_model_modes_agree_at_inference():
+    """hard (the op), eager (its kernel as plain Python) and naive (all heads, masked) are the
+    same function; only their cost and traceability differ."""
+    from tests import zoo
+
+    model = zoo.tiny_model()
+    ids, mask = torch.randint(1, 64, (4, 11)), torch.ones(4, 11, dtype=torch.int64)
+    mask[2, 6:] = 0
+    with torch.no_grad():
+        outs = {m: model(ids, mask, mode=m) for m in ("hard", "eager", "naive")}
+    for m in ("eager", "naive"):
+        torch.testing.assert_close(outs[m][0], outs["hard"][0], atol=1e-5, rtol=1e-4)
+        for a, b in zip(outs[m][1], outs["hard"][1]):
+            assert torch.equal(a["k"], b["k"]) and torch.equal(a["head_mask"], b["head_mask"])

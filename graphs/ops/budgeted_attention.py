@@ -93,16 +93,25 @@ def attend_selected(
     return y
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def budgeted_attention(
+def budgeted_attention_eager(
     x: Tensor, key_mask: Tensor, s: Tensor, p: Tensor,
     w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor, num_heads: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager kernel as plain Python. Called directly (not through the op) it is what a user
+    would write by hand: tracers see its data-dependent head sets as constants."""
     k, head_mask, _ = select_heads(s, p, num_heads)
     y = attend_selected(
         x, key_mask, head_weights(s, p, num_heads), head_mask, w_qkv, b_qkv, w_o, b_o, num_heads
     )
     return y, k, head_mask
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def budgeted_attention(
+    x: Tensor, key_mask: Tensor, s: Tensor, p: Tensor,
+    w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor, num_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return budgeted_attention_eager(x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads)
 
 
 @budgeted_attention.register_fake
