@@ -39,7 +39,13 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent if str(out.parent) else ".")
     os.close(fd)
     try:
-        yield Path(tmp)
+        try:
+            yield Path(tmp)
+        except OSError as e:
+            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -63,17 +63,25 @@ def cmd_train(args) -> int:
         return EXIT_ERROR
     _threads(args.threads)
     out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        _err(f"{out}: exists and is not a directory; pass a directory for the checkpoint")
+    if out.exists() and not checkpoint.is_checkpoint_dir(out):
+        _err(f"{out}: exists and is not a checkpoint directory; choose a new -o "
+             "(adaptex only replaces a directory holding config.json and model.safetensors)")
         return EXIT_ERROR
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.absolute().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         _err(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
         return EXIT_ERROR
+    if args.steps < 1 or args.batch_size < 1 or args.eval_size < 1:
+        _err("--steps, --batch-size and --eval-size must be at least 1")
+        return EXIT_ERROR
     task = get_task(args.task)
-    cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=args.d_model,
-                             num_heads=args.heads, num_layers=args.layers, d_ff=args.d_ff,
-                             s_min=args.s_min, s_max=args.s_max)
+    try:
+        cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=args.d_model,
+                                 num_heads=args.heads, num_layers=args.layers, d_ff=args.d_ff,
+                                 s_min=args.s_min, s_max=args.s_max)
+    except ValueError as e:
+        _err(f"{e}; adjust --d-model/--heads or --s-min/--s-max")
+        return EXIT_ERROR
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                      eval_size=args.eval_size)
     t0 = time.perf_counter()
@@ -132,7 +140,9 @@ def cmd_export(args) -> int:
         return EXIT_ERROR
     artifact.check_writable(args.output)
     model, info = checkpoint.load(args.model)
-    info["name"] = args.model or checkpoint.DEFAULT_MODEL
+    # a shipped model is recorded by name; a directory by absolute path, so check/bench work from anywhere
+    info["name"] = info["path"] if Path(args.model or checkpoint.DEFAULT_MODEL).is_dir() else (
+        args.model or checkpoint.DEFAULT_MODEL)
     if args.target != "onnx":
         # Every op's cell for the other targets is declared in the registry; until their exporters
         # land, lookup raises UnsupportedLowering saying why and what to do instead.
@@ -183,6 +193,9 @@ def cmd_bench(args) -> int:
     from runtimes.onnxruntime import open_artifact
     from runtimes.source import load_source_model
 
+    if args.runs is not None and args.runs < 1 or args.warmup < 0 or args.threads < 0:
+        _err("--runs must be at least 1, --warmup and --threads at least 0")
+        return EXIT_ERROR
     runner = open_artifact(args.artifact, args.threads)
     model, info = load_source_model(runner.meta, args.model)
     _threads(args.threads)
@@ -272,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except Exception as e:  # a bug or an environment failure: still one line, never a traceback
+        first = (str(e).strip().splitlines() or [""])[0]
+        _err(f"unexpected {type(e).__name__}: {first} (set ADAPTEX_DEBUG=1 for the traceback)")
+        if os.environ.get("ADAPTEX_DEBUG"):
+            raise
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -75,14 +75,22 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
                               "re-run 'adaptex train' to write a fresh checkpoint") from None
     net = model_cls(cfg)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise CheckpointError(f"{w_path}: weights do not match config.json ({str(e).splitlines()[-1].strip()}); "
+                              "the two files come from different runs") from None
     if missing or unexpected:
         raise CheckpointError(f"{w_path}: weights do not match config.json (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}); the two files come from different runs")
     net.eval()
-    info["path"] = str(path)
+    info["path"] = str(path.absolute())
     info["sha256"] = file_hash(w_path)
     return net, info
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return path.is_dir() and {p.name for p in path.iterdir()} <= {CONFIG, WEIGHTS}
 
 
 def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
@@ -103,12 +111,13 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
     first, so that what was evaluated is exactly what is stored)."""
     if dtype not in ("float32", "float16"):
         raise CheckpointError(f"checkpoint dtype {dtype!r} is not supported; use float32 or float16")
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
+    path = Path(path).absolute()
+    parent = path.parent
+    if path.exists() and not is_checkpoint_dir(path):
+        raise CheckpointError(f"{path}: exists and is not a checkpoint directory; choose a new -o "
+                              "(adaptex only replaces a directory holding config.json and model.safetensors)")
     if not parent.is_dir():
         raise CheckpointError(f"{path}: parent directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise CheckpointError(f"{path}: directory {parent} is not writable; choose another -o")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=parent))
     try:
         info = {"family": net.cfg.family, "config": net.cfg.to_dict(), "weights_dtype": dtype, **(extra or {})}
@@ -120,9 +129,13 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is ordinary data
         for f in (CONFIG, WEIGHTS):
             os.chmod(tmp / f, 0o644)
-        if path.exists():
-            shutil.rmtree(path)
+        old = None
+        if path.exists():  # swap: the old checkpoint moves aside and is deleted only once the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=parent))
+            os.replace(path, old / "ckpt")
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -170,6 +170,14 @@ def _mask_margin(p: np.ndarray, k: np.ndarray) -> np.ndarray:
     return kth - nxt
 
 
+def _top_k_mask(p: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """(B, H) mask of the k largest preferences per row, ties to the lower index."""
+    order = np.argsort(-p.astype(np.float64), axis=-1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(p.shape[-1])[None, :].repeat(len(p), 0), axis=-1)
+    return ranks < k[:, None]
+
+
 def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
           precision: str = "fp32", seed: int = 0, artifact_name: str = "") -> ParityReport:
     cfg = reference.model.cfg
@@ -184,32 +192,43 @@ def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200
         ref, ps = reference.run_with_routing(feeds)
         report.samples += B
         report.batches += 1
-        replay, bad_rows = False, np.zeros(B, dtype=bool)
+        bad_rows = np.zeros(B, dtype=bool)
+        forced: list = [None] * layers
         for li in range(layers):
             pre = f"decisions.layer{li}"
             k_ref, k_got = ref[f"{pre}.k"], got[f"{pre}.k"]
             m_ref, m_got = ref[f"{pre}.head_mask"], got[f"{pre}.head_mask"]
             k_flip = k_ref != k_got
-            m_flip = (m_ref != m_got).any(-1) & ~k_flip
-            k_ok = _k_margin(ref[f"{pre}.s"], H) < margins["k"]
-            m_ok = _mask_margin(ps[li], k_ref) < margins["head_mask"]
-            for name, flip, ok in ((f"{pre}.k", k_flip, k_ok), (f"{pre}.head_mask", m_flip, m_ok)):
+            k_margin = _k_margin(ref[f"{pre}.s"], H)
+            # The head set must be the top k_got of the reference's preferences, whichever k was used:
+            # an excused k flip does not excuse a wrong set.
+            m_expect = np.where(k_flip[:, None], _top_k_mask(ps[li], k_got), m_ref)
+            m_flip = (m_expect != m_got).any(-1)
+            m_margin = _mask_margin(ps[li], k_got)
+            checks = ((f"{pre}.k", k_flip, k_margin, margins["k"], "|s*H - round(s*H)|"),
+                      (f"{pre}.head_mask", m_flip, m_margin, margins["head_mask"], "gap between the k-th and (k+1)-th p"))
+            excused_any = False
+            for name, flip, margin, limit, what in checks:
+                ok = margin < limit
                 st = report.decisions.setdefault(name, DecisionStat())
                 st.compared += B
                 st.agreed += int((~flip).sum())
                 st.excused += int((flip & ok).sum())
                 st.unexcused += int((flip & ~ok).sum())
-                if (flip & ok).any():
-                    replay = True
+                excused_any |= bool((flip & ok).any())
                 for row in np.flatnonzero(flip & ~ok):
                     bad_rows[row] = True
-                    report.failures.append(f"{name}: unexcused flip at {where} row {row}: reference "
-                                           f"{ref[name][row].tolist()} vs artifact {got[name][row].tolist()}")
+                    report.failures.append(
+                        f"{name}: unexcused flip at {where} row {row}: reference {ref[name][row].tolist()} vs "
+                        f"artifact {got[name][row].tolist()}; the reference's {what} was {margin[row]:.2e}, "
+                        f"a margin of {margin[row]:.2e} would excuse it (stated margin {limit:g})")
             for kv in k_got.tolist():
                 report.decisions[f"{pre}.k"].values_seen[kv] = report.decisions[f"{pre}.k"].values_seen.get(kv, 0) + 1
-        if replay:  # compare values under the artifact's routing
-            forced = [got[f"decisions.layer{li}.head_mask"].astype(bool) for li in range(layers)]
-            ref, _ = reference.run_with_routing(feeds, force_masks=forced)
+            if excused_any:
+                # replay the artifact's routing up to this layer, so later layers and the values are
+                # compared on the inputs the artifact actually saw
+                forced[li] = m_got.astype(bool)
+                ref, ps = reference.run_with_routing(feeds, force_masks=forced)
         for name in ref:
             if name.endswith(".k") or name.endswith(".head_mask"):
                 continue

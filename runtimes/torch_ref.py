@@ -26,11 +26,11 @@ class TorchRunner(Runner):
     def run_with_routing(self, feeds, force_masks: list[np.ndarray] | None = None):
         """Outputs by name, plus each layer's head preferences p (for decision margins).
 
-        force_masks replays a given routing (per layer (B, H) bool): parity uses it so that an
+        force_masks replays a given routing (per layer (B, H) bool, or None to route as usual): parity uses it so that an
         excused decision flip does not show up again as a numeric error."""
         ids = torch.from_numpy(feeds["input_ids"])
         mask = torch.from_numpy(feeds["attention_mask"])
-        fm = None if force_masks is None else [torch.from_numpy(m) for m in force_masks]
+        fm = None if force_masks is None else [None if m is None else torch.from_numpy(m) for m in force_masks]
         logits, decisions = self.model(ids, mask, mode=self.mode, force_masks=fm)
         outs = [logits] + [d[f] for d in decisions for f in DECISION_FIELDS if f in d]
         named = {n: t.numpy() for n, t in zip(self.names, outs)}

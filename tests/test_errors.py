@@ -14,9 +14,11 @@ def fails(capsys, *argv, match):
     _, err = capsys.readouterr()
     assert code != 0
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("adaptex: error: "), err
-    assert match in lines[0], lines[0]
-    return lines[0]
+    errors = [line for line in lines if line.startswith("adaptex: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err  # one error line, last, no traceback
+    assert "Traceback" not in err
+    assert match in errors[0], errors[0]
+    return errors[0]
 
 
 def no_files(d):
@@ -44,12 +46,15 @@ def _broken_checkpoint(tmp_path, config: str | None, weights: bytes):
 @pytest.mark.parametrize("case, match", [("no_weights", "model.safetensors is missing"),
                                          ("bad_config", "corrupt config"),
                                          ("bad_weights", "corrupt weights"),
-                                         ("mismatch", "weights do not match config.json")])
+                                         ("mismatch", "weights do not match config.json"),
+                                         ("shape", "weights do not match config.json")])
 def test_broken_checkpoints(tmp_path, capsys, tiny_checkpoint, case, match):
     config = (tiny_checkpoint / "config.json").read_text()
     weights = (tiny_checkpoint / "model.safetensors").read_bytes()
     if case == "mismatch":
         config = config.replace('"num_layers": 2', '"num_layers": 3')
+    if case == "shape":
+        config = config.replace('"d_ff": 64', '"d_ff": 32')
     ck, out = _broken_checkpoint(tmp_path, "{ not json" if case == "bad_config" else config,
                                  {"no_weights": b"", "bad_weights": b"\x00" * 100}.get(case, weights))
     fails(capsys, "export", ck, "--target", "onnx", "-o", out / "m.onnx", match=match)
@@ -83,11 +88,49 @@ def test_failed_export_leaves_no_partial_file(tmp_path, capsys, tiny_checkpoint,
     def broken_save(proto, path, *a, **k):
         with open(path, "wb") as f:
             f.write(b"half")
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(onnx, "save_model", broken_save)
-    with pytest.raises(OSError):
-        main(["export", str(tiny_checkpoint), "--target", "onnx", "-o", str(tmp_path / "m.onnx")])
+    fails(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", tmp_path / "m.onnx",
+          match="writing failed (No space left on device); nothing was written")
+    assert no_files(tmp_path)
+
+
+def test_onnx_artifact_needs_its_suffix(tmp_path, capsys, tiny_checkpoint):
+    fails(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", tmp_path / "model",
+          match="must end in .onnx")
+    assert no_files(tmp_path)
+
+
+def test_train_refuses_to_overwrite_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "precious.txt").write_text("keep me")
+    fails(capsys, "train", "budgetformer", "-o", tmp_path, "--steps", "1", match="is not a checkpoint directory")
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--heads", "7"], "not divisible by num_heads=7"),
+    (["--s-min", "0.5", "--s-max", "0.4"], "budget range [0.5, 0.4] must lie in (0, 1)"),
+    (["--steps", "0"], "must be at least 1"),
+])
+def test_train_rejects_bad_settings(tmp_path, capsys, argv, match):
+    fails(capsys, "train", "budgetformer", "-o", tmp_path / "ck", *argv, match=match)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_bench_rejects_bad_runs(tiny_onnx, capsys):
+    fails(capsys, "bench", tiny_onnx["sparse"], "--runs", "0", match="--runs must be at least 1")
+
+
+def test_unexpected_failures_are_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from exporter.targets import onnx as target
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(target, "lower", boom)
+    fails(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", tmp_path / "m.onnx",
+          match="unexpected ZeroDivisionError: a bug")
     assert no_files(tmp_path)
 
 

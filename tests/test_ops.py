@@ -31,6 +31,13 @@ def test_kernel_matches_dense_masked_reference(B, T, H, dh, seed):
     y_ref, k_ref, mask_ref = ba.budgeted_attention_dense_reference(*args)
     assert torch.equal(k, k_ref) and torch.equal(mask, mask_ref)
     assert torch.equal(mask.sum(-1), k)
+    # the routing checked independently of select_heads: floor/clamp by hand, top-k by a stable sort
+    s, p = args[2], args[3]
+    for b in range(B):
+        kb = min(max(int(math.floor(float(s[b]) * H)), 1), H)
+        order = sorted(range(H), key=lambda i: (-float(p[b, i]), i))
+        assert int(k[b]) == kb
+        assert mask[b].tolist() == [i in order[:kb] for i in range(H)]
     valid = args[1][:, :, None]  # padded query rows are don't-care
     torch.testing.assert_close(y * valid, y_ref * valid, atol=1e-5, rtol=1e-4)
 

@@ -71,22 +71,43 @@ def test_a_numeric_error_names_output_input_and_needed_tolerance(tiny_checkpoint
     assert msg.startswith("logits:") and "batch 0 (B=1" in msg and "smallest atol that passes is 2.99" in msg
 
 
-def test_excused_flip_is_replayed_not_failed(tiny_checkpoint, tiny_onnx):
-    """An artifact that flips a decision only where the reference sat on the boundary passes, and
-    its values are compared under the artifact's routing."""
-    model, _ = checkpoint.load(tiny_checkpoint)
-    H = model.cfg.num_heads
+def _on_the_boundary(nudge: float):
+    """A tiny model whose layer-0 budget is s = sigmoid(b) for every input, with s*H = 2 exactly at
+    nudge 0 and a hair below 2 (so k = 1 instead of 2) at a small negative nudge."""
+    import torch
 
-    class BoundaryRef(TorchRunner):
-        """A reference whose layer-0 budget sits exactly on an integer boundary for row 0."""
-        def run_with_routing(self, feeds, force_masks=None):
-            out, ps = super().run_with_routing(feeds, force_masks)
-            out["decisions.layer0.s"] = out["decisions.layer0.s"].copy()
-            out["decisions.layer0.s"][0] = 2.0 / H  # margin 0: any k flip here is excused
-            out["decisions.layer0.k"] = out["decisions.layer0.k"].copy()
-            out["decisions.layer0.k"][0] += 1  # the reference "decided" differently
-            return out, ps
+    model = zoo.tiny_model()
+    last = model.layers[0].attn.router.budget[2]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(nudge)  # sigmoid(0) = 0.5 exactly; H = 4 -> s*H = 2.0
+        model.head[2].weight.mul_(300)  # untrained logits are ~0.01; make a routing change visible
+    return model
 
-    report = check(OnnxRuntimeRunner(tiny_onnx["sparse"]), BoundaryRef(model), samples=6)
-    assert report.excused_flips > 0 and report.unexcused_flips == 0
-    assert report.decisions["decisions.layer0.k"].excused > 0
+
+def test_excused_flip_is_replayed_not_failed():
+    """An 'artifact' that decides k = 1 where the reference sat exactly on the k = 2 boundary: the
+    flip is excused, the reference replays the artifact's routing, and the values then agree."""
+    reference, artifact = _on_the_boundary(0.0), _on_the_boundary(-1e-6)
+    report = check(TorchRunner(artifact), TorchRunner(reference), samples=12, task="graded")
+    assert report.decisions["decisions.layer0.k"].excused == 12
+    assert report.unexcused_flips == 0
+    assert report.passed, report.format()
+    # without the replay the same artifact fails on values: the flip changed what layer 0 computed
+    plain = TorchRunner(reference).infer(parity_inputs(reference.cfg, "graded", 4)[1])
+    flipped = TorchRunner(artifact).infer(parity_inputs(reference.cfg, "graded", 4)[1])
+    assert np.abs(plain["logits"] - flipped["logits"]).max() > 1e-3
+
+
+def test_a_wrong_head_set_is_not_excused_by_an_excused_k_flip():
+    reference = _on_the_boundary(0.0)
+    artifact = _on_the_boundary(-1e-6)
+    import torch
+
+    with torch.no_grad():  # the artifact also ranks heads in reverse: its head set is wrong
+        artifact.layers[0].attn.router.scorer[2].weight.mul_(-1)
+        artifact.layers[0].attn.router.scorer[2].bias.mul_(-1)
+    report = check(TorchRunner(artifact), TorchRunner(reference), samples=8, task="graded")
+    assert not report.passed
+    assert report.decisions["decisions.layer0.head_mask"].unexcused > 0
+    assert any("decisions.layer0.head_mask: unexcused flip" in f and "would excuse it" in f for f in report.failures)

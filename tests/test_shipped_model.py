@@ -35,9 +35,25 @@ def test_recorded_summary_meets_the_bar(shipped):
     assert np.corrcoef(range(len(s)), s)[0, 1] > 0.5, s
 
 
-def test_recorded_accuracy_reproduces(shipped):
+def test_recorded_summary_reproduces(shipped):
     (model, _), raw = shipped
     recorded = raw["evaluation"]["budgetformer"]
     r = evaluate(model, GradedCues(), n=2000)  # the same held-out seed as training's evaluation
     assert abs(r["accuracy"] - recorded["accuracy"]) < 1e-6
     assert abs(r["heads_fraction"] - recorded["heads_fraction"]) < 1e-6
+    for lv, s in r["s_by_level"].items():
+        assert abs(s - recorded["s_by_level"][str(lv)]) < 1e-5
+
+
+def test_shipped_model_exports_and_passes_parity(shipped, tmp_path):
+    from exporter.targets import onnx as target
+    from runtimes.onnxruntime import OnnxRuntimeRunner
+    from runtimes.parity import check
+    from runtimes.torch_ref import TorchRunner
+
+    (model, info), _ = shipped
+    info = {**info, "name": checkpoint.DEFAULT_MODEL}
+    target.export(model, info, tmp_path / "m.onnx")
+    report = check(OnnxRuntimeRunner(tmp_path / "m.onnx"), TorchRunner(model), samples=60, task="graded")
+    assert report.passed, report.format()
+    assert report.max_abs_err <= 1e-4 and report.decisions_vary

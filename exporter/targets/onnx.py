@@ -143,6 +143,9 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
                           f"use one of {', '.join(PRECISIONS)}")
+    if not str(out).endswith(".onnx"):
+        raise ExportError(f"{out}: an ONNX artifact's name must end in .onnx (runners pick the runtime by it); "
+                          f"use -o {out}.onnx")
     artifact.check_writable(out)
     proto, notes = lower(model, variant=variant, precision=precision)
     cfg = model.cfg
