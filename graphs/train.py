@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch

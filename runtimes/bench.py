@@ -47,7 +47,6 @@ def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str
 
     import torch
 
-    from exporter.targets.onnx import torch_onnx_export
     from exporter.trace import ExportWrapper, dynamic_shapes, example_inputs, output_names
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

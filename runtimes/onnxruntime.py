@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from exporter.artifact import read_onnx_metadata
 from graphs.errors import AdaptexError
 from runtimes.base import IOSpec, ModelLimits, Runner

@@ -1,5 +1,4 @@
 """Bad input: one line naming the problem and the fix, a non-zero exit, no partial file."""
-import json
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """The ONNX target: custom-domain nodes with model-local bodies, checker-clean, parity in ORT."""
-import json
 import subprocess
 import sys
 

@@ -1,6 +1,5 @@
 """Parity catches what a one-input comparison misses, and excuses only boundary cases."""
 import numpy as np
-import pytest
 
 from exporter import registry
 from exporter.targets import onnx as onnx_target
