@@ -138,12 +138,17 @@ def cmd_export(args) -> int:
     if args.variant not in VARIANTS:
         _err(f"unknown variant {args.variant!r}; choose one of {', '.join(VARIANTS)}")
         return EXIT_ERROR
-    artifact.check_writable(args.output)
+    if args.target == "onnx":
+        artifact.check_writable(args.output)
     model, info = checkpoint.load(args.model)
     # a shipped model is recorded by name; a directory by absolute path, so check/bench work from anywhere
     info["name"] = info["path"] if Path(args.model or checkpoint.DEFAULT_MODEL).is_dir() else (
         args.model or checkpoint.DEFAULT_MODEL)
-    if args.target != "onnx":
+    if args.target == "onnx":
+        from exporter.targets import onnx as target
+    elif args.target == "coreml":
+        from exporter.targets import coreml as target
+    else:
         # Every op's cell for the other targets is declared in the registry; until their exporters
         # land, lookup raises UnsupportedLowering saying why and what to do instead.
         from exporter.registry import lookup
@@ -153,8 +158,6 @@ def cmd_export(args) -> int:
         from exporter.errors import ExportError
 
         raise ExportError(f"target {args.target} has lowerings but no exporter in this version")
-    from exporter.targets import onnx as target
-
     _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
     meta = target.export(model, info, args.output, variant=args.variant, precision=args.precision)
     _say(f"wrote {args.output}: {len(meta['outputs'])} outputs, lowerings {meta['lowerings']}")
@@ -164,7 +167,12 @@ def cmd_export(args) -> int:
 def cmd_inspect(args) -> int:
     from exporter.artifact import format_metadata, read_onnx_metadata
 
-    meta = read_onnx_metadata(args.artifact)
+    if str(args.artifact).rstrip("/").endswith(".mlpackage"):
+        from runtimes.onnxruntime import open_artifact
+
+        meta = open_artifact(args.artifact).meta
+    else:
+        meta = read_onnx_metadata(args.artifact)
     print(json.dumps(meta, indent=2) if args.json else f"{args.artifact}\n{format_metadata(meta)}")
     return 0
 
@@ -195,6 +203,10 @@ def cmd_bench(args) -> int:
 
     if args.runs is not None and args.runs < 1 or args.warmup < 0 or args.threads < 0:
         _err("--runs must be at least 1, --warmup and --threads at least 0")
+        return EXIT_ERROR
+    if str(args.artifact).rstrip("/").endswith(".mlpackage"):
+        _err("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
+             "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
         return EXIT_ERROR
     runner = open_artifact(args.artifact, args.threads)
     model, info = load_source_model(runner.meta, args.model)
@@ -238,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="export a model to a runtime artifact")
     s.add_argument("model", nargs="?", default=None, help="checkpoint directory or shipped model name (default: the shipped BudgetFormer)")
-    s.add_argument("--target", required=True, help="onnx | coreml | tensorrt")
+    s.add_argument("--target", required=True, help="onnx | coreml (fp32 ML program) | tensorrt (not yet)")
     s.add_argument("-o", "--output", required=True, help="artifact path to write")
     s.add_argument("--variant", default="sparse", help="sparse (really skips heads) | dense (static shapes, masks)")
     s.add_argument("--precision", default="fp32", help="body precision (onnx: fp32)")

@@ -73,5 +73,11 @@ def open_artifact(path: str | Path, threads: int | None = None) -> Runner:
     path = Path(path)
     if path.suffix == ".onnx":
         return OnnxRuntimeRunner(path, threads)
+    if path.suffix == ".mlpackage":
+        if not path.exists():
+            raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
+        from runtimes.coreml_mil import MilReferenceRunner
+
+        return MilReferenceRunner(path)
     raise AdaptexError(f"{path}: unknown artifact kind {path.suffix or '(no suffix)'!r}; "
-                       "adaptex runs .onnx artifacts (Core ML and TensorRT arrive with issues #3 and #6)")
+                       "adaptex runs .onnx and .mlpackage artifacts (TensorRT .plan arrives with issue #6)")

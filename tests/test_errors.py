@@ -67,8 +67,8 @@ def test_unknown_target(tmp_path, capsys, tiny_checkpoint):
 
 
 def test_pending_target_refuses_with_reason(tmp_path, capsys, tiny_checkpoint):
-    fails(capsys, "export", tiny_checkpoint, "--target", "coreml", "-o", tmp_path / "m.mlpackage",
-          match="cannot lower adaptex::budgeted_attention to coreml")
+    fails(capsys, "export", tiny_checkpoint, "--target", "tensorrt", "-o", tmp_path / "m.plan",
+          match="cannot lower adaptex::budgeted_attention to tensorrt")
     assert no_files(tmp_path)
 
 

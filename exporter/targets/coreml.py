@@ -1,12 +1,160 @@
-"""Core ML target (mlprogram). Its lowerings are declared here; the conversion lands with issue #3.
+"""Core ML target (ML program): each adaptex op translated to MIL through coremltools' torch.export path.
 
-Every cell is registered explicitly so the op x target matrix has no empty cell: until the MIL
-translation exists each one raises UnsupportedLowering with the reason below.
+MIL `topk` takes only a constant k, so dynamic k is argsort + slice_by_index with a runtime end +
+gather (`sparse`); `dense` keeps static shapes (argsort over all heads, every head computed, the
+unselected ones weighted by zero), the variant that can stay on the Neural Engine.
+
+Status: fp32 packages. fp16 bodies with fp32 routing, deployment-target and flexible-shape options,
+and the macOS runtime runner are not here yet (issue #3).
 """
-from exporter.registry import unsupported
+from __future__ import annotations
 
-_WHY = ("the Core ML lowering is not implemented yet (issue #3); MIL topk takes only a constant k, "
-        "so dynamic k needs argsort + slice_by_index + gather. Export --target onnx meanwhile")
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
 
-for _variant in ("sparse", "dense"):
-    unsupported("adaptex::budgeted_attention", target="coreml", variant=_variant, reason=_WHY)
+import numpy as np
+
+from exporter import artifact
+from exporter.errors import ExportError
+from exporter.registry import lowering
+
+PRECISIONS = ("fp32",)
+_VARIANT = {"current": "sparse"}  # the variant the registered MIL translation emits during a convert
+
+
+def _budgeted_attention_mil(context, node, variant: str):
+    """Emit MIL for one adaptex::budgeted_attention node (weights are constants, laid out head-major)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+
+    x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, H = _get_inputs(context, node, expected=9)
+    H = int(H.val)
+    wq, bq, wo, bo = (np.asarray(t.val, dtype=np.float32) for t in (w_qkv, b_qkv, w_o, b_o))
+    d = wq.shape[1]
+    dh = d // H
+    w_h = wq.T.reshape(d, 3, H, dh).transpose(2, 0, 1, 3).reshape(H, d, 3 * dh)  # (H, d, 3dh)
+    b_h = bq.reshape(3, H, dh).transpose(1, 0, 2).reshape(H, 1, 3 * dh)  # (H, 1, 3dh)
+    wo_h = wo.T.reshape(H, dh, d)  # (H, dh, d)
+    # routing, fp32: k = clamp(floor(s*H), 1, H); heads ranked by descending p
+    sH = mb.mul(x=s, y=np.float32(H))
+    k = mb.cast(x=mb.clip(x=mb.floor(x=sH), alpha=np.float32(1), beta=np.float32(H)), dtype="int32")  # (B,)
+    order = mb.argsort(x=p, axis=-1, ascending=False)  # (B, H)
+    ranks = mb.argsort(x=order, axis=-1, ascending=True)  # inverse permutation: each head's rank
+    head_mask = mb.less(x=ranks, y=mb.expand_dims(x=k, axes=[1]))  # (B, H)
+    if variant == "sparse":
+        kmax = mb.reduce_max(x=k, axes=[0], keep_dims=True)  # (1,): the batch's largest k
+        batch = mb.slice_by_index(x=mb.shape(x=p), begin=[0], end=[1])
+        order = mb.slice_by_index(x=order, begin=[0, 0], end=mb.concat(values=[batch, kmax], axis=0))  # (B, K)
+        j = mb.range_1d(start=np.int32(0), end=mb.squeeze(x=kmax), step=np.int32(1))  # (K,)
+    else:
+        j = np.arange(H, dtype=np.int32)
+    valid = mb.cast(x=mb.less(x=mb.expand_dims(x=j, axes=[0]), y=mb.expand_dims(x=k, axes=[1])), dtype="fp32")
+    weights = mb.mul(x=mb.mul(x=mb.gather_along_axis(x=p, indices=order, axis=1), y=mb.expand_dims(x=sH, axes=[1])),
+                     y=valid)  # (B, K): s*H*p_i, zero past a sample's own k
+    wg = mb.gather(x=w_h, indices=order, axis=0)  # (B, K, d, 3dh)
+    bg = mb.gather(x=b_h, indices=order, axis=0)  # (B, K, 1, 3dh)
+    qkv = mb.add(x=mb.matmul(x=mb.expand_dims(x=x, axes=[1]), y=wg), y=bg)  # (B, K, T, 3dh)
+    q, kk, v = mb.split(x=qkv, num_splits=3, axis=-1)  # (B, K, T, dh) each
+    scores = mb.mul(x=mb.matmul(x=q, y=kk, transpose_y=True), y=np.float32(dh ** -0.5))  # (B, K, T, T)
+    # padded keys: a large negative bias (select with scalar branches loses its shape in coremltools 9)
+    bias = mb.mul(x=mb.sub(x=mb.cast(x=key_mask, dtype="fp32"), y=np.float32(1)), y=np.float32(1e30))  # (B, T)
+    scores = mb.add(x=scores, y=mb.expand_dims(x=bias, axes=[1, 2]))
+    o = mb.matmul(x=mb.softmax(x=scores, axis=-1), y=v)  # (B, K, T, dh)
+    o = mb.mul(x=o, y=mb.expand_dims(x=weights, axes=[2, 3]))
+    o = mb.transpose(x=o, perm=[0, 2, 1, 3])  # (B, T, K, dh)
+    o = mb.reshape(x=o, shape=mb.concat(values=[mb.slice_by_index(x=mb.shape(x=o), begin=[0], end=[2]),
+                                                np.array([-1], np.int32)], axis=0))  # (B, T, K*dh)
+    wog = mb.gather(x=wo_h, indices=order, axis=0)  # (B, K, dh, d)
+    wog = mb.reshape(x=wog, shape=mb.concat(values=[mb.slice_by_index(x=mb.shape(x=wog), begin=[0], end=[1]),
+                                                    np.array([-1, d], np.int32)], axis=0))  # (B, K*dh, d)
+    y = mb.add(x=mb.matmul(x=o, y=wog), y=bo)
+    context.add((y, k, head_mask), node.name)
+
+
+def _register_translation() -> None:
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
+
+    @register_torch_op(torch_alias=["adaptex::budgeted_attention"], override=True)
+    def budgeted_attention(context, node):
+        _budgeted_attention_mil(context, node, _VARIANT["current"])
+
+
+@lowering("adaptex::budgeted_attention", target="coreml", variant="sparse")
+def budgeted_attention_coreml_sparse(ctx, node):
+    """argsort + slice_by_index with a runtime end (the batch's largest k) + gather of those heads'
+    weights; attention on k heads only."""
+    return "sparse"
+
+
+@lowering("adaptex::budgeted_attention", target="coreml", variant="dense")
+def budgeted_attention_coreml_dense(ctx, node):
+    """Static shapes: argsort over all heads, every head computed, unselected heads weighted by zero."""
+    return "dense"
+
+
+def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp32") -> dict:
+    """Convert to an ML program package at `out` (a directory, written atomically)."""
+    from exporter.registry import lookup
+    from exporter.trace import adaptex_nodes, output_names, trace
+
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r} is not supported for the coreml target yet; use fp32")
+    out = Path(out)
+    if out.suffix != ".mlpackage":
+        raise ExportError(f"{out}: a Core ML package's name must end in .mlpackage; use -o {out}.mlpackage")
+    parent = out.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ExportError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+    if out.exists() and not (out / "Manifest.json").is_file():
+        raise ExportError(f"{out}: exists and is not an ML package; choose a new -o")
+    import coremltools as ct
+
+    ep = trace(model, mode="hard")
+    notes = {}
+    for node in adaptex_nodes(ep):
+        op = node.target.name()
+        entry = lookup(op, "coreml", variant, node)
+        notes[op] = entry.fn.__name__
+        _VARIANT["current"] = entry.fn(None, node)
+    _register_translation()
+    cfg = model.cfg
+    names = output_names(cfg.num_layers, cfg.adaptive)
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mlmodel = ct.convert(ep.run_decompositions({}), convert_to="mlprogram",
+                                 minimum_deployment_target=ct.target.iOS17,
+                                 compute_precision=ct.precision.FLOAT32,
+                                 outputs=[ct.TensorType(name=n) for n in names])
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"coremltools conversion failed: {first}") from e
+    meta = {
+        "format": artifact.FORMAT_VERSION, "family": cfg.family, "target": "coreml", "variant": variant,
+        "precision": precision, "opset": {"adaptex": 1}, "lowerings": notes,
+        "budget_range": [cfg.s_min, cfg.s_max], "config": cfg.to_dict(),
+        "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
+        "max_sequence": cfg.max_len,
+    }
+    spec = mlmodel.get_spec()
+    meta["inputs"] = {i.name: {"dtype": "int32", "shape": ["batch", "sequence"]} for i in spec.description.input}
+    meta["outputs"] = {o.name: {"dtype": "see package", "shape": []} for o in spec.description.output}
+    mlmodel.short_description = f"{cfg.family} exported by adaptex ({variant}, {precision})"
+    mlmodel.user_defined_metadata[artifact.META_KEY] = json.dumps(meta)
+    for key in ("family", "variant", "precision"):
+        mlmodel.user_defined_metadata[f"adaptex.{key}"] = str(meta[key])
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    try:
+        mlmodel.save(str(tmp / out.name))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp / out.name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta

@@ -1,0 +1,150 @@
+"""Linux-side check of a saved Core ML package: the ML program loaded back from disk and evaluated
+op by op in numpy, in the program's own precision.
+
+This is a MIL reference evaluation, not the Core ML runtime: it proves the saved program computes
+what the eager model computes; it does not prove how Core ML schedules it (CPU, GPU or Neural
+Engine kernels, their fp16 accumulation). Every op our packages contain has an evaluator here; an op
+without one fails loudly, by name.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from graphs.errors import AdaptexError
+from runtimes.base import IOSpec, ModelLimits, Runner
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+DT = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32, "bool": np.bool_, "int64": np.int64}
+
+def _axes(a, nd):
+    return sorted(int(x) % nd for x in np.atleast_1d(a))
+
+def _slice(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
+    n = x.ndim; sl = []
+    stride = np.ones(n, int) if stride is None else stride
+    for i in range(n):
+        b = None if (begin_mask is not None and begin_mask[i]) else int(begin[i])
+        e = None if (end_mask is not None and end_mask[i]) else int(end[i])
+        sl.append(slice(b, e, int(stride[i])))
+    out = x[tuple(sl)]
+    if squeeze_mask is not None and any(squeeze_mask):
+        out = np.squeeze(out, axis=tuple(i for i, m in enumerate(squeeze_mask) if m))
+    return out
+
+def _ln(x, axes=None, gamma=None, beta=None, epsilon=1e-5):
+    ax = tuple(_axes(axes, x.ndim)); m = x.mean(ax, keepdims=True); v = ((x - m) ** 2).mean(ax, keepdims=True)
+    y = (x - m) / np.sqrt(v + epsilon)
+    return (y * (1 if gamma is None else gamma) + (0 if beta is None else beta)).astype(x.dtype)
+
+def _softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis, keepdims=True)); return (e / e.sum(axis, keepdims=True)).astype(x.dtype)
+
+
+EVAL = {
+    "cast": lambda x, dtype: x.astype(DT[dtype]),
+    "expand_dims": lambda x, axes: np.expand_dims(x, tuple(int(a) if a >= 0 else int(a) + x.ndim + len(np.atleast_1d(axes)) for a in np.atleast_1d(axes))),
+    "squeeze": lambda x, axes=None: np.squeeze(x) if axes is None else np.squeeze(x, axis=tuple(_axes(axes, x.ndim))),
+    "linear": lambda x, weight, bias=None: (x @ weight.T + (0 if bias is None else bias)).astype(x.dtype),
+    "mul": lambda x, y: x * y, "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "real_div": lambda x, y: x / y,
+    "maximum": lambda x, y: np.maximum(x, y), "minimum": lambda x, y: np.minimum(x, y), "less": lambda x, y: x < y, "greater": lambda x, y: x > y,
+    "greater_equal": lambda x, y: x >= y, "logical_not": lambda x: np.logical_not(x),
+    "select": lambda cond, a, b: np.where(cond, a, b),
+    "floor": lambda x: np.floor(x), "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
+    "sigmoid": lambda x: (1 / (1 + np.exp(-x))).astype(x.dtype),
+    "matmul": lambda x, y, transpose_x=False, transpose_y=False: np.matmul(np.swapaxes(x, -1, -2) if transpose_x else x, np.swapaxes(y, -1, -2) if transpose_y else y),
+    "gelu": lambda x, mode="EXACT": (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype),
+    "layer_norm": _ln, "softmax": _softmax,
+    "reduce_sum": lambda x, axes=None, keep_dims=False: x.sum(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
+    "reduce_max": lambda x, axes=None, keep_dims=False: x.max(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
+    "shape": lambda x: np.array(x.shape, np.int32),
+    "concat": lambda values, axis, interleave=False: np.concatenate([np.atleast_1d(v) for v in values], int(axis)),
+    "slice_by_index": _slice,
+    "gather": lambda x, indices, axis=0, batch_dims=0, validate_indices=False: np.take(x, indices, axis=int(axis)),
+    "gather_along_axis": lambda x, indices, axis=0, validate_indices=False: np.take_along_axis(x, indices.astype(np.int64), int(axis)),
+    "argsort": lambda x, axis=-1, ascending=False: np.argsort(x if ascending else -x, axis=int(axis), kind="stable").astype(np.int32),
+    "range_1d": lambda start, end, step: np.arange(start, end, step, dtype=np.int32),
+    "split": lambda x, num_splits=None, split_sizes=None, axis=0: np.split(x, int(num_splits) if split_sizes is None else np.cumsum(split_sizes)[:-1], axis=int(axis)),
+    "transpose": lambda x, perm: np.transpose(x, perm),
+    "reshape": lambda x, shape: np.reshape(x, [int(v) for v in shape]),
+    "identity": lambda x: x,
+}
+
+
+class MilReferenceRunner(Runner):
+    name = "MIL reference evaluation (numpy; not the Core ML runtime)"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.spec, self.program = load_program(self.path)
+        meta = dict(self.spec.description.metadata.userDefined)
+        if "adaptex" not in meta:
+            raise AdaptexError(f"{self.path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
+                               "export the model with adaptex first")
+        self.meta = json.loads(meta["adaptex"])
+        cfg = self.meta["config"]
+        super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
+
+    def input_metadata(self) -> dict[str, IOSpec]:
+        return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in self.program.functions["main"].inputs}
+
+    def _infer(self, feeds):
+        # Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
+        from exporter.trace import output_names
+
+        cfg = self.meta["config"]
+        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
+        return {canonical.get(k, k): v for k, v in run(self.program, feeds).items()}
+
+
+def load_program(path: Path):
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
+    if not (path / "Manifest.json").is_file():
+        raise AdaptexError(f"{path}: not an ML package (no Manifest.json); pass a .mlpackage written by adaptex export")
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    if not spec.HasField("mlProgram"):
+        raise AdaptexError(f"{path}: not an ML program package; adaptex checks mlprogram packages only")
+    return spec, milproto_load(spec, specification_version=spec.specificationVersion,
+                               file_weights_dir=os.path.join(path, "Data", "com.apple.CoreML", "weights"))
+
+
+_SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose_y", "keep_dims", "ascending",
+                "epsilon", "alpha", "beta", "interleave")
+
+
+def run(program, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Evaluate the program's main function on `feeds`; returns its outputs by name."""
+    fn = program.functions["main"]
+    env = {name: np.asarray(feeds[name]) for name in fn.inputs}
+
+    def value(v):
+        if isinstance(v, (list, tuple)):
+            return [value(u) for u in v]
+        if v.name in env:
+            return env[v.name]
+        if v.val is not None:
+            return np.asarray(v.val)
+        raise AdaptexError(f"MIL evaluation: value {v.name} is used before it is computed")
+
+    for op in fn.operations:
+        if op.op_type == "const":
+            env[op.outputs[0].name] = np.asarray(op.outputs[0].val)
+            continue
+        f = EVAL.get(op.op_type)
+        if f is None:
+            raise AdaptexError(f"MIL evaluation: no numpy evaluator for op {op.op_type!r} ({op.name}); "
+                               "add one to runtimes/coreml_mil.py")
+        args = {k: value(v) for k, v in op.inputs.items()}
+        for k in _SCALAR_ARGS:
+            if k in args and isinstance(args[k], np.ndarray) and args[k].ndim == 0:
+                args[k] = args[k].item()
+        out = f(**args)
+        for var, o in zip(op.outputs, out if isinstance(out, list) else [out]):
+            env[var.name] = np.asarray(o)
+    return {v.name: env[v.name] for v in fn.outputs}

@@ -1,0 +1,102 @@
+"""Core ML target: packages converted on Linux and checked by MIL reference evaluation of the saved
+program (the Core ML runtime itself needs macOS)."""
+import json
+
+import pytest
+
+pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+
+from exporter.cli import main  # noqa: E402
+from exporter.targets import coreml as target  # noqa: E402
+from graphs import checkpoint  # noqa: E402
+from runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+from runtimes.parity import check  # noqa: E402
+from runtimes.torch_ref import TorchRunner  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def packages(tiny_checkpoint, tmp_path_factory):
+    model, info = checkpoint.load(tiny_checkpoint)
+    out = {}
+    for variant in ("sparse", "dense"):
+        path = tmp_path_factory.mktemp("coreml") / f"tiny.{variant}.mlpackage"
+        target.export(model, info, path, variant=variant)
+        out[variant] = path
+    return out
+
+
+def _ops(path):
+    fn = MilReferenceRunner(path).program.functions["main"]
+    return list(fn.operations)
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_package_passes_parity_by_mil_reference_evaluation(packages, tiny_checkpoint, variant):
+    model, _ = checkpoint.load(tiny_checkpoint)
+    runner = MilReferenceRunner(packages[variant])
+    report = check(runner, TorchRunner(model), samples=60, task="graded")
+    assert report.passed, report.format()
+    assert report.max_abs_err <= 1e-4 and report.unexcused_flips == 0 and report.decisions_vary
+    assert "not the Core ML runtime" in report.note and "MIL reference" in report.runtime
+
+
+def test_sparse_program_has_a_runtime_k(packages):
+    ops = _ops(packages["sparse"])
+    types = [op.op_type for op in ops]
+    assert "argsort" in types and "topk" not in types
+    # the head slice's end is computed at run time (the batch's largest k), not a constant
+    runtime_ends = [op for op in ops if op.op_type == "slice_by_index" and op.inputs["end"].val is None]
+    assert runtime_ends
+
+
+def test_dense_program_has_only_static_shapes_in_its_attention(packages):
+    ops = _ops(packages["dense"])
+    types = [op.op_type for op in ops]
+    assert "reduce_max" not in types or all(op.inputs["x"].rank != 1 for op in ops if op.op_type == "reduce_max")
+    assert "range_1d" not in types  # no head count computed at run time
+    for op in ops:
+        if op.op_type == "gather" and op.outputs[0].rank == 4:  # gathered weights: (B, H, ., .)
+            assert op.outputs[0].shape[1] == 4  # all H heads, a static size
+
+
+def test_metadata_and_cli(packages, tiny_checkpoint, tmp_path, capsys):
+    meta = MilReferenceRunner(packages["sparse"]).meta
+    assert meta["target"] == "coreml" and meta["variant"] == "sparse" and meta["precision"] == "fp32"
+    out = tmp_path / "m.mlpackage"
+    assert main(["export", str(tiny_checkpoint), "--target", "coreml", "-o", str(out)]) == 0
+    assert main(["check", str(out), "--samples", "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+    assert main(["inspect", str(out)]) == 0
+    assert "target: coreml" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--precision", "fp16"], "precision 'fp16' is not supported for the coreml target yet"),
+    (["-o", "m.onnx"], "must end in .mlpackage"),
+])
+def test_bad_coreml_export(tiny_checkpoint, tmp_path, capsys, argv, match, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["export", str(tiny_checkpoint), "--target", "coreml", "-o", "m.mlpackage"]
+    args = args[:-2] + argv if argv[0] == "-o" else args + argv
+    assert main(args) == 2
+    assert match in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_refuses_coreml_on_linux(packages, capsys):
+    assert main(["bench", str(packages["sparse"])]) == 2
+    assert "needs the Core ML runtime (macOS)" in capsys.readouterr().err
+
+
+def test_check_refuses_a_package_not_made_by_adaptex(packages, tmp_path, capsys):
+    import shutil
+
+    import coremltools as ct
+
+    other = tmp_path / "other.mlpackage"
+    shutil.copytree(packages["dense"], other)
+    m = ct.models.MLModel(str(other), skip_model_load=True)
+    del m.user_defined_metadata["adaptex"]
+    m.save(str(tmp_path / "stripped.mlpackage"))
+    assert main(["check", str(tmp_path / "stripped.mlpackage")]) == 2
+    assert "has no adaptex metadata" in capsys.readouterr().err
