@@ -159,7 +159,13 @@ def cmd_export(args) -> int:
 
         raise ExportError(f"target {args.target} has lowerings but no exporter in this version")
     _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
-    meta = target.export(model, info, args.output, variant=args.variant, precision=args.precision)
+    kwargs = {"variant": args.variant, "precision": args.precision or target.DEFAULT_PRECISION}
+    if args.target == "coreml":
+        kwargs["min_target"] = args.min_target or target.DEFAULT_MIN_TARGET
+    elif args.min_target:
+        _err("--min-target applies to --target coreml only")
+        return EXIT_ERROR
+    meta = target.export(model, info, args.output, **kwargs)
     _say(f"wrote {args.output}: {len(meta['outputs'])} outputs, lowerings {meta['lowerings']}")
     return 0
 
@@ -253,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", required=True, help="onnx | coreml (fp32 ML program) | tensorrt (not yet)")
     s.add_argument("-o", "--output", required=True, help="artifact path to write")
     s.add_argument("--variant", default="sparse", help="sparse (really skips heads) | dense (static shapes, masks)")
-    s.add_argument("--precision", default="fp32", help="body precision (onnx: fp32)")
+    s.add_argument("--precision", default=None,
+                   help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 default, or fp32)")
+    s.add_argument("--min-target", default=None,
+                   help="coreml: minimum deployment target (iOS16..iOS18, macOS13..macOS15; default iOS17)")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("inspect", help="print an artifact's metadata")

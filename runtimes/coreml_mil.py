@@ -1,7 +1,8 @@
 """Linux-side check of a saved Core ML package: the ML program loaded back from disk and evaluated
 op by op in numpy, in the program's own precision.
 
-This is a MIL reference evaluation, not the Core ML runtime: it proves the saved program computes
+fp16 ops take and give fp16 values but accumulate products, sums and normalisations in fp32, as
+Core ML's fp16 kernels do. This is a MIL reference evaluation, not the Core ML runtime: it proves the saved program computes
 what the eager model computes; it does not prove how Core ML schedules it (CPU, GPU or Neural
 Engine kernels, their fp16 accumulation). Every op our packages contain has an evaluator here; an op
 without one fails loudly, by name.
@@ -19,7 +20,8 @@ from graphs.errors import AdaptexError
 from runtimes.base import IOSpec, ModelLimits, Runner
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
-DT = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32, "bool": np.bool_, "int64": np.int64}
+DT = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32, "bool": np.bool_, "int64": np.int64,
+      "int16": np.int16, "uint16": np.uint16, "int8": np.int8, "uint8": np.uint8}
 
 def _axes(a, nd):
     return sorted(int(x) % nd for x in np.atleast_1d(a))
@@ -37,29 +39,36 @@ def _slice(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_m
     return out
 
 def _ln(x, axes=None, gamma=None, beta=None, epsilon=1e-5):
-    ax = tuple(_axes(axes, x.ndim)); m = x.mean(ax, keepdims=True); v = ((x - m) ** 2).mean(ax, keepdims=True)
-    y = (x - m) / np.sqrt(v + epsilon)
+    x32 = x.astype(np.float32)
+    ax = tuple(_axes(axes, x.ndim)); m = x32.mean(ax, keepdims=True); v = ((x32 - m) ** 2).mean(ax, keepdims=True)
+    y = (x32 - m) / np.sqrt(v + np.float32(epsilon))
     return (y * (1 if gamma is None else gamma) + (0 if beta is None else beta)).astype(x.dtype)
 
 def _softmax(x, axis=-1):
-    e = np.exp(x - x.max(axis, keepdims=True)); return (e / e.sum(axis, keepdims=True)).astype(x.dtype)
+    x32 = x.astype(np.float32)
+    e = np.exp(x32 - x32.max(axis, keepdims=True)); return (e / e.sum(axis, keepdims=True)).astype(x.dtype)
+
+
+def _mm(a, b, out_dtype):
+    """Products accumulate in fp32 and round to the op's dtype, as Core ML's fp16 kernels do."""
+    return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(out_dtype)
 
 
 EVAL = {
     "cast": lambda x, dtype: x.astype(DT[dtype]),
     "expand_dims": lambda x, axes: np.expand_dims(x, tuple(int(a) if a >= 0 else int(a) + x.ndim + len(np.atleast_1d(axes)) for a in np.atleast_1d(axes))),
     "squeeze": lambda x, axes=None: np.squeeze(x) if axes is None else np.squeeze(x, axis=tuple(_axes(axes, x.ndim))),
-    "linear": lambda x, weight, bias=None: (x @ weight.T + (0 if bias is None else bias)).astype(x.dtype),
+    "linear": lambda x, weight, bias=None: (_mm(x, weight.T, np.float32) + (0 if bias is None else bias)).astype(x.dtype),
     "mul": lambda x, y: x * y, "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "real_div": lambda x, y: x / y,
     "maximum": lambda x, y: np.maximum(x, y), "minimum": lambda x, y: np.minimum(x, y), "less": lambda x, y: x < y, "greater": lambda x, y: x > y,
     "greater_equal": lambda x, y: x >= y, "logical_not": lambda x: np.logical_not(x),
     "select": lambda cond, a, b: np.where(cond, a, b),
     "floor": lambda x: np.floor(x), "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
     "sigmoid": lambda x: (1 / (1 + np.exp(-x))).astype(x.dtype),
-    "matmul": lambda x, y, transpose_x=False, transpose_y=False: np.matmul(np.swapaxes(x, -1, -2) if transpose_x else x, np.swapaxes(y, -1, -2) if transpose_y else y),
+    "matmul": lambda x, y, transpose_x=False, transpose_y=False: _mm(np.swapaxes(x, -1, -2) if transpose_x else x, np.swapaxes(y, -1, -2) if transpose_y else y, np.result_type(x, y)),
     "gelu": lambda x, mode="EXACT": (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype),
     "layer_norm": _ln, "softmax": _softmax,
-    "reduce_sum": lambda x, axes=None, keep_dims=False: x.sum(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
+    "reduce_sum": lambda x, axes=None, keep_dims=False: x.sum(dtype=np.float32 if x.dtype == np.float16 else None, axis=tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)).astype(x.dtype),
     "reduce_max": lambda x, axes=None, keep_dims=False: x.max(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
     "shape": lambda x: np.array(x.shape, np.int32),
     "concat": lambda values, axis, interleave=False: np.concatenate([np.atleast_1d(v) for v in values], int(axis)),

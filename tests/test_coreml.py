@@ -20,7 +20,7 @@ def packages(tiny_checkpoint, tmp_path_factory):
     out = {}
     for variant in ("sparse", "dense"):
         path = tmp_path_factory.mktemp("coreml") / f"tiny.{variant}.mlpackage"
-        target.export(model, info, path, variant=variant)
+        target.export(model, info, path, variant=variant, precision="fp32")
         out[variant] = path
     return out
 
@@ -38,6 +38,24 @@ def test_package_passes_parity_by_mil_reference_evaluation(packages, tiny_checkp
     assert report.passed, report.format()
     assert report.max_abs_err <= 1e-4 and report.unexcused_flips == 0 and report.decisions_vary
     assert "not the Core ML runtime" in report.note and "MIL reference" in report.runtime
+
+
+def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path):
+    from coremltools.converters.mil.mil import types
+
+    model, info = checkpoint.load(tiny_checkpoint)
+    path = tmp_path / "m16.mlpackage"
+    meta = target.export(model, info, path)  # fp16 is the Core ML default
+    assert meta["precision"] == "fp16" and meta["routing_precision"] == "fp32"
+    ops = _ops(path)
+    dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
+    routing = [op for op in ops if op.name.startswith("route_") and op.op_type in ("floor", "clip", "mul")]
+    assert routing and all(dtype[op.name] == "fp32" for op in routing)
+    assert {dtype[op.name] for op in ops if op.op_type == "sigmoid"} == {"fp32"}  # the budget networks
+    assert "fp16" in {dtype[op.name] for op in ops if op.op_type == "linear"}  # while the body is fp16
+    report = check(MilReferenceRunner(path), TorchRunner(model), samples=60, task="graded", precision="fp16")
+    assert report.passed, report.format()
+    assert report.unexcused_flips == 0 and report.tolerance == {"atol": 1e-2, "rtol": 1e-2}
 
 
 def test_sparse_program_has_a_runtime_k(packages):
@@ -71,7 +89,8 @@ def test_metadata_and_cli(packages, tiny_checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--precision", "fp16"], "precision 'fp16' is not supported for the coreml target yet"),
+    (["--precision", "fp8"], "precision 'fp8' is not supported for the coreml target; use fp16 or fp32"),
+    (["--min-target", "iOS9"], "unknown --min-target 'iOS9'; choose one of iOS16"),
     (["-o", "m.onnx"], "must end in .mlpackage"),
 ])
 def test_bad_coreml_export(tiny_checkpoint, tmp_path, capsys, argv, match, monkeypatch):

@@ -23,7 +23,11 @@ from exporter import artifact
 from exporter.errors import ExportError
 from exporter.registry import lowering
 
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp16", "fp32")
+DEFAULT_PRECISION = "fp16"
+MIN_TARGETS = {"iOS16": "iOS16", "iOS17": "iOS17", "iOS18": "iOS18",
+               "macOS13": "macOS13", "macOS14": "macOS14", "macOS15": "macOS15"}
+DEFAULT_MIN_TARGET = "iOS17"
 _VARIANT = {"current": "sparse"}  # the variant the registered MIL translation emits during a convert
 
 
@@ -34,6 +38,7 @@ def _budgeted_attention_mil(context, node, variant: str):
 
     x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, H = _get_inputs(context, node, expected=9)
     H = int(H.val)
+    r = f"route_{node.name}_"  # routing ops carry this prefix: the fp16 pass leaves them in fp32
     wq, bq, wo, bo = (np.asarray(t.val, dtype=np.float32) for t in (w_qkv, b_qkv, w_o, b_o))
     d = wq.shape[1]
     dh = d // H
@@ -41,11 +46,12 @@ def _budgeted_attention_mil(context, node, variant: str):
     b_h = bq.reshape(3, H, dh).transpose(1, 0, 2).reshape(H, 1, 3 * dh)  # (H, 1, 3dh)
     wo_h = wo.T.reshape(H, dh, d)  # (H, dh, d)
     # routing, fp32: k = clamp(floor(s*H), 1, H); heads ranked by descending p
-    sH = mb.mul(x=s, y=np.float32(H))
-    k = mb.cast(x=mb.clip(x=mb.floor(x=sH), alpha=np.float32(1), beta=np.float32(H)), dtype="int32")  # (B,)
-    order = mb.argsort(x=p, axis=-1, ascending=False)  # (B, H)
-    ranks = mb.argsort(x=order, axis=-1, ascending=True)  # inverse permutation: each head's rank
-    head_mask = mb.less(x=ranks, y=mb.expand_dims(x=k, axes=[1]))  # (B, H)
+    sH = mb.mul(x=s, y=np.float32(H), name=r + "sH")
+    kf = mb.clip(x=mb.floor(x=sH, name=r + "floor"), alpha=np.float32(1), beta=np.float32(H), name=r + "clip")
+    k = mb.cast(x=kf, dtype="int32", name=r + "k")  # (B,)
+    order = mb.argsort(x=p, axis=-1, ascending=False, name=r + "order")  # (B, H)
+    ranks = mb.argsort(x=order, axis=-1, ascending=True, name=r + "ranks")  # inverse permutation
+    head_mask = mb.less(x=ranks, y=mb.expand_dims(x=k, axes=[1], name=r + "k1"), name=r + "mask")  # (B, H)
     if variant == "sparse":
         kmax = mb.reduce_max(x=k, axes=[0], keep_dims=True)  # (1,): the batch's largest k
         batch = mb.slice_by_index(x=mb.shape(x=p), begin=[0], end=[1])
@@ -53,18 +59,21 @@ def _budgeted_attention_mil(context, node, variant: str):
         j = mb.range_1d(start=np.int32(0), end=mb.squeeze(x=kmax), step=np.int32(1))  # (K,)
     else:
         j = np.arange(H, dtype=np.int32)
-    valid = mb.cast(x=mb.less(x=mb.expand_dims(x=j, axes=[0]), y=mb.expand_dims(x=k, axes=[1])), dtype="fp32")
-    weights = mb.mul(x=mb.mul(x=mb.gather_along_axis(x=p, indices=order, axis=1), y=mb.expand_dims(x=sH, axes=[1])),
-                     y=valid)  # (B, K): s*H*p_i, zero past a sample's own k
+    valid = mb.cast(x=mb.less(x=mb.expand_dims(x=j, axes=[0]), y=mb.expand_dims(x=k, axes=[1])), dtype="fp32",
+                    name=r + "valid")
+    topv = mb.gather_along_axis(x=p, indices=order, axis=1, name=r + "topv")
+    weights = mb.mul(x=mb.mul(x=topv, y=mb.expand_dims(x=sH, axes=[1], name=r + "sH1"), name=r + "w0"),
+                     y=valid, name=r + "weights")  # (B, K): s*H*p_i, zero past a sample's own k
     wg = mb.gather(x=w_h, indices=order, axis=0)  # (B, K, d, 3dh)
     bg = mb.gather(x=b_h, indices=order, axis=0)  # (B, K, 1, 3dh)
     qkv = mb.add(x=mb.matmul(x=mb.expand_dims(x=x, axes=[1]), y=wg), y=bg)  # (B, K, T, 3dh)
     q, kk, v = mb.split(x=qkv, num_splits=3, axis=-1)  # (B, K, T, dh) each
     scores = mb.mul(x=mb.matmul(x=q, y=kk, transpose_y=True), y=np.float32(dh ** -0.5))  # (B, K, T, T)
-    # padded keys: a large negative bias (select with scalar branches loses its shape in coremltools 9)
-    bias = mb.mul(x=mb.sub(x=mb.cast(x=key_mask, dtype="fp32"), y=np.float32(1)), y=np.float32(1e30))  # (B, T)
+    # padded keys: a large negative bias (select with scalar branches loses its shape in coremltools 9).
+    # -1e4, not -1e30: the body may run in fp16, where 1e30 is inf and 0 * inf is NaN.
+    bias = mb.mul(x=mb.sub(x=mb.cast(x=key_mask, dtype="fp32"), y=np.float32(1)), y=np.float32(1e4))  # (B, T)
     scores = mb.add(x=scores, y=mb.expand_dims(x=bias, axes=[1, 2]))
-    o = mb.matmul(x=mb.softmax(x=scores, axis=-1), y=v)  # (B, K, T, dh)
+    o = mb.matmul(x=mb.softmax(x=scores, axis=-1, name=f"{node.name}_attn_softmax"), y=v)  # (B, K, T, dh)
     o = mb.mul(x=o, y=mb.expand_dims(x=weights, axes=[2, 3]))
     o = mb.transpose(x=o, perm=[0, 2, 1, 3])  # (B, T, K, dh)
     o = mb.reshape(x=o, shape=mb.concat(values=[mb.slice_by_index(x=mb.shape(x=o), begin=[0], end=[2]),
@@ -97,13 +106,30 @@ def budgeted_attention_coreml_dense(ctx, node):
     return "dense"
 
 
-def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp32") -> dict:
+def routing_node_names(ep) -> set[str]:
+    """FX nodes that compute routing (the routers, and the temperature softmax of the head scores):
+    they must stay fp32 in an fp16 package, or floor(s*H) and the top-k order move near boundaries."""
+    names = set()
+    for n in ep.graph.nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        path = [v[0] for v in stack.values()][-1] if stack else ""
+        if ".router" in path or (path.endswith(".attn") and n.target is not None
+                                  and "budgeted_attention" not in str(n.target) and n.op == "call_function"
+                                  and "getitem" not in str(n.target)):
+            names.add(n.name)
+    return names
+
+
+def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp16",
+           min_target: str = DEFAULT_MIN_TARGET) -> dict:
     """Convert to an ML program package at `out` (a directory, written atomically)."""
     from exporter.registry import lookup
     from exporter.trace import adaptex_nodes, output_names, trace
 
     if precision not in PRECISIONS:
-        raise ExportError(f"precision {precision!r} is not supported for the coreml target yet; use fp32")
+        raise ExportError(f"precision {precision!r} is not supported for the coreml target; use fp16 or fp32")
+    if min_target not in MIN_TARGETS:
+        raise ExportError(f"unknown --min-target {min_target!r}; choose one of {', '.join(MIN_TARGETS)}")
     out = Path(out)
     if out.suffix != ".mlpackage":
         raise ExportError(f"{out}: a Core ML package's name must end in .mlpackage; use -o {out}.mlpackage")
@@ -114,7 +140,7 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         raise ExportError(f"{out}: exists and is not an ML package; choose a new -o")
     import coremltools as ct
 
-    ep = trace(model, mode="hard")
+    ep = trace(model, mode="hard").run_decompositions({})
     notes = {}
     for node in adaptex_nodes(ep):
         op = node.target.name()
@@ -128,16 +154,25 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mlmodel = ct.convert(ep.run_decompositions({}), convert_to="mlprogram",
-                                 minimum_deployment_target=ct.target.iOS17,
-                                 compute_precision=ct.precision.FLOAT32,
+            if precision == "fp16":
+                keep = routing_node_names(ep)
+                # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
+                keep |= {n + "_0" for n in keep if not n.rsplit("_", 1)[-1].isdigit()}
+                compute = ct.transform.FP16ComputePrecision(
+                    op_selector=lambda op: op.name not in keep and not op.name.startswith("route_"))
+            else:
+                compute = ct.precision.FLOAT32
+            mlmodel = ct.convert(ep, convert_to="mlprogram",
+                                 minimum_deployment_target=getattr(ct.target, MIN_TARGETS[min_target]),
+                                 compute_precision=compute,
                                  outputs=[ct.TensorType(name=n) for n in names])
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"coremltools conversion failed: {first}") from e
     meta = {
         "format": artifact.FORMAT_VERSION, "family": cfg.family, "target": "coreml", "variant": variant,
-        "precision": precision, "opset": {"adaptex": 1}, "lowerings": notes,
+        "precision": precision, "routing_precision": "fp32", "min_target": min_target,
+        "opset": {"adaptex": 1}, "lowerings": notes,
         "budget_range": [cfg.s_min, cfg.s_max], "config": cfg.to_dict(),
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
         "max_sequence": cfg.max_len,

@@ -23,6 +23,7 @@ from exporter.targets import onnx_functions as fx
 from exporter.trace import INPUT_NAMES, adaptex_nodes, output_names, trace
 
 PRECISIONS = ("fp32",)
+DEFAULT_PRECISION = "fp32"
 
 
 @dataclass(frozen=True)
