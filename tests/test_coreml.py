@@ -119,3 +119,31 @@ def test_check_refuses_a_package_not_made_by_adaptex(packages, tmp_path, capsys)
     m.save(str(tmp_path / "stripped.mlpackage"))
     assert main(["check", str(tmp_path / "stripped.mlpackage")]) == 2
     assert "has no adaptex metadata" in capsys.readouterr().err
+
+
+def test_package_metadata_seen_in_xcode(packages):
+    import coremltools as ct
+
+    m = ct.models.MLModel(str(packages["sparse"]), skip_model_load=True)
+    ud = m.user_defined_metadata
+    for key in ("adaptex.family", "adaptex.config", "adaptex.opset", "adaptex.variant", "adaptex.precision",
+                "adaptex.budget_range", "adaptex.source_sha256"):
+        assert ud[key], key
+    assert json.loads(ud["adaptex.budget_range"]) == [0.25, 0.375]
+    assert "fp32 routing" in m.short_description
+    spec = m.get_spec()
+    assert all(i.shortDescription for i in spec.description.input)
+    assert all(o.shortDescription for o in spec.description.output)
+    # flexible shapes: the sequence axis is a range bounded by the model's maximum
+    rng = spec.description.input[0].type.multiArrayType.shapeRange.sizeRanges[1]
+    assert (rng.lowerBound, rng.upperBound) == (1, 64)
+
+
+def test_sequence_above_the_exported_bound_is_refused(packages):
+    import numpy as np
+
+    from graphs.errors import InputError
+
+    feeds = {n: np.ones((1, 65), dtype=np.int32) for n in ("input_ids", "attention_mask")}
+    with pytest.raises(InputError, match="sequence length 65 exceeds the model's maximum 64"):
+        MilReferenceRunner(packages["sparse"]).infer(feeds)

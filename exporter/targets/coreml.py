@@ -180,10 +180,31 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     spec = mlmodel.get_spec()
     meta["inputs"] = {i.name: {"dtype": "int32", "shape": ["batch", "sequence"]} for i in spec.description.input}
     meta["outputs"] = {o.name: {"dtype": "see package", "shape": []} for o in spec.description.output}
-    mlmodel.short_description = f"{cfg.family} exported by adaptex ({variant}, {precision})"
-    mlmodel.user_defined_metadata[artifact.META_KEY] = json.dumps(meta)
-    for key in ("family", "variant", "precision"):
-        mlmodel.user_defined_metadata[f"adaptex.{key}"] = str(meta[key])
+    mlmodel.short_description = (f"{cfg.family} ({cfg.num_layers} layers x {cfg.num_heads} heads) exported by "
+                                 f"adaptex: {variant} lowering, {precision} body, fp32 routing")
+    mlmodel.author = "adaptex"
+    mlmodel.version = str(artifact.FORMAT_VERSION)
+    describe = {
+        "input_ids": f"token ids, int32 [batch, sequence], sequence 1..{cfg.max_len}",
+        "attention_mask": "1 for real tokens, 0 for padding, int32 [batch, sequence]",
+        "logits": f"class scores [batch, {cfg.num_classes}]",
+    }
+    for i in range(cfg.num_layers):
+        describe[f"decisions_layer{i}_k"] = f"layer {i}: heads computed per sample, clamp(floor(s*H), 1, H)"
+        describe[f"decisions_layer{i}_head_mask"] = f"layer {i}: 1 for the heads computed, 0 otherwise [batch, {cfg.num_heads}]"
+        describe[f"decisions_layer{i}_s"] = f"layer {i}: budget s in (0, 1) per sample"
+    for name, text in describe.items():
+        if name in meta["inputs"]:
+            mlmodel.input_description[name] = text
+        elif name in meta["outputs"]:
+            mlmodel.output_description[name] = text
+    ud = mlmodel.user_defined_metadata
+    ud[artifact.META_KEY] = json.dumps(meta)
+    ud.update({"adaptex.family": cfg.family, "adaptex.variant": variant, "adaptex.precision": precision,
+               "adaptex.routing_precision": "fp32", "adaptex.opset": "1", "adaptex.min_target": min_target,
+               "adaptex.budget_range": json.dumps(meta["budget_range"]), "adaptex.config": json.dumps(cfg.to_dict()),
+               "adaptex.source_checkpoint": str(meta["source"]["checkpoint"]),
+               "adaptex.source_sha256": str(meta["source"]["sha256"])})
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     try:
         mlmodel.save(str(tmp / out.name))
