@@ -193,7 +193,7 @@ def cmd_check(args) -> int:
         _err("--samples must be at least 1")
         return EXIT_ERROR
     _threads(args.threads)
-    runner = open_artifact(args.artifact, args.threads)
+    runner = open_artifact(args.artifact, args.threads, args.compute_units)
     meta = runner.meta
     model, info = load_source_model(meta, args.model)
     report = check(runner, TorchRunner(model), samples=args.samples, precision=meta.get("precision", "fp32"),
@@ -211,8 +211,14 @@ def cmd_bench(args) -> int:
         _err("--runs must be at least 1, --warmup and --threads at least 0")
         return EXIT_ERROR
     if str(args.artifact).rstrip("/").endswith(".mlpackage"):
-        _err("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
-             "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
+        from runtimes import coreml
+
+        if coreml.available():
+            _err("benchmarking Core ML packages is not implemented yet (issue #3); 'adaptex check' runs "
+                 "them on the Core ML runtime with --compute-units")
+        else:
+            _err("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
+                 "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
         return EXIT_ERROR
     runner = open_artifact(args.artifact, args.threads)
     model, info = load_source_model(runner.meta, args.model)
@@ -276,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=200, help="number of sequences to compare")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
+                   help="Core ML packages on macOS: which units Core ML may use (default all)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_check)
 

@@ -68,14 +68,22 @@ class OnnxRuntimeRunner(Runner):
         return self.session.run(None, feeds)
 
 
-def open_artifact(path: str | Path, threads: int | None = None) -> Runner:
-    """The runner for an artifact, by its kind."""
+def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None) -> Runner:
+    """The runner for an artifact, by its kind. A Core ML package runs on the Core ML runtime on macOS,
+    and is checked by MIL reference evaluation elsewhere (or when compute_units is None off macOS)."""
     path = Path(path)
     if path.suffix == ".onnx":
         return OnnxRuntimeRunner(path, threads)
     if path.suffix == ".mlpackage":
         if not path.exists():
             raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
+        from runtimes import coreml
+
+        if coreml.available():
+            return coreml.CoreMLRunner(path, compute_units or "all")
+        if compute_units:
+            raise AdaptexError(f"--compute-units {compute_units} needs the Core ML runtime (macOS); without it "
+                               "'adaptex check' evaluates the package's program in numpy")
         from runtimes.coreml_mil import MilReferenceRunner
 
         return MilReferenceRunner(path)

@@ -147,3 +147,23 @@ def test_sequence_above_the_exported_bound_is_refused(packages):
     feeds = {n: np.ones((1, 65), dtype=np.int32) for n in ("input_ids", "attention_mask")}
     with pytest.raises(InputError, match="sequence length 65 exceeds the model's maximum 64"):
         MilReferenceRunner(packages["sparse"]).infer(feeds)
+
+
+@pytest.mark.coreml_runtime
+@pytest.mark.parametrize("units", ["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"])
+def test_core_ml_runtime_parity(packages, tiny_checkpoint, units):
+    """On macOS: the package run by Core ML itself, per compute-unit choice (skipped elsewhere)."""
+    from runtimes.coreml import CoreMLRunner
+
+    model, _ = checkpoint.load(tiny_checkpoint)
+    report = check(CoreMLRunner(packages["sparse"], units), TorchRunner(model), samples=40, task="graded")
+    assert report.passed, report.format()
+
+
+def test_compute_units_off_macos_is_a_clear_error(packages, capsys):
+    import platform
+
+    if platform.system() == "Darwin":
+        pytest.skip("on macOS --compute-units selects the Core ML runtime")
+    assert main(["check", str(packages["sparse"]), "--compute-units", "cpu_only"]) == 2
+    assert "needs the Core ML runtime (macOS)" in capsys.readouterr().err

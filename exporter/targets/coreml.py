@@ -4,8 +4,8 @@ MIL `topk` takes only a constant k, so dynamic k is argsort + slice_by_index wit
 gather (`sparse`); `dense` keeps static shapes (argsort over all heads, every head computed, the
 unselected ones weighted by zero), the variant that can stay on the Neural Engine.
 
-Status: fp32 packages. fp16 bodies with fp32 routing, deployment-target and flexible-shape options,
-and the macOS runtime runner are not here yet (issue #3).
+fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking) always
+fp32. Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by runtimes/coreml.py.
 """
 from __future__ import annotations
 

@@ -1,0 +1,63 @@
+"""Core ML runtime runner (macOS only): MLModel.predict with a choice of compute units.
+
+On Linux coremltools converts but cannot load a model for prediction; there `open_artifact` gives the
+MIL reference evaluator (runtimes/coreml_mil.py) instead, and this module is never imported.
+"""
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from graphs.errors import AdaptexError
+from runtimes.base import IOSpec, ModelLimits, Runner
+
+COMPUTE_UNITS = {"cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AND_NE", "all": "ALL"}
+
+
+def available() -> bool:
+    return platform.system() == "Darwin"
+
+
+class CoreMLRunner(Runner):
+    name = "Core ML runtime"
+
+    def __init__(self, path: str | Path, compute_units: str = "all"):
+        if not available():
+            raise AdaptexError("the Core ML runtime needs macOS; on this machine 'adaptex check' uses the MIL "
+                               "reference evaluation of the package instead")
+        if compute_units not in COMPUTE_UNITS:
+            raise AdaptexError(f"unknown --compute-units {compute_units!r}; choose one of {', '.join(COMPUTE_UNITS)}")
+        import coremltools as ct
+
+        self.path, self.compute_units = Path(path), compute_units
+        self.name = f"Core ML runtime ({compute_units})"
+        self._ct = ct
+        spec = ct.models.MLModel(str(self.path), skip_model_load=True).get_spec()
+        ud = dict(spec.description.metadata.userDefined)
+        if "adaptex" not in ud:
+            raise AdaptexError(f"{self.path}: has no adaptex metadata, so it was not written by 'adaptex export'")
+        self.meta = json.loads(ud["adaptex"])
+        cfg = self.meta["config"]
+        super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
+        self.model = None
+
+    def _activate(self):
+        ct = self._ct
+        self.model = ct.models.MLModel(str(self.path), compute_units=getattr(ct.ComputeUnit, COMPUTE_UNITS[self.compute_units]))
+
+    def _deactivate(self):
+        self.model = None
+
+    def input_metadata(self) -> dict[str, IOSpec]:
+        return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in ("input_ids", "attention_mask")}
+
+    def _infer(self, feeds):
+        from exporter.trace import output_names
+
+        out = self.model.predict({k: v.astype(np.int32) for k, v in feeds.items()})
+        cfg = self.meta["config"]
+        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
+        return {canonical.get(k, k): np.asarray(v) for k, v in out.items()}
