@@ -5,7 +5,6 @@ MIL reference evaluator (runtimes/coreml_mil.py) instead, and this module is nev
 """
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
 
@@ -35,11 +34,9 @@ class CoreMLRunner(Runner):
         self.path, self.compute_units = Path(path), compute_units
         self.name = f"Core ML runtime ({compute_units})"
         self._ct = ct
-        spec = ct.models.MLModel(str(self.path), skip_model_load=True).get_spec()
-        ud = dict(spec.description.metadata.userDefined)
-        if "adaptex" not in ud:
-            raise AdaptexError(f"{self.path}: has no adaptex metadata, so it was not written by 'adaptex export'")
-        self.meta = json.loads(ud["adaptex"])
+        from runtimes.coreml_mil import package_meta
+
+        self.meta = package_meta(ct.models.MLModel(str(self.path), skip_model_load=True).get_spec(), self.path)
         cfg = self.meta["config"]
         super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
         self.model = None
@@ -55,9 +52,6 @@ class CoreMLRunner(Runner):
         return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in ("input_ids", "attention_mask")}
 
     def _infer(self, feeds):
-        from exporter.trace import output_names
+        from runtimes.coreml_mil import canonical_outputs
 
-        out = self.model.predict({k: v.astype(np.int32) for k, v in feeds.items()})
-        cfg = self.meta["config"]
-        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
-        return {canonical.get(k, k): np.asarray(v) for k, v in out.items()}
+        return canonical_outputs(self.meta, self.model.predict({k: v.astype(np.int32) for k, v in feeds.items()}))

@@ -84,17 +84,31 @@ EVAL = {
 }
 
 
+def package_meta(spec, path: Path) -> dict:
+    """The adaptex metadata of a Core ML package's spec, or a one-line error naming the fix."""
+    ud = dict(spec.description.metadata.userDefined)
+    if "adaptex" not in ud:
+        raise AdaptexError(f"{path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
+                           "export the model with adaptex first")
+    return json.loads(ud["adaptex"])
+
+
+def canonical_outputs(meta: dict, outputs: dict) -> dict:
+    """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k."""
+    from exporter.trace import output_names
+
+    cfg = meta["config"]
+    canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
+    return {canonical.get(k, k): np.asarray(v) for k, v in outputs.items()}
+
+
 class MilReferenceRunner(Runner):
     name = "MIL reference evaluation (numpy; not the Core ML runtime)"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.spec, self.program = load_program(self.path)
-        meta = dict(self.spec.description.metadata.userDefined)
-        if "adaptex" not in meta:
-            raise AdaptexError(f"{self.path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
-                               "export the model with adaptex first")
-        self.meta = json.loads(meta["adaptex"])
+        self.meta = package_meta(self.spec, self.path)
         cfg = self.meta["config"]
         super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
 
@@ -102,12 +116,7 @@ class MilReferenceRunner(Runner):
         return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in self.program.functions["main"].inputs}
 
     def _infer(self, feeds):
-        # Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
-        from exporter.trace import output_names
-
-        cfg = self.meta["config"]
-        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
-        return {canonical.get(k, k): v for k, v in run(self.program, feeds).items()}
+        return canonical_outputs(self.meta, run(self.program, feeds))
 
 
 def load_program(path: Path):
