@@ -103,7 +103,7 @@ def lower(model, *, variant: str = "sparse", precision: str = "fp32") -> tuple[o
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prog = torch_onnx_export(ep, table, names)
+            prog = _torch_onnx_export(ep, table, names)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed: {first}") from e
@@ -129,11 +129,12 @@ def _optimize_main_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
 
 
-def torch_onnx_export(ep_or_module, table: dict, names: list[str], args=None):
+def _torch_onnx_export(ep, table: dict, names: list[str]):
+    """The stock dynamo exporter with our translations; optimize=False keeps the adaptex nodes whole."""
     import torch
 
     return torch.onnx.export(
-        ep_or_module, args or (), dynamo=True, custom_translation_table=table or None,
+        ep, (), dynamo=True, custom_translation_table=table or None,
         optimize=False, opset_version=fx.ONNX_OPSET, input_names=INPUT_NAMES, output_names=names,
         verbose=False,
     )
