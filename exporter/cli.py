@@ -210,21 +210,23 @@ def cmd_bench(args) -> int:
     if args.runs is not None and args.runs < 1 or args.warmup < 0 or args.threads < 0:
         _err("--runs must be at least 1, --warmup and --threads at least 0")
         return EXIT_ERROR
-    if str(args.artifact).rstrip("/").endswith(".mlpackage"):
+    is_coreml = str(args.artifact).rstrip("/").endswith(".mlpackage")
+    if is_coreml:
         from runtimes import coreml
 
-        if coreml.available():
-            _err("benchmarking Core ML packages is not implemented yet (issue #3); 'adaptex check' runs "
-                 "them on the Core ML runtime with --compute-units")
-        else:
+        if not coreml.available():
             _err("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
                  "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
+            return EXIT_ERROR
+    elif args.compute_units:
+        _err("--compute-units applies to Core ML packages (.mlpackage) only")
         return EXIT_ERROR
     runner = open_artifact(args.artifact, args.threads)
     model, info = load_source_model(runner.meta, args.model)
     _threads(args.threads)
     r = run_bench(args.artifact, model, info, batch=args.batch, seq=args.seq, threads=args.threads,
-                  warmup=args.warmup, runs=args.runs, progress=None if args.json else _say)
+                  warmup=args.warmup, runs=args.runs, progress=None if args.json else _say,
+                  compute_units=args.compute_units or "all")
     print(json.dumps(r, indent=2) if args.json else format_bench(r))
     return 0
 
@@ -295,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: runtime default)")
     s.add_argument("--warmup", type=int, default=10)
     s.add_argument("--runs", type=int, default=None, help="timed rounds (default: as many as fit in ~8 s, 30..500)")
+    s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
+                   help="Core ML packages on macOS: which units Core ML may use (default all)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)
     return p

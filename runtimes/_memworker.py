@@ -1,13 +1,13 @@
-"""Peak resident memory of one ONNX Runtime session, in a process of its own.
+"""Peak resident memory of one ONNX Runtime session or Core ML model, in a process of its own.
 
-Run as `python -m runtimes._memworker MODEL.onnx INPUTS.npz THREADS`; prints one JSON line. Imports
-only numpy and onnxruntime, so the figure is the session's and not torch's.
+Run as `python -m runtimes._memworker MODEL.onnx|MODEL.mlpackage INPUTS.npz THREADS [COMPUTE_UNITS]`;
+prints one JSON line. For ONNX it imports only numpy and onnxruntime, so the figure is the session's
+and not torch's; for Core ML (macOS) it imports coremltools, whose import is reported as import_rss_mb.
 """
 import json
 import sys
 
 import numpy as np
-import onnxruntime as ort
 
 
 def _hwm_mb() -> float:
@@ -20,8 +20,25 @@ def _hwm_mb() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status: peak memory needs Linux's procfs")
 
 
+def _coreml(path: str, inputs: str, units: str) -> None:
+    import coremltools as ct
+
+    from runtimes.coreml import COMPUTE_UNITS
+
+    base = _hwm_mb()
+    m = ct.models.MLModel(path, compute_units=getattr(ct.ComputeUnit, COMPUTE_UNITS[units]))
+    feeds = {k: v.astype(np.int32) for k, v in np.load(inputs).items()}
+    for _ in range(3):
+        m.predict(feeds)
+    print(json.dumps({"peak_rss_mb": _hwm_mb(), "import_rss_mb": base}))
+
+
 def main() -> None:
     path, inputs, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if path.rstrip("/").endswith(".mlpackage"):
+        return _coreml(path, inputs, sys.argv[4] if len(sys.argv) > 4 else "all")
+    import onnxruntime as ort
+
     base = _hwm_mb()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

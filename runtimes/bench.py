@@ -12,7 +12,6 @@ own, so one session does not hide another's.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -84,20 +83,85 @@ def bench_inputs(cfg, task_name: str | None, batch: int, seq: int, seed: int = 0
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
 
-def _peak_rss(path: str, inputs: str, threads: int) -> float | None:
-    r = subprocess.run([sys.executable, "-m", "runtimes._memworker", path, inputs, str(threads)],
+def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
+    r = subprocess.run([sys.executable, "-m", "runtimes._memworker", path, inputs, str(threads), compute_units],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
-def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
-              warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
-              progress=None) -> dict:
+def _size_mb(path: str) -> float:
+    p = Path(path)
+    if p.is_dir():  # an .mlpackage is a directory
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 2**20
+    return p.stat().st_size / 2**20
+
+
+def _onnx_graphs(artifact, model, tmp: Path, threads: int, say) -> tuple[list[Timing], dict, str]:
     import onnxruntime as ort
 
-    meta = OnnxRuntimeRunner(artifact).meta
+    say("exporting the dense counterpart and the naive stock export ...")
+    counterparts = export_counterparts(model, tmp)
+    timings = [Timing("adaptive", str(artifact))]
+    for name in ("dense", "naive"):
+        path, reason = counterparts[name]
+        timings.append(Timing(name, path, reason=reason))
+    runs = {}
+    for t in timings:
+        if t.path:
+            sess = ort.InferenceSession(t.path, session_options(threads), providers=["CPUExecutionProvider"])
+            names = [o.name for o in sess.get_outputs()]
+            runs[t.name] = (lambda feeds, sess=sess, names=names: dict(zip(names, sess.run(None, feeds))))
+    return timings, runs, f"onnxruntime {ort.__version__} (CPU)"
+
+
+def export_coreml_counterparts(model, workdir: Path, precision: str, min_target: str) -> dict:
+    """Dense counterpart and naive export as Core ML packages by stock coremltools: name -> (path, reason)."""
+    from exporter.targets import coreml as target
+
+    out = {}
+    for name in ("dense", "naive"):
+        try:
+            out[name] = (str(target.export_stock(model, workdir / f"{name}.mlpackage", name,
+                                                 precision=precision, min_target=min_target)), None)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            out[name] = (None, f"stock coremltools conversion failed: {first}")
+    return out
+
+
+def _coreml_graphs(artifact, model, meta: dict, tmp: Path, compute_units: str, say) -> tuple[list[Timing], dict, str]:
+    import coremltools as ct
+
+    from runtimes import coreml
+
+    if not coreml.available():
+        raise AdaptexError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' "
+                           "verifies the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
+    say(f"converting the dense counterpart and the naive export with stock coremltools ({meta.get('precision')}) ...")
+    counterparts = export_coreml_counterparts(model, tmp, meta.get("precision", "fp16"),
+                                              meta.get("min_target", "iOS17"))
+    timings = [Timing("adaptive", str(artifact))]
+    for name in ("dense", "naive"):
+        path, reason = counterparts[name]
+        timings.append(Timing(name, path, reason=reason))
+    adaptive = coreml.CoreMLRunner(artifact, compute_units)
+    adaptive.activate()
+    runs = {"adaptive": adaptive.infer}
+    for t in timings[1:]:
+        if t.path:
+            runs[t.name] = coreml.load_predictor(t.path, compute_units)
+    return timings, runs, f"Core ML runtime ({compute_units}), coremltools {ct.__version__}"
+
+
+def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
+              warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
+              progress=None, compute_units: str = "all") -> dict:
+    from runtimes.coreml_mil import read_package_meta
+
+    is_coreml = Path(artifact).suffix == ".mlpackage"
+    meta = read_package_meta(artifact) if is_coreml else OnnxRuntimeRunner(artifact).meta
     cfg = model.cfg
     if seq > cfg.max_len:
         raise AdaptexError(f"--seq {seq} exceeds the model's maximum sequence length {cfg.max_len}; "
@@ -106,40 +170,37 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         raise AdaptexError("--batch and --seq must be at least 1 and --threads at least 0")
     say = progress or (lambda msg: None)
     feeds = bench_inputs(cfg, (info.get("training") or {}).get("task"), batch, seq)
+    if is_coreml:  # Core ML packages take int32 ids and masks
+        feeds = {k: v.astype(np.int32) for k, v in feeds.items()}
     with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
         tmp = Path(tmp)
-        say("exporting the dense counterpart and the naive stock export ...")
-        counterparts = export_counterparts(model, tmp)
-        timings = [Timing("adaptive", str(artifact))]
-        for name in ("dense", "naive"):
-            path, reason = counterparts[name]
-            timings.append(Timing(name, path, reason=reason))
-        live = [t for t in timings if t.path]
-        sessions = {t.name: ort.InferenceSession(t.path, session_options(threads), providers=["CPUExecutionProvider"])
-                    for t in live}
-        adaptive_out = dict(zip([o.name for o in sessions["adaptive"].get_outputs()],
-                                sessions["adaptive"].run(None, feeds)))
+        if is_coreml:
+            timings, fns, runtime = _coreml_graphs(artifact, model, meta, tmp, compute_units, say)
+        else:
+            timings, fns, runtime = _onnx_graphs(artifact, model, tmp, threads, say)
+        live = [t for t in timings if t.name in fns]
+        adaptive_out = fns["adaptive"](feeds)
         say(f"warming up ({warmup} runs each) ...")
         per_round = 0.0
         for t in live:
             t0 = time.perf_counter()
             for _ in range(warmup):
-                sessions[t.name].run(None, feeds)
+                fns[t.name](feeds)
             per_round += (time.perf_counter() - t0) / max(warmup, 1)
         n = runs or int(min(500, max(30, time_budget_s / max(per_round, 1e-6))))
         say(f"timing {n} interleaved rounds ...")
         for _ in range(n):
             for t in live:
                 t0 = time.perf_counter_ns()
-                sessions[t.name].run(None, feeds)
+                fns[t.name](feeds)
                 t.times_ms.append((time.perf_counter_ns() - t0) / 1e6)
-        del sessions
+        del fns
         say("measuring peak memory in separate processes ...")
         npz = tmp / "inputs.npz"
         np.savez(npz, **feeds)
         for t in live:
-            t.size_mb = os.path.getsize(t.path) / 2**20
-            t.peak_rss_mb = _peak_rss(t.path, str(npz), threads)
+            t.size_mb = _size_mb(t.path)
+            t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, compute_units)
 
     # FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
     # artifact (what its graph computes: the dense variant every head; the sparse one, in a batch, the
@@ -155,7 +216,7 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     lat_ratio = ad.pct(50) / de.pct(50) if de.times_ms else None
     realisation = ((1 - lat_ratio) / (1 - flop_ratio)) if lat_ratio is not None and flop_ratio < 0.99 else None
     result = {
-        "artifact": str(artifact), "runtime": f"onnxruntime {ort.__version__} (CPU)", "variant": meta.get("variant"),
+        "artifact": str(artifact), "runtime": runtime, "variant": meta.get("variant"),
         "batch": batch, "seq": seq, "threads": threads, "runs": len(ad.times_ms), "warmup": warmup,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
         "throughput_seq_per_s": batch * 1000.0 / ad.pct(50),

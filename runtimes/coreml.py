@@ -20,6 +20,14 @@ def available() -> bool:
     return platform.system() == "Darwin"
 
 
+def load_predictor(path: str | Path, compute_units: str = "all"):
+    """A package without adaptex metadata (bench's stock counterparts) as a feeds -> outputs callable."""
+    import coremltools as ct
+
+    m = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units]))
+    return lambda feeds: m.predict({k: np.asarray(v).astype(np.int32) for k, v in feeds.items()})
+
+
 class CoreMLRunner(Runner):
     name = "Core ML runtime"
 

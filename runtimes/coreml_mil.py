@@ -81,6 +81,7 @@ EVAL = {
     "transpose": lambda x, perm: np.transpose(x, perm),
     "reshape": lambda x, shape: np.reshape(x, [int(v) for v in shape]),
     "identity": lambda x: x,
+    "fill": lambda shape, value=0.0: np.full([int(v) for v in shape], value, dtype=np.asarray(value).dtype),
 }
 
 
@@ -91,6 +92,16 @@ def package_meta(spec, path: Path) -> dict:
         raise AdaptexError(f"{path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
                            "export the model with adaptex first")
     return json.loads(ud["adaptex"])
+
+
+def read_package_meta(path: str | Path) -> dict:
+    """The adaptex metadata of the package at `path`, without loading its program."""
+    import coremltools as ct
+
+    path = Path(path)
+    if not (path / "Manifest.json").is_file():
+        raise AdaptexError(f"{path}: not an ML package (no Manifest.json); pass a .mlpackage written by adaptex export")
+    return package_meta(ct.models.MLModel(str(path), skip_model_load=True).get_spec(), path)
 
 
 def canonical_outputs(meta: dict, outputs: dict) -> dict:

@@ -53,6 +53,17 @@ def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path):
     assert routing and all(dtype[op.name] == "fp32" for op in routing)
     assert {dtype[op.name] for op in ops if op.op_type == "sigmoid"} == {"fp32"}  # the budget networks
     assert "fp16" in {dtype[op.name] for op in ops if op.op_type == "linear"}  # while the body is fp16
+    # the classifier tail (final norm, max-pool, head MLP) is fp32: the last ops before the outputs
+    tail = [op for op in ops if op.op_type in ("layer_norm", "reduce_max", "linear", "gelu")][-5:]
+    assert [op.op_type for op in tail] == ["layer_norm", "reduce_max", "linear", "gelu", "linear"]
+    assert {dtype[op.name] for op in tail} == {"fp32"} and meta["head_precision"] == "fp32"
+    # every float output is fp32 in the saved interface: an fp16 output would round s and the logits
+    import coremltools as ct
+
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    out_types = {o.name: o.type.multiArrayType.dataType for o in spec.description.output}
+    fp32 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT32
+    assert out_types["logits"] == fp32 and out_types["decisions_layer0_s"] == fp32
     report = check(MilReferenceRunner(path), TorchRunner(model), samples=60, task="graded", precision="fp16")
     assert report.passed, report.format()
     assert report.unexcused_flips == 0 and report.tolerance == {"atol": 1e-2, "rtol": 1e-2}
@@ -185,3 +196,63 @@ def test_compute_units_off_macos_is_a_clear_error(packages, capsys):
         pytest.skip("on macOS --compute-units selects the Core ML runtime")
     assert main(["check", str(packages["sparse"]), "--compute-units", "cpu_only"]) == 2
     assert "needs the Core ML runtime (macOS)" in capsys.readouterr().err
+
+
+def test_bench_counterparts_convert_on_linux_and_compute_the_dense_model(tiny_checkpoint, tmp_path):
+    """`adaptex bench` times a package against stock coremltools' dense conversion of the same
+    weights: that package must compute the model's dense path, and the naive path's refusal is reported."""
+    import numpy as np
+    import torch
+
+    from runtimes.bench import export_coreml_counterparts
+    from runtimes.coreml_mil import load_program, run
+
+    model, _ = checkpoint.load(tiny_checkpoint)
+    got = export_coreml_counterparts(model, tmp_path, "fp32", "iOS17")
+    assert got["naive"][0] is None and got["naive"][1].startswith("stock coremltools conversion failed")
+    _, program = load_program(__import__("pathlib").Path(got["dense"][0]))
+    ids = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[2, 12:] = 0
+    out = run(program, {"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        ref, _ = model(torch.from_numpy(ids).long(), torch.from_numpy(mask).long(), mode="dense")
+    assert np.abs(out["logits"] - ref.numpy()).max() < 1e-4
+
+
+def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_checkpoint, monkeypatch):
+    """The macOS bench path run end to end with the MIL evaluator in place of MLModel.predict: this
+    proves the plumbing (counterparts, interleaved timing, decisions, report), not any latency."""
+    from pathlib import Path
+
+    from runtimes import coreml
+    from runtimes.bench import format_bench, run_bench
+    from runtimes.coreml_mil import load_program, run
+
+    def predictor(path, units):
+        _, program = load_program(Path(path))
+        return lambda feeds: run(program, {k: v.astype("int32") for k, v in feeds.items()})
+
+    monkeypatch.setattr(coreml, "available", lambda: True)
+    monkeypatch.setattr(coreml, "CoreMLRunner", lambda path, units: MilReferenceRunner(path))
+    monkeypatch.setattr(coreml, "load_predictor", predictor)
+    model, info = checkpoint.load(tiny_checkpoint)
+    r = run_bench(packages["sparse"], model, info, batch=2, seq=16, warmup=1, runs=3, compute_units="cpu_only")
+    assert r["runtime"].startswith("Core ML runtime (cpu_only)")
+    assert r["runs"] == 3 and r["dense_p50_ms"] > 0 and r["naive_p50_ms"] is None
+    assert "stock coremltools conversion failed" in r["naive_reason"]
+    assert 0 < r["flop_ratio"] <= 1 and r["size_mb"]["adaptive"] > 0 and r["size_mb"]["dense"] > 0
+    assert "latency ratio" in format_bench(r)
+
+
+def test_compute_units_for_an_onnx_bench_is_a_clear_error(tiny_onnx, capsys):
+    assert main(["bench", str(tiny_onnx), "--compute-units", "cpu_only"]) == 2
+    assert "--compute-units applies to Core ML packages" in capsys.readouterr().err
+
+
+@pytest.mark.coreml_runtime
+def test_core_ml_bench_on_macos(packages, capsys):
+    """On macOS: `adaptex bench` on a package prints the adaptive package against the dense one."""
+    assert main(["bench", str(packages["sparse"]), "--runs", "5", "--warmup", "1", "--compute-units", "cpu_only"]) == 0
+    out = capsys.readouterr().out
+    assert "Core ML runtime (cpu_only)" in out and "latency ratio" in out

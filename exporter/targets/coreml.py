@@ -4,8 +4,8 @@ MIL `topk` takes only a constant k, so dynamic k is argsort + slice_by_index wit
 gather (`sparse`); `dense` keeps static shapes (argsort over all heads, every head computed, the
 unselected ones weighted by zero), the variant that can stay on the Neural Engine.
 
-fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking) always
-fp32. Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by runtimes/coreml.py.
+fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking), the
+classifier tail (final norm, pooling, head) and every float output always fp32. Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by runtimes/coreml.py.
 """
 from __future__ import annotations
 
@@ -106,6 +106,30 @@ def budgeted_attention_coreml_dense(ctx, node):
     return "dense"
 
 
+def _output_dtype(name: str):
+    """Every float output is fp32 even in an fp16 package: left to coremltools, an fp16 body's outputs
+    are fp16, which rounds logits in the tens by up to 8e-3 and the fp32 routing's s to 3 digits."""
+    import numpy as np
+
+    return np.int32 if name.endswith(".k") else np.float32
+
+
+def head_node_names(ep) -> set[str]:
+    """The classifier tail: the final norm and everything downstream of it (pooling, head MLP).
+
+    It runs fp32 in an fp16 package: it is O(B*d^2) against the body's O(B*T*d^2), and an fp16 head
+    rounds logits of magnitude ~20 at 2^-11 relative (up to 1e-2 absolute) on its own."""
+    start = [n for n in ep.graph.nodes
+             if [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()][-1:] == ["model.ln_f"]]
+    names, todo = set(), list(start)
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n.name not in names:
+            names.add(n.name)
+            todo.extend(n.users)
+    return names
+
+
 def routing_node_names(ep) -> set[str]:
     """FX nodes that compute routing (the routers, and the temperature softmax of the head scores):
     they must stay fp32 in an fp16 package, or floor(s*H) and the top-k order move near boundaries."""
@@ -118,6 +142,47 @@ def routing_node_names(ep) -> set[str]:
                                   and "getitem" not in str(n.target)):
             names.add(n.name)
     return names
+
+
+def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str]):
+    """ct.convert an ExportedProgram to an ML program; in fp16, the FX nodes in keep_fp32 (and every
+    op whose name carries the route_ prefix) stay fp32, and every float output is fp32."""
+    import coremltools as ct
+
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if precision == "fp16":
+            # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
+            keep = keep_fp32 | {n + "_0" for n in keep_fp32 if not n.rsplit("_", 1)[-1].isdigit()}
+            compute = ct.transform.FP16ComputePrecision(
+                op_selector=lambda op: op.name not in keep and not op.name.startswith("route_"))
+        else:
+            compute = ct.precision.FLOAT32
+        return ct.convert(ep, convert_to="mlprogram",
+                          minimum_deployment_target=getattr(ct.target, MIN_TARGETS[min_target]),
+                          compute_precision=compute,
+                          outputs=[ct.TensorType(name=n, dtype=_output_dtype(n)) for n in names])
+
+
+def export_stock(model, out, mode: str, *, precision: str = "fp16", min_target: str = DEFAULT_MIN_TARGET) -> Path:
+    """The model's `mode` path (dense, naive) converted by stock coremltools, as `adaptex bench`'s
+    counterparts: no adaptex translation, the classifier tail kept fp32 like the adaptive package's.
+    Raises whatever coremltools raises (the naive path's data-dependent top-k does not convert)."""
+    import torch
+
+    from exporter.trace import ExportWrapper, dynamic_shapes, example_inputs, output_names
+
+    wrapper = ExportWrapper(model, mode).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(wrapper, example_inputs(model.cfg),
+                                 dynamic_shapes=dynamic_shapes(model.cfg)).run_decompositions({})
+    names = output_names(model.cfg.num_layers, adaptive=(mode != "dense") and model.cfg.adaptive)
+    mlmodel = _convert(ep, names, precision, min_target, head_node_names(ep))
+    out = Path(out)
+    mlmodel.save(str(out))
+    return out
 
 
 def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp16",
@@ -138,7 +203,10 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         raise ExportError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
     if out.exists() and not (out / "Manifest.json").is_file():
         raise ExportError(f"{out}: exists and is not an ML package; choose a new -o")
-    import coremltools as ct
+    try:
+        import coremltools  # noqa: F401
+    except ImportError as e:
+        raise ExportError("the coreml target needs coremltools; install it with pip install 'adaptex[coreml]'") from e
 
     ep = trace(model, mode="hard").run_decompositions({})
     notes = {}
@@ -150,28 +218,15 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     _register_translation()
     cfg = model.cfg
     names = output_names(cfg.num_layers, cfg.adaptive)
-    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    keep = routing_node_names(ep) | head_node_names(ep)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if precision == "fp16":
-                keep = routing_node_names(ep)
-                # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
-                keep |= {n + "_0" for n in keep if not n.rsplit("_", 1)[-1].isdigit()}
-                compute = ct.transform.FP16ComputePrecision(
-                    op_selector=lambda op: op.name not in keep and not op.name.startswith("route_"))
-            else:
-                compute = ct.precision.FLOAT32
-            mlmodel = ct.convert(ep, convert_to="mlprogram",
-                                 minimum_deployment_target=getattr(ct.target, MIN_TARGETS[min_target]),
-                                 compute_precision=compute,
-                                 outputs=[ct.TensorType(name=n) for n in names])
+        mlmodel = _convert(ep, names, precision, min_target, keep)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"coremltools conversion failed: {first}") from e
     meta = {
         "format": artifact.FORMAT_VERSION, "family": cfg.family, "target": "coreml", "variant": variant,
-        "precision": precision, "routing_precision": "fp32", "min_target": min_target,
+        "precision": precision, "routing_precision": "fp32", "head_precision": "fp32", "min_target": min_target,
         "opset": {"adaptex": 1}, "lowerings": notes,
         "budget_range": [cfg.s_min, cfg.s_max], "config": cfg.to_dict(),
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
