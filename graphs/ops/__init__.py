@@ -1,6 +1,7 @@
 """The adaptive op set (namespace `adaptex`). Importing this package registers every op."""
-from graphs.ops import budgeted_attention  # noqa: F401  (registers adaptex::budgeted_attention)
+from graphs.ops import budgeted_attention, conditional_ffn  # noqa: F401  (registers the ops)
 
 OPS = {
     "adaptex::budgeted_attention": budgeted_attention,
+    "adaptex::conditional_ffn": conditional_ffn,
 }
