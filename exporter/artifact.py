@@ -91,3 +91,10 @@ def format_metadata(meta: dict) -> str:
         else:
             lines.append(f"{key}: {val}")
     return "\n".join(lines)
+
+
+def routing_meta(cfg) -> dict:
+    """The family's routing parameters, as artifact metadata."""
+    if cfg.family == "tsa":
+        return {"keep_threshold": cfg.threshold, "kv_cache_bound": cfg.max_len}
+    return {"budget_range": [cfg.s_min, cfg.s_max]}

@@ -22,6 +22,55 @@ def output_names(num_layers: int, adaptive: bool = True) -> list[str]:
     return names
 
 
+def decoder_input_names(num_layers: int) -> list[str]:
+    """Optimum's decoder-with-past names: input_ids, attention_mask, past_key_values.{i}.key/value."""
+    names = list(INPUT_NAMES)
+    for i in range(num_layers):
+        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+    return names
+
+
+def decoder_output_names(num_layers: int, adaptive: bool = True) -> list[str]:
+    """logits, present.{i}.key/value, then per gated block l = 1..L-1 its keep decision and p."""
+    names = ["logits"]
+    for i in range(num_layers):
+        names += [f"present.{i}.key", f"present.{i}.value"]
+    if adaptive:
+        for li in range(1, num_layers):
+            names += [f"decisions.layer{li}.keep", f"decisions.layer{li}.p"]
+    return names
+
+
+def io_names(cfg, mode: str = "hard") -> tuple[list[str], list[str]]:
+    """(input names, output names) of a traced model of cfg's family."""
+    adaptive = cfg.adaptive and mode != "dense"
+    if cfg.family == "tsa":
+        return decoder_input_names(cfg.num_layers), decoder_output_names(cfg.num_layers, adaptive)
+    return list(INPUT_NAMES), output_names(cfg.num_layers, adaptive)
+
+
+class DecoderExportWrapper(torch.nn.Module):
+    """A decoder with a KV cache as flat tensors in and out, in `io_names` order."""
+
+    def __init__(self, model: torch.nn.Module, mode: str = "hard"):
+        super().__init__()
+        self.model, self.mode = model, mode
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, *past_flat: Tensor):
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        logits, decisions, presents = self.model(input_ids, attention_mask, past=past, mode=self.mode)
+        outs = [logits]
+        for k, v in presents:
+            outs += [k, v]
+        for dec in decisions:
+            outs += [dec["keep"], dec["p"]]
+        return tuple(outs)
+
+
+def export_wrapper(model: torch.nn.Module, mode: str = "hard") -> torch.nn.Module:
+    return (DecoderExportWrapper if model.cfg.family == "tsa" else ExportWrapper)(model, mode).eval()
+
+
 class ExportWrapper(torch.nn.Module):
     """Flat tuple outputs in `output_names` order; `mode` picks the attention implementation."""
 
@@ -37,7 +86,13 @@ class ExportWrapper(torch.nn.Module):
         return tuple(outs)
 
 
-def example_inputs(cfg, batch: int = 2, seq: int = 16) -> tuple[Tensor, Tensor]:
+def example_inputs(cfg, batch: int = 2, seq: int = 16) -> tuple[Tensor, ...]:
+    if cfg.family == "tsa":  # a step with a past of 3 tokens (not 0 or 1: those would specialise)
+        seq, past = min(seq, cfg.max_len - 3), 3
+        H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+        ids = torch.randint(1, cfg.vocab_size, (batch, seq))
+        mask = torch.ones(batch, past + seq, dtype=torch.int64)
+        return (ids, mask, *[torch.randn(batch, H, past, dh) for _ in range(2 * cfg.num_layers)])
     ids = torch.randint(1, cfg.vocab_size, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.int64)
     mask[-1, seq // 2:] = 0  # one padded row so the trace never assumes a full mask
@@ -47,13 +102,17 @@ def example_inputs(cfg, batch: int = 2, seq: int = 16) -> tuple[Tensor, Tensor]:
 def dynamic_shapes(cfg):
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_len)
+    if cfg.family == "tsa":
+        past = torch.export.Dim("past_sequence", min=0, max=cfg.max_len - 1)
+        return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim.AUTO},
+                "past_flat": tuple({0: batch, 2: past} for _ in range(2 * cfg.num_layers))}
     return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
 
 
 def trace(model: torch.nn.Module, mode: str = "hard") -> torch.export.ExportedProgram:
     """torch.export the model in inference mode with dynamic batch and sequence axes."""
     model.eval()
-    wrapper = ExportWrapper(model, mode).eval()
+    wrapper = export_wrapper(model, mode)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

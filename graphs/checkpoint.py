@@ -15,12 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
+from graphs.tsa import TSAConfig, TSADecoder
 from graphs.errors import CheckpointError
 
 ZOO = Path(__file__).parent / "zoo"
 DEFAULT_MODEL = "budgetformer-graded"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer)}
+FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer), "tsa": (TSAConfig, TSADecoder)}
 
 
 def shipped_models() -> dict[str, Path]:

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphs.budgetformer import sinusoids
 from graphs.ops import conditional_ffn as cf
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")
@@ -40,7 +41,7 @@ class TSAConfig:
     num_heads: int = 4
     num_layers: int = 6
     d_ff: int = 512
-    max_len: int = 128  # positions, hence the KV cache bound (prompt + generated tokens)
+    max_len: int = 128  # positions (fixed sinusoids), hence the KV cache bound (prompt + generated tokens)
     router_hidden: int = 0  # 0: max(d/4, 16), the paper's width
     threshold: float = 0.5  # a token skips when p > threshold
     pad_id: int = 0
@@ -124,7 +125,7 @@ class TSADecoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.register_buffer("pos", sinusoids(cfg.max_len, cfg.d_model), persistent=False)  # (max_len, d)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.routers = nn.ModuleList(TokenRouter(cfg) for _ in range(cfg.num_layers - 1)) if cfg.adaptive else None
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
@@ -163,7 +164,7 @@ class TSADecoder(nn.Module):
         key_ok = attention_mask.bool()  # (B, P+T)
         allowed = attention_mask_4d(key_ok, P, T)  # (B, T, P+T)
         pos = torch.arange(T, device=input_ids.device) + P
-        h = self.tok(input_ids) + self.pos(pos)[None]  # (B, T, d)
+        h = self.tok(input_ids) + self.pos[pos][None]  # (B, T, d)
         adaptive = cfg.adaptive and mode != "dense"
         decisions, presents = [], []
         gate = None  # (B, T) scale of this block's updates; None: ungated

@@ -78,6 +78,7 @@ def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | 
     unknown = [n for n in feeds if n not in specs]
     if missing or unknown:
         raise InputError(f"inputs must be exactly {sorted(specs)}: missing {missing}, unknown {unknown}")
+    decoder = any(n.startswith("past_key_values.") for n in specs)
     batch_seq = None
     for name, spec in specs.items():
         a = feeds[name]
@@ -92,11 +93,13 @@ def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | 
         for i, (got, want) in enumerate(zip(a.shape, spec.shape)):
             if isinstance(want, int) and want and got != want:
                 raise InputError(f"{name}: axis {i} has size {got}, expected {want}")
-        if a.ndim == 2:
+        if a.ndim == 2 and not decoder:
             if batch_seq is not None and a.shape != batch_seq:
                 raise InputError(f"{name}: shape {list(a.shape)} differs from the other input's "
                                  f"{list(batch_seq)}; ids and mask must have the same (batch, sequence)")
             batch_seq = a.shape
+    if decoder:
+        return _validate_decoder(feeds, limits)
     if batch_seq is None or limits is None:
         return
     B, T = batch_seq
@@ -113,3 +116,30 @@ def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | 
     if mask is not None and (mask.sum(-1) == 0).any():
         row = int(np.flatnonzero(mask.sum(-1) == 0)[0])
         raise InputError(f"attention_mask: row {row} has no real token; every sequence needs at least one")
+
+
+def _validate_decoder(feeds: dict, limits: ModelLimits | None) -> None:
+    """A decoder step: ids (B, T), past keys/values (B, H, P, dh), mask (B, P + T), P + T <= the cache bound."""
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    B, T = ids.shape
+    if T == 0 or B == 0:
+        raise InputError(f"empty prompt (input_ids of shape {[B, T]}): pass at least one token")
+    pasts = {n: a for n, a in feeds.items() if n.startswith("past_key_values.")}
+    shapes = {a.shape for a in pasts.values()}
+    if len(shapes) != 1:
+        raise InputError(f"past_key_values: every layer's key and value must have one shape, got {sorted(shapes)}; "
+                         "feed back the previous step's present.* outputs unchanged")
+    Bp, _, P, _ = next(iter(shapes))
+    if Bp != B:
+        raise InputError(f"past_key_values: batch {Bp} differs from input_ids' batch {B}")
+    if mask.shape != (B, P + T):
+        raise InputError(f"attention_mask: shape {list(mask.shape)}, expected {[B, P + T]} (past {P} + new {T} "
+                         "tokens); extend the previous mask by the new tokens")
+    if limits is None:
+        return
+    if P + T > limits.max_sequence:
+        raise InputError(f"{P} cached + {T} new tokens = {P + T} exceeds the KV cache bound {limits.max_sequence}; "
+                         f"keep prompt plus generated tokens within {limits.max_sequence}")
+    if ids.min() < 0 or ids.max() >= limits.vocab_size:
+        raise InputError(f"input_ids: values must lie in [0, {limits.vocab_size}), got "
+                         f"[{int(ids.min())}, {int(ids.max())}]; re-tokenise with the model's vocabulary")

@@ -20,7 +20,7 @@ from exporter import artifact
 from exporter.errors import ExportError
 from exporter.registry import lowering
 from exporter.targets import onnx_functions as fx
-from exporter.trace import INPUT_NAMES, adaptex_nodes, output_names, trace
+from exporter.trace import adaptex_nodes, io_names, trace
 
 PRECISIONS = ("fp32",)
 DEFAULT_PRECISION = "fp32"
@@ -63,14 +63,42 @@ def budgeted_attention_onnx_dense(ctx, node):
     return OnnxLowering(_budgeted_attention_node, [fx.budgeted_attention_function("dense")])
 
 
+def _conditional_ffn_node(x, keep, gate, ln_w, ln_b, w1, b1, w2, b2, eps: float):
+    from onnxscript.values import Opset
+
+    return Opset(fx.DOMAIN, fx.OPSET_VERSION).ConditionalFFN(x, keep, gate, ln_w, ln_b, w1, b1, w2, b2, eps=eps)
+
+
+@lowering("adaptex::conditional_ffn", target="onnx", variant="sparse")
+def conditional_ffn_onnx_sparse(ctx, node):
+    """NonZero over the keep mask, Gather of the kept tokens, LayerNorm + FFN (two Gemms) on them
+    only, ScatterND back: skipped tokens cost nothing."""
+    return OnnxLowering(_conditional_ffn_node, [fx.conditional_ffn_function("sparse")])
+
+
+@lowering("adaptex::conditional_ffn", target="onnx", variant="dense")
+def conditional_ffn_onnx_dense(ctx, node):
+    """Every token through the FFN, the update multiplied by keep * gate: static shapes."""
+    return OnnxLowering(_conditional_ffn_node, [fx.conditional_ffn_function("dense")])
+
+
 def _name_dynamic_axes(proto: onnx.ModelProto) -> None:
-    """Rename the tracer's symbols (s0, s1...) to 'batch' and 'sequence' everywhere."""
-    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    """Rename the tracer's symbols (s0, s1...) to 'batch', 'sequence' and, for decoders,
+    'past_sequence' everywhere, inside expressions too ('past_sequence + sequence')."""
+    import re
+
+    inputs = {i.name: i.type.tensor_type.shape.dim for i in proto.graph.input}
+    dims = inputs[proto.graph.input[0].name]
     rename = {dims[0].dim_param: "batch", dims[1].dim_param: "sequence"}
+    for name, d in inputs.items():
+        if name.startswith("past_key_values.") and d[2].dim_param:
+            rename[d[2].dim_param] = "past_sequence"
+    rename = {k: v for k, v in rename.items() if k}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b") if rename else None
     for vi in list(proto.graph.input) + list(proto.graph.output) + list(proto.graph.value_info):
         for d in vi.type.tensor_type.shape.dim:
-            if d.dim_param in rename:
-                d.dim_param = rename[d.dim_param]
+            if d.dim_param and pattern:
+                d.dim_param = pattern.sub(lambda m: rename[m.group(1)], d.dim_param)
 
 
 def _io_spec(values) -> dict:
@@ -98,12 +126,12 @@ def lower(model, *, variant: str = "sparse", precision: str = "fp32") -> tuple[o
             functions[(f.domain, f.name)] = f
         notes[op] = entry.fn.__name__
     fx.register_schema()
-    names = output_names(model.cfg.num_layers, model.cfg.adaptive)
+    inputs, names = io_names(model.cfg)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prog = _torch_onnx_export(ep, table, names)
+            prog = _torch_onnx_export(ep, table, inputs, names)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed: {first}") from e
@@ -129,13 +157,13 @@ def _optimize_main_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
 
 
-def _torch_onnx_export(ep, table: dict, names: list[str]):
+def _torch_onnx_export(ep, table: dict, inputs: list[str], names: list[str]):
     """The stock dynamo exporter with our translations; optimize=False keeps the adaptex nodes whole."""
     import torch
 
     return torch.onnx.export(
         ep, (), dynamo=True, custom_translation_table=table or None,
-        optimize=False, opset_version=fx.ONNX_OPSET, input_names=INPUT_NAMES, output_names=names,
+        optimize=False, opset_version=fx.ONNX_OPSET, input_names=inputs, output_names=names,
         verbose=False,
     )
 
@@ -159,7 +187,7 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         "precision": precision,
         "opset": {"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
         "lowerings": notes,
-        "budget_range": [cfg.s_min, cfg.s_max],
+        **artifact.routing_meta(cfg),
         "config": cfg.to_dict(),
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
         "inputs": _io_spec(proto.graph.input),

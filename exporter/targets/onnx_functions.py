@@ -132,13 +132,55 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
     )
 
 
+CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
+
+
+def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
+    """The body of adaptex.ConditionalFFN: y = x + keep * gate * FFN(LayerNorm(x)).
+
+    sparse: NonZero over the flattened keep mask, Gather of the kept tokens, LayerNormalization and
+    two Gemms on them only, ScatterND (no reduction) of the updated rows back. dense: every token
+    transformed, the update multiplied by keep * gate (static shapes)."""
+    b = _Body("cf_")
+    x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
+    shape = b("Shape", x)  # (3,) = [B, T, d]
+    flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", x, start=2), axis=0))  # (B*T, d)
+    gate_flat = b("Reshape", gate, b.const([-1]))  # (B*T,)
+    def ffn(h_in: str) -> str:  # (N, d) -> (N, d)
+        node = helper.make_node("LayerNormalization", [h_in, ln_w, ln_b], [f"cf_ln_{b.n + 1}"], axis=-1)
+        # epsilon is the function's attribute `eps`, resolved at the call site
+        node.attribute.append(onnx.AttributeProto(name="epsilon", ref_attr_name="eps", type=onnx.AttributeProto.FLOAT))
+        b.n += 1
+        b.nodes.append(node)
+        u = b("Gelu", b("Gemm", node.output[0], w1, b1, transB=1))  # (N, f)
+        return b("Gemm", u, w2, b2, transB=1)  # (N, d)
+
+    if variant == "sparse":
+        idx = b("NonZero", b("Reshape", keep, b.const([-1])))  # (1, K) int64: kept token rows
+        rows = b("Squeeze", idx, b.const([0]))  # (K,)
+        xs = b("Gather", flat, rows, axis=0)  # (K, d)
+        g = b("Unsqueeze", b("Gather", gate_flat, rows, axis=0), b.const([1]))  # (K, 1)
+        new = b("Add", xs, b("Mul", ffn(xs), g))  # (K, d)
+        y = b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
+    else:
+        g = b("Mul", gate_flat, b("Cast", b("Reshape", keep, b.const([-1])), to=TensorProto.FLOAT))  # (B*T,)
+        y = b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
+    b.nodes.append(helper.make_node("Reshape", [y, shape], ["y"]))
+    return helper.make_function(
+        DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["eps"],
+        doc_string=f"adaptex::conditional_ffn, {variant} lowering (see docs/ops.md)",
+    )
+
+
 def register_schema() -> None:
     """Register the node's schema with onnx (in this process only) so onnxscript can emit it.
 
     Models never depend on it: the body ships as a function, which is what runtimes read."""
     from onnx import defs
 
-    if defs.has("BudgetedAttention", DOMAIN):
+    if defs.has("BudgetedAttention", DOMAIN) and defs.has("ConditionalFFN", DOMAIN):
         return
     FP = defs.OpSchema.FormalParameter
     float_in = {"x", "w_qkv", "b_qkv", "w_o", "b_o"}
@@ -153,3 +195,12 @@ def register_schema() -> None:
         attributes=[defs.OpSchema.Attribute("num_heads", defs.OpSchema.AttrType.INT, "H")],
     )
     defs.register_schema(schema)
+    defs.register_schema(defs.OpSchema(
+        "ConditionalFFN", DOMAIN, OPSET_VERSION,
+        doc="Pre-norm FFN residual update for the kept tokens only; see docs/ops.md.",
+        inputs=[FP(n, "B" if n == "keep" else ("F" if n == "gate" else "T")) for n in CFFN_INPUTS],
+        outputs=[FP("y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"),
+                          ("F", ["tensor(float)"], "routing stays fp32"), ("B", ["tensor(bool)"], "")],
+        attributes=[defs.OpSchema.Attribute("eps", defs.OpSchema.AttrType.FLOAT, "LayerNorm epsilon")],
+    ))
