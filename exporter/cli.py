@@ -58,8 +58,8 @@ def cmd_train(args) -> int:
     from graphs.tasks import get_task
     from graphs.train import TrainConfig, evaluate, summary_table, train_model
 
-    if args.family != "budgetformer":
-        _err(f"unknown family {args.family!r}; 'adaptex train' knows: budgetformer")
+    if args.family not in ("budgetformer", "tsa"):
+        _err(f"unknown family {args.family!r}; 'adaptex train' knows: budgetformer, tsa")
         return EXIT_ERROR
     _threads(args.threads)
     out = Path(args.output)
@@ -71,9 +71,16 @@ def cmd_train(args) -> int:
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         _err(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
         return EXIT_ERROR
-    if args.steps < 1 or args.batch_size < 1 or args.eval_size < 1:
+    if (args.steps is not None and args.steps < 1) or (args.batch_size is not None and args.batch_size < 1) \
+            or args.eval_size < 1:
         _err("--steps, --batch-size and --eval-size must be at least 1")
         return EXIT_ERROR
+    if args.family == "tsa":
+        return _train_tsa(args, out)
+    for name, default in (("steps", 3000), ("batch_size", 64), ("lr", 2e-3), ("d_model", 256), ("heads", 8),
+                          ("layers", 2), ("d_ff", 1024), ("task", "graded")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     task = get_task(args.task)
     try:
         cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=args.d_model,
@@ -101,6 +108,61 @@ def cmd_train(args) -> int:
         "training": {"task": task.name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
                      "torch": torch.__version__},
         "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
+        "summary_table": table,
+    }
+    checkpoint.save(out, model, extra, dtype=args.save_dtype)
+    _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})")
+    return 0
+
+
+def _train_tsa(args, out: Path) -> int:
+    import torch
+
+    from graphs import checkpoint
+    from graphs.lm_tasks import LM_TASKS, get_lm_task
+    from graphs.train_tsa import PRESETS, TSATrainConfig, evaluate_tsa, summary_table_tsa, train_tsa
+    from graphs.tsa import TSAConfig
+
+    task_name = args.task or "copy"
+    if task_name not in LM_TASKS:
+        _err(f"unknown task {task_name!r} for tsa; choose one of {', '.join(LM_TASKS)}")
+        return EXIT_ERROR
+    p = dict(PRESETS[task_name])
+    for arg, key in (("d_model", "d_model"), ("heads", "num_heads"), ("layers", "num_layers"), ("d_ff", "d_ff"),
+                     ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
+                     ("lambda_depth", "lambda_depth"), ("max_len", "max_len")):
+        if getattr(args, arg, None) is not None:
+            p[key] = getattr(args, arg)
+    task = get_lm_task(task_name)
+    try:
+        cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
+                        num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"])
+    except ValueError as e:
+        _err(f"{e}; adjust --d-model/--heads/--layers")
+        return EXIT_ERROR
+    if cfg.max_len < task.seq_len:
+        _err(f"--max-len {cfg.max_len} is shorter than the task's sequences ({task.seq_len}); raise --max-len")
+        return EXIT_ERROR
+    tc = TSATrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"], lambda_depth=p["lambda_depth"],
+                        seed=args.seed, eval_size=args.eval_size)
+    t0 = time.perf_counter()
+    model = train_tsa(cfg, task, tc, desc="tsa     ")
+    checkpoint.round_weights(model, args.save_dtype)  # evaluate exactly what gets stored
+    n_eval = min(tc.eval_size, 400) if task_name == "charlm" else tc.eval_size
+    hard = evaluate_tsa(model, task, n_eval, mode="hard")
+    soft = evaluate_tsa(model, task, n_eval, mode="soft")
+    baseline = None
+    if not args.no_baseline:
+        base = train_tsa(TSAConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc, desc="baseline")
+        checkpoint.round_weights(base, args.save_dtype)
+        baseline = evaluate_tsa(base, task, n_eval, mode="hard")
+    table = summary_table_tsa(task_name, hard, soft, baseline)
+    print(table)
+    extra = {
+        "description": args.description or f"TSA decoder trained on the {task_name} task",
+        "training": {"task": task_name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "torch": torch.__version__},
+        "evaluation": {"tsa_hard": hard, "tsa_soft": soft, "baseline": baseline},
         "summary_table": table,
     }
     checkpoint.save(out, model, extra, dtype=args.save_dtype)
@@ -241,18 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_models)
 
     s = sub.add_parser("train", help="train an adaptive model and its same-size baseline")
-    s.add_argument("family", help="model family (budgetformer)")
-    s.add_argument("--task", default="graded", help="graded (generated, 4 difficulty levels) or stdlib (real text)")
+    s.add_argument("family", help="model family: budgetformer or tsa")
+    s.add_argument("--task", default=None, help="budgetformer: graded (default) or stdlib; "
+                                                "tsa: copy (default), sort or charlm")
     s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
-    s.add_argument("--steps", type=int, default=3000)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=2e-3)
+    s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa)")
+    s.add_argument("--batch-size", type=int, default=None)
+    s.add_argument("--lr", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--eval-size", type=int, default=2000, help="held-out examples for the summary")
-    s.add_argument("--d-model", type=int, default=256)
-    s.add_argument("--heads", type=int, default=8)
-    s.add_argument("--layers", type=int, default=2)
-    s.add_argument("--d-ff", type=int, default=1024)
+    s.add_argument("--d-model", type=int, default=None, help="default: 256 (budgetformer), 128 (tsa)")
+    s.add_argument("--heads", type=int, default=None)
+    s.add_argument("--layers", type=int, default=None)
+    s.add_argument("--d-ff", type=int, default=None)
+    s.add_argument("--lambda-depth", type=float, default=None, help="tsa: weight of the depth loss (0 works)")
+    s.add_argument("--max-len", type=int, default=None, help="tsa: positions and KV cache bound")
     s.add_argument("--s-min", type=float, default=0.25, help="budget target interval, lower end")
     s.add_argument("--s-max", type=float, default=0.375, help="budget target interval, upper end")
     s.add_argument("--threads", type=int, default=None)

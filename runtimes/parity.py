@@ -20,7 +20,8 @@ from runtimes.torch_ref import TorchRunner
 # Tolerances by body precision (DESIGN §4); never loosened silently.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
 # Decision margins: a flip is excused only when the reference was closer than this to the boundary.
-MARGINS = {"fp32": {"k": 1e-4, "head_mask": 1e-5}, "fp16": {"k": 1e-2, "head_mask": 1e-3}}
+MARGINS = {"fp32": {"k": 1e-4, "head_mask": 1e-5, "keep": 1e-4},
+           "fp16": {"k": 1e-2, "head_mask": 1e-3, "keep": 1e-2}}
 
 
 @dataclass
@@ -73,7 +74,7 @@ class ParityReport:
 
     @property
     def decisions_vary(self) -> bool:
-        ks = [d for n, d in self.decisions.items() if n.endswith(".k")]
+        ks = [d for n, d in self.decisions.items() if n.endswith(".k") or n.endswith(".keep")]
         return any(len(d.values_seen) > 1 for d in ks)
 
     @property
@@ -118,7 +119,7 @@ class ParityReport:
         lines.append(f"  {verdict}: decision agreement {self.decision_agreement:.4f}, "
                      f"unexcused flips {self.unexcused_flips}, max abs error {self.max_abs_err:.2e}")
         if not self.decisions_vary and self.decisions:
-            lines.append("  warning: k was the same on every input; the checked inputs did not exercise the budget")
+            lines.append("  warning: the decisions were the same on every input; the checked inputs did not exercise the routing")
         return "\n".join(lines)
 
 
@@ -181,6 +182,9 @@ def _top_k_mask(p: np.ndarray, k: np.ndarray) -> np.ndarray:
 def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
           precision: str = "fp32", seed: int = 0, artifact_name: str = "") -> ParityReport:
     cfg = reference.model.cfg
+    if cfg.family == "tsa":
+        return check_decoder(artifact_runner, reference, samples=samples, task=task, precision=precision,
+                             seed=seed, artifact_name=artifact_name)
     tol, margins = TOLERANCES[precision], MARGINS[precision]
     report = ParityReport(artifact_name, artifact_runner.name, precision, tol, margins)
     if "MIL reference" in artifact_runner.name:
@@ -252,4 +256,122 @@ def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200
             if need > tol["atol"]:
                 report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
                                        f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
+    return report
+
+
+# --- decoders (TSA): prefill then decode steps, each step checked on the reference's own cache ---
+
+def decoder_parity_inputs(cfg, task_name: str | None, samples: int, seed: int = 0) -> list[dict]:
+    """Sequences totalling `samples`, each with a prefill length and a number of decode steps.
+
+    Task text where the task can make it (copy, sort, the character LM), random tokens otherwise;
+    some batches left-padded; prefill lengths from 1 token to the whole sequence."""
+    from graphs.lm_tasks import get_lm_task
+
+    rng = np.random.default_rng(seed)
+    try:
+        task = get_lm_task(task_name) if task_name else None
+    except Exception:
+        task = None
+    out, total, i = [], 0, 0
+    while total < samples:
+        B = min([1, 2, 4, 8][i % 4], samples - total)
+        if task is not None and i % 3 != 2:
+            ids = task.sample(B, rng).input_ids.numpy()[:, : cfg.max_len]
+        else:
+            N = int(rng.choice([2, 9, 33, cfg.max_len, int(rng.integers(2, cfg.max_len + 1))]))
+            ids = rng.integers(1, cfg.vocab_size, size=(B, N)).astype(np.int64)
+        N = ids.shape[1]
+        mask = np.ones_like(ids)
+        if i % 4 == 3 and N > 2:  # left padding: rows start late
+            pad = rng.integers(0, N // 2, size=B)
+            pad[0] = 0
+            mask = (np.arange(N)[None, :] >= pad[:, None]).astype(np.int64)
+            ids = np.where(mask == 1, ids, cfg.pad_id)
+        steps = int(min(N - 1, rng.choice([0, 1, 3, 8])))
+        out.append({"input_ids": np.ascontiguousarray(ids), "attention_mask": mask, "prefill": N - steps})
+        total += B
+        i += 1
+    return out
+
+
+def _decoder_steps(item: dict, cfg):
+    """(feeds without past, past length) for the prefill and each decode step of one parity item."""
+    ids, mask, T0 = item["input_ids"], item["attention_mask"], item["prefill"]
+    yield {"input_ids": ids[:, :T0], "attention_mask": mask[:, :T0]}, 0
+    for t in range(T0, ids.shape[1]):
+        yield {"input_ids": ids[:, t: t + 1], "attention_mask": mask[:, : t + 1]}, t
+
+
+def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
+                  precision: str = "fp32", seed: int = 0, artifact_name: str = "") -> ParityReport:
+    """Prefill and decode steps; each step gets the reference's cache, so errors do not compound and
+    every flip is attributed to the step that made it. Keep flips are excused within |p - 0.5| < margin."""
+    cfg = reference.model.cfg
+    tol, margins = TOLERANCES[precision], MARGINS[precision]
+    report = ParityReport(artifact_name, artifact_runner.name, precision, tol, margins)
+    if "MIL reference" in artifact_runner.name:
+        report.note = ("the saved ML program evaluated op by op in numpy (MIL reference evaluation), "
+                       "not the Core ML runtime")
+    L, H, dh = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
+    specs = artifact_runner.input_metadata()
+    routers = L - 1 if cfg.adaptive else 0
+    for bi, item in enumerate(decoder_parity_inputs(cfg, task, samples, seed)):
+        B = item["input_ids"].shape[0]
+        report.samples += B
+        past = {f"past_key_values.{i}.{kv}": np.zeros((B, H, 0, dh), np.float32) for i in range(L) for kv in ("key", "value")}
+        for si, (feeds, P) in enumerate(_decoder_steps(item, cfg)):
+            feeds = {**feeds, **past}
+            where = f"batch {bi} step {si} (B={B}, past={P}, new={feeds['input_ids'].shape[1]})"
+            report.batches += 1
+            got = artifact_runner.infer({n: a.astype(specs[n].dtype) for n, a in feeds.items()})
+            ref, ps = reference.run_with_routing(feeds)
+            T = feeds["input_ids"].shape[1]
+            bad = np.zeros(B, dtype=bool)
+            forced: list = [None] * routers
+            real = feeds["attention_mask"][:, P:].astype(bool)  # (B, T): decisions of padding tokens do not count
+            for li in range(routers):
+                name = f"decisions.layer{li + 1}.keep"
+                k_ref, k_got = ref[name].astype(bool), got[name].astype(bool)
+                flip = (k_ref != k_got) & real
+                margin = np.abs(ps[li].astype(np.float64) - 0.5)
+                ok = flip & (margin < margins["keep"])
+                st = report.decisions.setdefault(name, DecisionStat())
+                st.compared += int(real.sum())
+                st.agreed += int((~flip & real).sum())
+                st.excused += int(ok.sum())
+                st.unexcused += int((flip & ~ok).sum())
+                for v in (0, 1):
+                    st.values_seen[v] = st.values_seen.get(v, 0) + int(((k_got == bool(v)) & real).sum())
+                for row, col in zip(*np.nonzero(flip & ~ok)):
+                    bad[row] = True
+                    report.failures.append(
+                        f"{name}: unexcused flip at {where} row {row} token {col}: reference keep={bool(k_ref[row, col])} "
+                        f"vs artifact {bool(k_got[row, col])}; the reference's |p - 0.5| was {margin[row, col]:.2e} "
+                        f"(stated margin {margins['keep']:g})")
+                if ok.any():  # replay the artifact's routing from this router on
+                    forced[li] = k_got
+                    ref, ps = reference.run_with_routing(feeds, force_masks=forced)
+            for name in ref:
+                if name.endswith(".keep"):
+                    continue
+                a, r = got[name].astype(np.float64), ref[name].astype(np.float64)
+                keep_rows = ~bad
+                a, r = a[keep_rows], r[keep_rows]
+                if name.endswith(".p") or name == "logits":  # padding tokens' values mean nothing
+                    m = real[keep_rows]
+                    a, r = a[m], r[m]
+                st = report.outputs.setdefault(name, OutputStat())
+                if a.size == 0:
+                    continue
+                err = np.abs(a - r)
+                need = float(np.max(err - tol["rtol"] * np.abs(r)))
+                if err.max() > st.max_abs_err:
+                    st.max_abs_err, st.worst_input = float(err.max()), where
+                st.max_rel_err = max(st.max_rel_err, float((err / np.maximum(np.abs(r), 1e-12)).max()))
+                st.needed_atol = max(st.needed_atol, need)
+                if need > tol["atol"]:
+                    report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
+                                           f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
+            past = {f"past_key_values.{i}.{kv}": ref[f"present.{i}.{kv}"] for i in range(L) for kv in ("key", "value")}
     return report

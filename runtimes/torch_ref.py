@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from exporter.trace import DECISION_FIELDS, INPUT_NAMES, output_names
+from exporter.trace import DECISION_FIELDS, INPUT_NAMES, io_names, output_names
 from runtimes.base import IOSpec, ModelLimits, Runner
 
 
@@ -14,9 +14,17 @@ class TorchRunner(Runner):
     def __init__(self, model: torch.nn.Module, mode: str = "hard"):
         super().__init__(ModelLimits(model.cfg.max_len, model.cfg.vocab_size))
         self.model, self.mode = model.eval(), mode
-        self.names = output_names(model.cfg.num_layers, model.cfg.adaptive)
+        self.decoder = model.cfg.family == "tsa"
+        self.inputs, self.names = io_names(model.cfg, mode)
+        if not self.decoder:
+            self.names = output_names(model.cfg.num_layers, model.cfg.adaptive)
 
     def input_metadata(self) -> dict[str, IOSpec]:
+        if self.decoder:
+            cfg = self.model.cfg
+            kv = ("batch", cfg.num_heads, "past_sequence", cfg.d_model // cfg.num_heads)
+            return {n: IOSpec(n, "int64", ("batch", "sequence")) if n in INPUT_NAMES else IOSpec(n, "float32", kv)
+                    for n in self.inputs}
         return {n: IOSpec(n, "int64", ("batch", "sequence")) for n in INPUT_NAMES}
 
     def _infer(self, feeds):
@@ -24,13 +32,21 @@ class TorchRunner(Runner):
 
     @torch.no_grad()
     def run_with_routing(self, feeds, force_masks: list[np.ndarray] | None = None):
-        """Outputs by name, plus each layer's head preferences p (for decision margins).
+        """Outputs by name, plus each router's preferences p (for decision margins).
 
-        force_masks replays a given routing (per layer (B, H) bool, or None to route as usual): parity uses it so that an
-        excused decision flip does not show up again as a numeric error."""
+        force_masks replays a given routing (per layer (B, H) head masks for BudgetFormer, per router
+        (B, T) keep masks for TSA; None entries route as usual): parity uses it so that an excused
+        decision flip does not show up again as a numeric error."""
         ids = torch.from_numpy(feeds["input_ids"])
         mask = torch.from_numpy(feeds["attention_mask"])
         fm = None if force_masks is None else [None if m is None else torch.from_numpy(m) for m in force_masks]
+        if self.decoder:
+            L = self.model.cfg.num_layers
+            past = [(torch.from_numpy(feeds[f"past_key_values.{i}.key"]),
+                     torch.from_numpy(feeds[f"past_key_values.{i}.value"])) for i in range(L)]
+            logits, decisions, presents = self.model(ids, mask, past=past, mode=self.mode, force_keep=fm)
+            outs = [logits] + [t for kv in presents for t in kv] + [t for d in decisions for t in (d["keep"], d["p"])]
+            return {n: t.numpy() for n, t in zip(self.names, outs)}, [d["p"].numpy() for d in decisions]
         logits, decisions = self.model(ids, mask, mode=self.mode, force_masks=fm)
         outs = [logits] + [d[f] for d in decisions for f in DECISION_FIELDS if f in d]
         named = {n: t.numpy() for n, t in zip(self.names, outs)}

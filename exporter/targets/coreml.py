@@ -28,7 +28,8 @@ DEFAULT_PRECISION = "fp16"
 MIN_TARGETS = {"iOS16": "iOS16", "iOS17": "iOS17", "iOS18": "iOS18",
                "macOS13": "macOS13", "macOS14": "macOS14", "macOS15": "macOS15"}
 DEFAULT_MIN_TARGET = "iOS17"
-_VARIANT = {"current": "sparse"}  # the variant the registered MIL translation emits during a convert
+# the variant each registered MIL translation emits during a convert, set from the registry per export
+_VARIANT = {"adaptex::budgeted_attention": "sparse", "adaptex::conditional_ffn": "sparse"}
 
 
 def _budgeted_attention_mil(context, node, variant: str):
@@ -85,12 +86,61 @@ def _budgeted_attention_mil(context, node, variant: str):
     context.add((y, k, head_mask), node.name)
 
 
+def _ffn_mil(x, ln_w, ln_b, w1, b1, w2, b2, eps: float, name: str):
+    """FFN(LayerNorm(x)) on the last axis: layer_norm + linear + exact gelu + linear."""
+    from coremltools.converters.mil import Builder as mb
+
+    h = mb.layer_norm(x=x, axes=[-1], gamma=ln_w, beta=ln_b, epsilon=np.float32(eps), name=f"{name}_ln")
+    h = mb.gelu(x=mb.linear(x=h, weight=w1, bias=b1, name=f"{name}_fc1"), mode="EXACT", name=f"{name}_gelu")
+    return mb.linear(x=h, weight=w2, bias=b2, name=f"{name}_fc2")
+
+
+def _conditional_ffn_mil(context, node, variant: str):
+    """Emit MIL for one adaptex::conditional_ffn node: y = x + keep * gate * FFN(LayerNorm(x)).
+
+    keep (B, T) bool and gate (B, T) fp32 are routing: every op that touches them carries the route_
+    prefix, so an fp16 package keeps them fp32 (the gate is cast to the body's precision only where
+    it scales the update)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+
+    x, keep, gate, ln_w, ln_b, w1, b1, w2, b2, eps = _get_inputs(context, node, expected=10)
+    r = f"route_{node.name}_"
+    lw, lb, w1, b1, w2, b2 = (np.asarray(t.val, dtype=np.float32) for t in (ln_w, ln_b, w1, b1, w2, b2))
+    eps = float(eps.val)
+    d = lw.shape[0]
+    if variant == "sparse":
+        # the kept tokens' rows of the flattened (B*T, d) stream: their count N is known at run time only
+        flat = mb.reshape(x=x, shape=np.array([-1, d], np.int32), name=f"{node.name}_flat")  # (BT, d)
+        keep_flat = mb.reshape(x=keep, shape=np.array([-1], np.int32), name=r + "keep_flat")  # (BT,)
+        idx = mb.non_zero(x=keep_flat, name=r + "idx")  # (N, 1) int32
+        g = mb.gather_nd(x=mb.reshape(x=gate, shape=np.array([-1], np.int32), name=r + "gate_flat"),
+                         indices=idx, name=r + "gate_kept")  # (N,) fp32
+        xs = mb.gather_nd(x=flat, indices=idx, name=f"{node.name}_kept")  # (N, d)
+        u = _ffn_mil(xs, lw, lb, w1, b1, w2, b2, eps, node.name)  # (N, d)
+        ys = mb.add(x=xs, y=mb.mul(x=u, y=mb.expand_dims(x=g, axes=[1], name=r + "gate_col"),
+                                   name=f"{node.name}_gated"), name=f"{node.name}_new")
+        yflat = mb.scatter_nd(data=flat, indices=idx, updates=ys, mode="update", name=f"{node.name}_scatter")
+        y = mb.reshape(x=yflat, shape=mb.shape(x=x, name=f"{node.name}_shape"), name=node.name)
+    else:
+        # every token through the FFN, its update scaled by keep * gate (zero for skipped tokens)
+        u = _ffn_mil(x, lw, lb, w1, b1, w2, b2, eps, node.name)  # (B, T, d)
+        scale = mb.mul(x=mb.cast(x=keep, dtype="fp32", name=r + "keep_f"), y=gate, name=r + "scale")  # (B, T)
+        y = mb.add(x=x, y=mb.mul(x=u, y=mb.expand_dims(x=scale, axes=[-1], name=r + "scale_col"),
+                                 name=f"{node.name}_gated"), name=node.name)
+    context.add(y, node.name)
+
+
 def _register_translation() -> None:
     from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
 
     @register_torch_op(torch_alias=["adaptex::budgeted_attention"], override=True)
     def budgeted_attention(context, node):
-        _budgeted_attention_mil(context, node, _VARIANT["current"])
+        _budgeted_attention_mil(context, node, _VARIANT["adaptex::budgeted_attention"])
+
+    @register_torch_op(torch_alias=["adaptex::conditional_ffn"], override=True)
+    def conditional_ffn(context, node):
+        _conditional_ffn_mil(context, node, _VARIANT["adaptex::conditional_ffn"])
 
 
 @lowering("adaptex::budgeted_attention", target="coreml", variant="sparse")
@@ -103,6 +153,22 @@ def budgeted_attention_coreml_sparse(ctx, node):
 @lowering("adaptex::budgeted_attention", target="coreml", variant="dense")
 def budgeted_attention_coreml_dense(ctx, node):
     """Static shapes: argsort over all heads, every head computed, unselected heads weighted by zero."""
+    return "dense"
+
+
+@lowering("adaptex::conditional_ffn", target="coreml", variant="sparse")
+def conditional_ffn_coreml_sparse(ctx, node):
+    """non_zero on the flattened keep mask, gather_nd of the kept rows, layer_norm + linear + gelu +
+    linear on them only, scatter_nd (mode update) back: dynamic shapes, skipped tokens cost nothing
+    (runs off the Neural Engine)."""
+    return "sparse"
+
+
+@lowering("adaptex::conditional_ffn", target="coreml", variant="dense")
+def conditional_ffn_coreml_dense(ctx, node):
+    """Static shapes: every token through layer_norm + FFN, the update multiplied by keep * gate
+    (fp32 routing), so skipped tokens pass through unchanged; the variant that can stay on the
+    Neural Engine."""
     return "dense"
 
 
@@ -144,9 +210,53 @@ def routing_node_names(ep) -> set[str]:
     return names
 
 
-def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str]):
+def decoder_routing_node_names(ep) -> set[str]:
+    """A TSA decoder's routing FX nodes: the TokenRouters (model.routers.*), and the ops between a
+    router's p and each conditional_ffn's keep (p <= threshold) and gate (keep * (1 - p)).
+
+    They stay fp32 in an fp16 package: an fp16 p <= 0.5 would flip keep for every p within 2^-12 of
+    the threshold. The walk back from keep and gate stops at the router nodes, so it never enters the
+    body (the residual stream that feeds the routers)."""
+    from exporter.trace import adaptex_nodes
+
+    def path(n):
+        stack = n.meta.get("nn_module_stack") or {}
+        return [v[0] for v in stack.values()][-1] if stack else ""
+
+    router = {n.name for n in ep.graph.nodes if n.op == "call_function" and path(n).startswith("model.routers.")}
+    names = set(router)
+    todo = [a for node in adaptex_nodes(ep) if "conditional_ffn" in str(node.target) for a in node.args[1:3]]
+    while todo:
+        n = todo.pop()
+        if not hasattr(n, "op") or n.op != "call_function" or n.name in names:
+            continue
+        names.add(n.name)
+        todo.extend(a for a in n.all_input_nodes)
+    return names
+
+
+def _bool_ops_as_logical(ep) -> None:
+    """torch.export writes `a & b` / `a | b` on bool tensors as aten.__and__ / aten.__or__, which
+    coremltools 9 does not look up (it registers them as "and" / "or"): the same ops as
+    aten.logical_and / logical_or, which it converts."""
+    import torch
+
+    swap = {torch.ops.aten.__and__.Tensor: torch.ops.aten.logical_and.default,
+            torch.ops.aten.__or__.Tensor: torch.ops.aten.logical_or.default}
+    changed = False
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and n.target in swap and all(
+                getattr(a.meta.get("val"), "dtype", None) == torch.bool for a in n.all_input_nodes):
+            n.target = swap[n.target]
+            changed = True
+    if changed:
+        ep.graph_module.recompile()
+
+
+def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str], inputs=None):
     """ct.convert an ExportedProgram to an ML program; in fp16, the FX nodes in keep_fp32 (and every
-    op whose name carries the route_ prefix) stay fp32, and every float output is fp32."""
+    op whose name carries the route_ prefix) stay fp32, and every float output is fp32. `inputs`
+    (ct.TensorType, in the program's input order) overrides the shapes coremltools reads off the trace."""
     import coremltools as ct
 
     logging.getLogger("coremltools").setLevel(logging.ERROR)
@@ -159,7 +269,7 @@ def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: s
                 op_selector=lambda op: op.name not in keep and not op.name.startswith("route_"))
         else:
             compute = ct.precision.FLOAT32
-        return ct.convert(ep, convert_to="mlprogram",
+        return ct.convert(ep, convert_to="mlprogram", inputs=inputs,
                           minimum_deployment_target=getattr(ct.target, MIN_TARGETS[min_target]),
                           compute_precision=compute,
                           outputs=[ct.TensorType(name=n, dtype=_output_dtype(n)) for n in names])
@@ -185,11 +295,66 @@ def export_stock(model, out, mode: str, *, precision: str = "fp16", min_target: 
     return out
 
 
+MAX_BATCH = 4096  # the batch bound of the trace (exporter.trace.dynamic_shapes)
+MIN_PAST = 0  # the past_sequence lower bound of a decoder package (see MIN_PAST_NOTE)
+
+
+def decoder_io(cfg) -> tuple[dict, dict]:
+    """A TSA decoder package's (inputs, outputs) by their canonical (Optimum, dotted) names: dtype,
+    shape (ints, or the names of the flexible axes) and the Core ML feature name (dots cannot appear
+    in one, so they become underscores)."""
+    from exporter.trace import io_names
+
+    H, dh, V = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.vocab_size
+    ins, outs = io_names(cfg)
+    kv_in = ["batch", H, "past_sequence", dh]
+    kv_out = ["batch", H, "past_sequence + sequence", dh]
+    inputs = {}
+    for n in ins:
+        if n == "input_ids":
+            inputs[n] = {"dtype": "int32", "shape": ["batch", "sequence"]}
+        elif n == "attention_mask":
+            inputs[n] = {"dtype": "int32", "shape": ["batch", "past_sequence + sequence"]}
+        else:
+            inputs[n] = {"dtype": "float32", "shape": kv_in}
+    outputs = {}
+    for n in outs:
+        if n == "logits":
+            outputs[n] = {"dtype": "float32", "shape": ["batch", "sequence", V]}
+        elif n.startswith("present."):
+            outputs[n] = {"dtype": "float32", "shape": kv_out}
+        else:  # decisions.layer{l}.keep (0/1: Core ML has no bool outputs) and .p
+            outputs[n] = {"dtype": "float32", "shape": ["batch", "sequence"]}
+    for d in (inputs, outputs):
+        for n, spec in d.items():
+            spec["coreml_name"] = n.replace(".", "_")
+    return inputs, outputs
+
+
+def _decoder_input_types(cfg) -> list:
+    """Flexible shapes: batch 1..MAX_BATCH, sequence 1..max_len, past_sequence MIN_PAST..max_len - 1
+    (one range shared by every layer's key and value), and the mask's past + sequence 1..max_len
+    (Core ML shapes cannot be sums of ranges; the runtime checks the mask against ids and past)."""
+    import coremltools as ct
+
+    H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    batch = ct.RangeDim(1, MAX_BATCH, default=1, symbol="batch")
+    seq = ct.RangeDim(1, cfg.max_len, default=1, symbol="sequence")
+    past = ct.RangeDim(MIN_PAST, cfg.max_len - 1, default=max(MIN_PAST, 1), symbol="past_sequence")
+    total = ct.RangeDim(1, cfg.max_len, default=2, symbol="past_plus_sequence")
+    types = []
+    for n, spec in decoder_io(cfg)[0].items():
+        shape = {"input_ids": (batch, seq), "attention_mask": (batch, total)}.get(n, (batch, H, past, dh))
+        types.append(ct.TensorType(name=spec["coreml_name"], shape=shape,
+                                   dtype=np.int32 if spec["dtype"] == "int32" else np.float32))
+    return types
+
+
 def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp16",
            min_target: str = DEFAULT_MIN_TARGET) -> dict:
     """Convert to an ML program package at `out` (a directory, written atomically)."""
     from exporter.registry import lookup
-    from exporter.trace import adaptex_nodes, output_names, trace
+    from exporter.trace import adaptex_nodes, io_names, trace
 
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the coreml target; use fp16 or fp32")
@@ -208,58 +373,68 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     except ImportError as e:
         raise ExportError("the coreml target needs coremltools; install it with pip install 'adaptex[coreml]'") from e
 
+    cfg = model.cfg
+    decoder = cfg.family == "tsa"
     ep = trace(model, mode="hard").run_decompositions({})
     notes = {}
     for node in adaptex_nodes(ep):
         op = node.target.name()
         entry = lookup(op, "coreml", variant, node)
         notes[op] = entry.fn.__name__
-        _VARIANT["current"] = entry.fn(None, node)
+        _VARIANT[op] = entry.fn(None, node)
     _register_translation()
-    cfg = model.cfg
-    names = output_names(cfg.num_layers, cfg.adaptive)
-    keep = routing_node_names(ep) | head_node_names(ep)
+    names = io_names(cfg)[1]
+    if decoder:
+        _bool_ops_as_logical(ep)
+        keep = decoder_routing_node_names(ep)  # the LM head follows the body's precision (see the module doc)
+        inputs = _decoder_input_types(cfg)
+    else:
+        keep = routing_node_names(ep) | head_node_names(ep)
+        inputs = None
     try:
-        mlmodel = _convert(ep, names, precision, min_target, keep)
+        mlmodel = _convert(ep, names, precision, min_target, keep, inputs)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"coremltools conversion failed: {first}") from e
     meta = {
         "format": artifact.FORMAT_VERSION, "family": cfg.family, "target": "coreml", "variant": variant,
-        "precision": precision, "routing_precision": "fp32", "head_precision": "fp32", "min_target": min_target,
-        "opset": {"adaptex": 1}, "lowerings": notes,
-        "budget_range": [cfg.s_min, cfg.s_max], "config": cfg.to_dict(),
+        "precision": precision, "routing_precision": "fp32", "head_precision": precision if decoder else "fp32",
+        "min_target": min_target, "opset": {"adaptex": 1}, "lowerings": notes,
+        **artifact.routing_meta(cfg), "config": cfg.to_dict(),
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
         "max_sequence": cfg.max_len,
     }
     spec = mlmodel.get_spec()
-    meta["inputs"] = {i.name: {"dtype": "int32", "shape": ["batch", "sequence"]} for i in spec.description.input}
-    meta["outputs"] = {o.name: {"dtype": "see package", "shape": []} for o in spec.description.output}
+    if decoder:
+        meta["inputs"], meta["outputs"] = decoder_io(cfg)
+        meta["min_past_sequence"] = MIN_PAST
+        got = ([i.name for i in spec.description.input], [o.name for o in spec.description.output])
+        want = tuple([s["coreml_name"] for s in d.values()] for d in (meta["inputs"], meta["outputs"]))
+        if got != want:
+            raise ExportError(f"coremltools named the package's features {got}, expected {want}")
+    else:
+        meta["inputs"] = {i.name: {"dtype": "int32", "shape": ["batch", "sequence"]} for i in spec.description.input}
+        meta["outputs"] = {o.name: {"dtype": "see package", "shape": []} for o in spec.description.output}
     mlmodel.short_description = (f"{cfg.family} ({cfg.num_layers} layers x {cfg.num_heads} heads) exported by "
                                  f"adaptex: {variant} lowering, {precision} body, fp32 routing")
     mlmodel.author = "adaptex"
     mlmodel.version = str(artifact.FORMAT_VERSION)
-    describe = {
-        "input_ids": f"token ids, int32 [batch, sequence], sequence 1..{cfg.max_len}",
-        "attention_mask": "1 for real tokens, 0 for padding, int32 [batch, sequence]",
-        "logits": f"class scores [batch, {cfg.num_classes}]",
-    }
-    for i in range(cfg.num_layers):
-        describe[f"decisions_layer{i}_k"] = f"layer {i}: heads computed per sample, clamp(floor(s*H), 1, H)"
-        describe[f"decisions_layer{i}_head_mask"] = f"layer {i}: 1 for the heads computed, 0 otherwise [batch, {cfg.num_heads}]"
-        describe[f"decisions_layer{i}_s"] = f"layer {i}: budget s in (0, 1) per sample"
+    describe = _decoder_descriptions(cfg) if decoder else _classifier_descriptions(cfg)
+    spec_inputs = {i.name for i in spec.description.input}
+    spec_outputs = {o.name for o in spec.description.output}
     for name, text in describe.items():
-        if name in meta["inputs"]:
+        if name in spec_inputs:
             mlmodel.input_description[name] = text
-        elif name in meta["outputs"]:
+        elif name in spec_outputs:
             mlmodel.output_description[name] = text
     ud = mlmodel.user_defined_metadata
     ud[artifact.META_KEY] = json.dumps(meta)
     ud.update({"adaptex.family": cfg.family, "adaptex.variant": variant, "adaptex.precision": precision,
                "adaptex.routing_precision": "fp32", "adaptex.opset": "1", "adaptex.min_target": min_target,
-               "adaptex.budget_range": json.dumps(meta["budget_range"]), "adaptex.config": json.dumps(cfg.to_dict()),
+               "adaptex.config": json.dumps(cfg.to_dict()),
                "adaptex.source_checkpoint": str(meta["source"]["checkpoint"]),
                "adaptex.source_sha256": str(meta["source"]["sha256"])})
+    ud.update({f"adaptex.{k}": json.dumps(v) for k, v in artifact.routing_meta(cfg).items()})
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     try:
         mlmodel.save(str(tmp / out.name))
@@ -269,3 +444,40 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _classifier_descriptions(cfg) -> dict:
+    describe = {
+        "input_ids": f"token ids, int32 [batch, sequence], sequence 1..{cfg.max_len}",
+        "attention_mask": "1 for real tokens, 0 for padding, int32 [batch, sequence]",
+        "logits": f"class scores [batch, {cfg.num_classes}]",
+    }
+    for i in range(cfg.num_layers):
+        describe[f"decisions_layer{i}_k"] = f"layer {i}: heads computed per sample, clamp(floor(s*H), 1, H)"
+        describe[f"decisions_layer{i}_head_mask"] = f"layer {i}: 1 for the heads computed, 0 otherwise [batch, {cfg.num_heads}]"
+        describe[f"decisions_layer{i}_s"] = f"layer {i}: budget s in (0, 1) per sample"
+    return describe
+
+
+def _decoder_descriptions(cfg) -> dict:
+    """Feature descriptions of a TSA decoder package, by Core ML feature name."""
+    H, dh, L = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.max_len
+    describe = {
+        "input_ids": f"token ids, int32 [batch, sequence], the new tokens of this step; past + sequence <= {L}",
+        "attention_mask": ("1 for real tokens, 0 for padding, int32 [batch, past_sequence + sequence]: the "
+                           "previous step's mask extended by the new tokens"),
+        "logits": f"next-token scores, float32 [batch, sequence, {cfg.vocab_size}]",
+    }
+    for i in range(cfg.num_layers):
+        for kv in ("key", "value"):
+            describe[f"past_key_values_{i}_{kv}"] = (
+                f"block {i} attention {kv}s of the cached tokens, float32 [batch, {H}, past_sequence, {dh}], "
+                f"past_sequence {MIN_PAST}..{L - 1}: the previous step's present_{i}_{kv}"
+                + (" (a prefill passes past_sequence 0)" if MIN_PAST == 0 else ""))
+            describe[f"present_{i}_{kv}"] = (f"block {i} attention {kv}s of past and new tokens, float32 "
+                                             f"[batch, {H}, past_sequence + sequence, {dh}]: the next step's past")
+    for li in range(1, cfg.num_layers):
+        describe[f"decisions_layer{li}_keep"] = (f"block {li}: 1 where the token ran the FFN (p <= {cfg.threshold}), "
+                                                 "0 where it skipped; float32 0/1 [batch, sequence]")
+        describe[f"decisions_layer{li}_p"] = f"block {li}: the router's skip probability p, float32 [batch, sequence]"
+    return describe
