@@ -163,6 +163,7 @@ def _train_tsa(args, out: Path) -> int:
         "training": {"task": task_name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
                      "torch": torch.__version__},
         "evaluation": {"tsa_hard": hard, "tsa_soft": soft, "baseline": baseline},
+        "tokenizer": task.tokenizer(),
         "summary_table": table,
     }
     checkpoint.save(out, model, extra, dtype=args.save_dtype)

@@ -34,6 +34,9 @@ class SequenceTransduction:
         self.name, self.length, self.vocab_size = name, length, vocab_size
         self.seq_len = 2 * length + 1  # model input length (the last token is only a target)
 
+    def tokenizer(self) -> dict:
+        return {"kind": "ids", "pad": self.PAD, "bos": self.BOS, "sep": self.SEP}
+
     def answer(self, x: np.ndarray) -> np.ndarray:
         return np.sort(x, axis=-1) if self.name == "sort" else x
 
@@ -80,6 +83,10 @@ class StdlibChars:
             raise AdaptexError(f"the charlm task needs CPython's Lib/ sources under {root}; use --task copy")
         self.train = np.array(self.encode("\n".join(train)), dtype=np.int64)
         self.val = np.array(self.encode("\n".join(val)), dtype=np.int64)
+
+    def tokenizer(self) -> dict:
+        """What an app needs to encode and decode: id i is the character itos[i] (0 pad, 1 unknown)."""
+        return {"kind": "chars", "pad": 0, "unk": 1, "itos": self.itos}
 
     def encode(self, s: str) -> list[int]:
         return [self.stoi.get(c, 1) for c in s]

@@ -222,3 +222,29 @@ def flops_per_token(cfg: TSAConfig, context: int, keep_rates: list[float] | None
     rates = [1.0] + (list(keep_rates) if keep_rates is not None else [1.0] * (cfg.num_layers - 1))
     router = (d * cfg.router_hidden + cfg.router_hidden) if keep_rates is not None else 0
     return sum(attn + r * ffn for r in rates) + router * (cfg.num_layers - 1) + d * cfg.vocab_size
+
+
+@torch.no_grad()
+def generate(model: TSADecoder, prompt: list[int], max_new_tokens: int, mode: str = "hard") -> tuple[list[int], list[float]]:
+    """Greedy decoding with the KV cache: prefill the prompt, then one step per token.
+
+    Returns the generated ids and each step's keep rate (mean over routers); the parity reference
+    for the exported generator (examples/tsa_generate.py)."""
+    if not prompt:
+        raise ValueError("empty prompt: pass at least one token")
+    if len(prompt) + max_new_tokens > model.cfg.max_len:
+        raise ValueError(f"prompt ({len(prompt)}) + new tokens ({max_new_tokens}) exceed the KV cache bound "
+                         f"{model.cfg.max_len}")
+    model.eval()
+    ids = torch.tensor([prompt])
+    logits, decisions, past = model(ids, mode=mode)
+    out, keep = [], []
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        keep.append(float(torch.stack([d["keep"][0, -1].float() for d in decisions]).mean()) if decisions else 1.0)
+        if len(out) == max_new_tokens:
+            break
+        mask = torch.ones(1, past[0][0].shape[2] + 1, dtype=torch.int64)
+        logits, decisions, past = model(torch.tensor([[nxt]]), mask, past=past, mode=mode)
+    return out, keep

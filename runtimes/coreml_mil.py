@@ -49,6 +49,33 @@ def _softmax(x, axis=-1):
     e = np.exp(x32 - x32.max(axis, keepdims=True)); return (e / e.sum(axis, keepdims=True)).astype(x.dtype)
 
 
+def _gather_nd(x, indices, batch_dims=0, validate_indices=False):
+    """x[indices[..., 0], ..., indices[..., K-1]]: shape indices.shape[:-1] + x.shape[K:] (batch_dims 0)."""
+    if int(batch_dims) != 0:
+        raise AdaptexError("MIL evaluation: gather_nd with batch_dims > 0 has no numpy evaluator")
+    return x[tuple(np.moveaxis(indices.astype(np.int64), -1, 0))]
+
+
+_SCATTER = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
+            "min": np.minimum}
+
+
+def _scatter_nd(data, indices, updates, mode="add", validate_indices=False):
+    """A copy of data with updates written (mode update) or combined (add, sub, ...) at indices."""
+    out = np.array(data, copy=True)
+    where = tuple(np.moveaxis(indices.astype(np.int64), -1, 0))
+    updates = np.asarray(updates, dtype=out.dtype)
+    if mode == "update":
+        out[where] = updates
+    else:
+        _SCATTER[mode].at(out, where, updates)
+    return out
+
+
+def _slice_by_size(x, begin, size):
+    return x[tuple(slice(int(b), None if int(n) == -1 else int(b) + int(n)) for b, n in zip(begin, size))]
+
+
 def _mm(a, b, out_dtype):
     """Products accumulate in fp32 and round to the op's dtype, as Core ML's fp16 kernels do."""
     return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(out_dtype)
@@ -61,7 +88,10 @@ EVAL = {
     "linear": lambda x, weight, bias=None: (_mm(x, weight.T, np.float32) + (0 if bias is None else bias)).astype(x.dtype),
     "mul": lambda x, y: x * y, "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "real_div": lambda x, y: x / y,
     "maximum": lambda x, y: np.maximum(x, y), "minimum": lambda x, y: np.minimum(x, y), "less": lambda x, y: x < y, "greater": lambda x, y: x > y,
-    "greater_equal": lambda x, y: x >= y, "logical_not": lambda x: np.logical_not(x),
+    "greater_equal": lambda x, y: x >= y, "less_equal": lambda x, y: x <= y, "equal": lambda x, y: x == y,
+    "logical_not": lambda x: np.logical_not(x), "logical_and": lambda x, y: np.logical_and(x, y),
+    "logical_or": lambda x, y: np.logical_or(x, y),
+    "relu": lambda x: np.maximum(x, x.dtype.type(0)),
     "select": lambda cond, a, b: np.where(cond, a, b),
     "floor": lambda x: np.floor(x), "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
     "sigmoid": lambda x: (1 / (1 + np.exp(-x))).astype(x.dtype),
@@ -72,7 +102,9 @@ EVAL = {
     "reduce_max": lambda x, axes=None, keep_dims=False: x.max(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
     "shape": lambda x: np.array(x.shape, np.int32),
     "concat": lambda values, axis, interleave=False: np.concatenate([np.atleast_1d(v) for v in values], int(axis)),
-    "slice_by_index": _slice,
+    "slice_by_index": _slice, "slice_by_size": _slice_by_size,
+    "non_zero": lambda x: np.transpose(np.nonzero(x)).astype(np.int32).reshape(-1, x.ndim),
+    "gather_nd": _gather_nd, "scatter_nd": _scatter_nd,
     "gather": lambda x, indices, axis=0, batch_dims=0, validate_indices=False: np.take(x, indices, axis=int(axis)),
     "gather_along_axis": lambda x, indices, axis=0, validate_indices=False: np.take_along_axis(x, indices.astype(np.int64), int(axis)),
     "argsort": lambda x, axis=-1, ascending=False: np.argsort(x if ascending else -x, axis=int(axis), kind="stable").astype(np.int32),
@@ -105,12 +137,36 @@ def read_package_meta(path: str | Path) -> dict:
 
 
 def canonical_outputs(meta: dict, outputs: dict) -> dict:
-    """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k."""
+    """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
+    (and a decoder's present_0_key for present.0.key)."""
     from exporter.trace import output_names
 
     cfg = meta["config"]
-    canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
+    if _is_decoder(meta):
+        canonical = {spec["coreml_name"]: n for n, spec in meta["outputs"].items()}
+    else:
+        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
     return {canonical.get(k, k): np.asarray(v) for k, v in outputs.items()}
+
+
+def _is_decoder(meta: dict) -> bool:
+    return meta["config"].get("family") == "tsa"
+
+
+def input_specs(meta: dict) -> dict[str, IOSpec]:
+    """The package's inputs by canonical name: int32 ids and mask (batch, sequence); a decoder's
+    mask spans (batch, past_sequence + sequence) and its float32 past_key_values.{i}.key/value are
+    (batch, heads, past_sequence, head_dim)."""
+    if _is_decoder(meta):
+        return {n: IOSpec(n, s["dtype"], tuple(s["shape"])) for n, s in meta["inputs"].items()}
+    return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in ("input_ids", "attention_mask")}
+
+
+def coreml_feeds(meta: dict, feeds: dict) -> dict:
+    """Feeds by canonical name -> by the package's feature names (dots become underscores)."""
+    if _is_decoder(meta):
+        return {meta["inputs"][n]["coreml_name"]: a for n, a in feeds.items()}
+    return dict(feeds)
 
 
 class MilReferenceRunner(Runner):
@@ -124,10 +180,12 @@ class MilReferenceRunner(Runner):
         super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
 
     def input_metadata(self) -> dict[str, IOSpec]:
+        if _is_decoder(self.meta):
+            return input_specs(self.meta)
         return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in self.program.functions["main"].inputs}
 
     def _infer(self, feeds):
-        return canonical_outputs(self.meta, run(self.program, feeds))
+        return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds)))
 
 
 def load_program(path: Path):
@@ -144,7 +202,7 @@ def load_program(path: Path):
 
 
 _SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose_y", "keep_dims", "ascending",
-                "epsilon", "alpha", "beta", "interleave")
+                "epsilon", "alpha", "beta", "interleave", "batch_dims", "validate_indices")
 
 
 def run(program, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -246,7 +246,7 @@ def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_che
 
 
 def test_compute_units_for_an_onnx_bench_is_a_clear_error(tiny_onnx, capsys):
-    assert main(["bench", str(tiny_onnx), "--compute-units", "cpu_only"]) == 2
+    assert main(["bench", str(tiny_onnx["sparse"]), "--compute-units", "cpu_only"]) == 2
     assert "--compute-units applies to Core ML packages" in capsys.readouterr().err
 
 

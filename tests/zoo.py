@@ -24,3 +24,19 @@ def tiny_model(seed: int = 0, spread: float = 40.0, **overrides) -> BudgetFormer
 
 def save_tiny(path, **kw):
     return checkpoint.save(path, tiny_model(**kw), {"training": {"task": "graded"}, "description": "test model"})
+
+
+TINY_TSA = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, max_len=32)
+
+
+def tiny_tsa(seed: int = 0, spread: float = 20.0, **overrides):
+    """An untrained tiny TSA decoder whose routers are scaled so keep decisions vary across tokens."""
+    from graphs.tsa import TSAConfig, TSADecoder
+
+    torch.manual_seed(seed)
+    model = TSADecoder(TSAConfig(**{**TINY_TSA, **overrides}))
+    with torch.no_grad():
+        for r in model.routers:
+            r.net[0].weight.mul_(spread)
+            r.net[2].weight.mul_(spread)
+    return model.eval()

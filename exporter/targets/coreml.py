@@ -235,6 +235,21 @@ def decoder_routing_node_names(ep) -> set[str]:
     return names
 
 
+def _prefix_routing_nodes(ep, names: set[str]) -> set[str]:
+    """Rename the routing FX nodes `names` to route_<name>: coremltools names each MIL op after its
+    FX node, uniquifying clashes with a suffix (a router's squeeze_1 became squeeze_1_1 next to the
+    squeeze_1 of an attention's unbind), so the fp16 op selector matches them by the prefix, which
+    no suffix can break, instead of by name. Graph outputs keep their names (the signature refers to
+    them); those are returned, for the selector's name set."""
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs = {a.name for a in out_node.all_input_nodes}
+    for n in list(ep.graph.nodes):
+        if n.op == "call_function" and n.name in names and n.name not in outputs:
+            n._rename("route_" + n.name)
+    ep.graph_module.recompile()
+    return names & outputs
+
+
 def _bool_ops_as_logical(ep) -> None:
     """torch.export writes `a & b` / `a | b` on bool tensors as aten.__and__ / aten.__or__, which
     coremltools 9 does not look up (it registers them as "and" / "or"): the same ops as
@@ -265,8 +280,11 @@ def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: s
         if precision == "fp16":
             # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
             keep = keep_fp32 | {n + "_0" for n in keep_fp32 if not n.rsplit("_", 1)[-1].isdigit()}
+            # route_ also by output name: translations such as aten.linear's name the result after
+            # the FX node while the op keeps a counter name (linear_4)
             compute = ct.transform.FP16ComputePrecision(
-                op_selector=lambda op: op.name not in keep and not op.name.startswith("route_"))
+                op_selector=lambda op: op.name not in keep and not op.name.startswith("route_")
+                and not any(v.name.startswith("route_") for v in op.outputs))
         else:
             compute = ct.precision.FLOAT32
         return ct.convert(ep, convert_to="mlprogram", inputs=inputs,
@@ -386,7 +404,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
     names = io_names(cfg)[1]
     if decoder:
         _bool_ops_as_logical(ep)
-        keep = decoder_routing_node_names(ep)  # the LM head follows the body's precision (see the module doc)
+        # routing stays fp32; the LM head follows the body's precision (see the module doc)
+        keep = _prefix_routing_nodes(ep, decoder_routing_node_names(ep))
         inputs = _decoder_input_types(cfg)
     else:
         keep = routing_node_names(ep) | head_node_names(ep)

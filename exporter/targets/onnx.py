@@ -194,6 +194,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         "outputs": _io_spec(proto.graph.output),
         "max_sequence": cfg.max_len,
     }
+    if info.get("tokenizer"):
+        meta["tokenizer"] = info["tokenizer"]
     proto.metadata_props.append(onnx.StringStringEntryProto(key=artifact.META_KEY, value=json.dumps(meta)))
     proto.producer_name, proto.doc_string = "adaptex", f"{cfg.family} exported by adaptex ({variant})"
     try:
