@@ -144,7 +144,7 @@ def _train_tsa(args, out: Path) -> int:
         _err(f"--max-len {cfg.max_len} is shorter than the task's sequences ({task.seq_len}); raise --max-len")
         return EXIT_ERROR
     tc = TSATrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"], lambda_depth=p["lambda_depth"],
-                        seed=args.seed, eval_size=args.eval_size)
+                        lambda_delay=p["lambda_delay"], seed=args.seed, eval_size=args.eval_size)
     t0 = time.perf_counter()
     model = train_tsa(cfg, task, tc, desc="tsa     ")
     checkpoint.round_weights(model, args.save_dtype)  # evaluate exactly what gets stored
@@ -289,7 +289,7 @@ def cmd_bench(args) -> int:
     _threads(args.threads)
     r = run_bench(args.artifact, model, info, batch=args.batch, seq=args.seq, threads=args.threads,
                   warmup=args.warmup, runs=args.runs, progress=None if args.json else _say,
-                  compute_units=args.compute_units or "all")
+                  compute_units=args.compute_units or "all", past=args.past)
     print(json.dumps(r, indent=2) if args.json else format_bench(r))
     return 0
 
@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("artifact")
     s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
     s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--seq", type=int, default=128)
+    s.add_argument("--seq", type=int, default=128, help="new tokens per run (a decoder's prefill length)")
+    s.add_argument("--past", type=int, default=0, help="decoders: cached tokens before the timed step (decode: --seq 1 --past N)")
     s.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: runtime default)")
     s.add_argument("--warmup", type=int, default=10)
     s.add_argument("--runs", type=int, default=None, help="timed rounds (default: as many as fit in ~8 s, 30..500)")

@@ -40,26 +40,32 @@ class Timing:
         return float(np.percentile(self.times_ms, q)) if self.times_ms else None
 
 
+# The model mode each counterpart exports: dense = every head / token / block, no routers; naive =
+# the plain PyTorch inference path (the decisions taken, everything computed, the rest masked).
+COUNTERPART_MODES = {"budgetformer": {"dense": "dense", "naive": "naive"},
+                     "tsa": {"dense": "dense", "naive": "hard_dense"}}
+
+
 def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str | None]]:
     """Dense counterpart and naive export as ONNX files: name -> (path, reason if none)."""
     import logging
 
     import torch
 
-    from exporter.trace import ExportWrapper, dynamic_shapes, example_inputs, output_names
+    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, io_names
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     out = {}
-    for name, mode in (("dense", "dense"), ("naive", "naive")):
+    for name, mode in COUNTERPART_MODES[model.cfg.family].items():
         path = workdir / f"{name}.onnx"
         try:
-            wrapper = ExportWrapper(model, mode).eval()
+            wrapper = export_wrapper(model, mode)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ep = torch.export.export(wrapper, example_inputs(model.cfg), dynamic_shapes=dynamic_shapes(model.cfg))
-                names = output_names(model.cfg.num_layers, adaptive=(mode != "dense") and model.cfg.adaptive)
+                inputs, names = io_names(model.cfg, mode)
                 prog = torch.onnx.export(ep, (), dynamo=True, optimize=True, verbose=False,
-                                         input_names=["input_ids", "attention_mask"], output_names=names)
+                                         input_names=inputs, output_names=names)
             prog.save(str(path))
             out[name] = (str(path), None)
         except Exception as e:
@@ -81,6 +87,44 @@ def bench_inputs(cfg, task_name: str | None, batch: int, seq: int, seed: int = 0
         return {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy()}
     ids = rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int64)
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+
+
+def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past: int, seed: int = 0) -> dict:
+    """Feeds for a decoder step of `seq` new tokens after `past` cached ones; the cache itself is filled
+    by a prefill of the preceding text (key "_prefill"), run on the adaptive artifact by run_bench."""
+    from graphs.lm_tasks import get_lm_task
+
+    rng = np.random.default_rng(seed)
+    n = past + seq
+    try:
+        task = get_lm_task(task_name) if task_name else None
+        text = task.sample(batch, rng).input_ids.numpy() if task is not None else None
+    except Exception:
+        text = None
+    if text is None or text.shape[1] < n:
+        text = rng.integers(1, cfg.vocab_size, size=(batch, n)).astype(np.int64)
+    text = text[:, :n]
+    H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    empty = {f"past_key_values.{i}.{kv}": np.zeros((batch, H, 0, dh), np.float32)
+             for i in range(cfg.num_layers) for kv in ("key", "value")}
+    feeds = {"input_ids": np.ascontiguousarray(text[:, past:]), "attention_mask": np.ones((batch, n), np.int64), **empty}
+    if past:
+        feeds["_prefill"] = {"input_ids": np.ascontiguousarray(text[:, :past]),
+                             "attention_mask": np.ones((batch, past), np.int64), **empty}
+    return feeds
+
+
+def _decoder_flops(cfg, out: dict, meta: dict, seq: int, past: int) -> tuple[float, float, dict]:
+    """TSA: FFN work per gated block scales with its keep rate; attention is always dense. The mean
+    attention context of a step is past + (seq + 1) / 2 (causal)."""
+    from graphs.tsa import flops_per_token
+
+    rates = [float(out[f"decisions.layer{li}.keep"].mean()) for li in range(1, cfg.num_layers)]
+    ctx = past + (seq + 1) / 2
+    dense = flops_per_token(cfg, ctx, None)
+    flop_ratio = flops_per_token(cfg, ctx, rates) / dense
+    executed = [1.0] * len(rates) if meta.get("variant") == "dense" else rates
+    return flop_ratio, flops_per_token(cfg, ctx, executed) / dense, {"keep_rate_per_block": rates}
 
 
 def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
@@ -157,19 +201,23 @@ def _coreml_graphs(artifact, model, meta: dict, tmp: Path, compute_units: str, s
 
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
               warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
-              progress=None, compute_units: str = "all") -> dict:
+              progress=None, compute_units: str = "all", past: int = 0) -> dict:
     from runtimes.coreml_mil import read_package_meta
 
     is_coreml = Path(artifact).suffix == ".mlpackage"
     meta = read_package_meta(artifact) if is_coreml else OnnxRuntimeRunner(artifact).meta
     cfg = model.cfg
-    if seq > cfg.max_len:
-        raise AdaptexError(f"--seq {seq} exceeds the model's maximum sequence length {cfg.max_len}; "
-                           f"use --seq {cfg.max_len} or less")
+    decoder = cfg.family == "tsa"
+    if past and not decoder:
+        raise AdaptexError("--past applies to decoders (tsa) only: it times decode steps on a KV cache")
+    if seq + past > cfg.max_len:
+        raise AdaptexError(f"--seq {seq}{f' + --past {past}' if past else ''} exceeds the model's maximum sequence "
+                           f"length {cfg.max_len}; use at most {cfg.max_len} tokens in all")
     if batch < 1 or seq < 1 or threads < 0:
         raise AdaptexError("--batch and --seq must be at least 1 and --threads at least 0")
     say = progress or (lambda msg: None)
-    feeds = bench_inputs(cfg, (info.get("training") or {}).get("task"), batch, seq)
+    task_name = (info.get("training") or {}).get("task")
+    feeds = decoder_bench_inputs(cfg, task_name, batch, seq, past) if decoder else bench_inputs(cfg, task_name, batch, seq)
     if is_coreml:  # Core ML packages take int32 ids and masks
         feeds = {k: v.astype(np.int32) for k, v in feeds.items()}
     with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
@@ -179,6 +227,10 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         else:
             timings, fns, runtime = _onnx_graphs(artifact, model, tmp, threads, say)
         live = [t for t in timings if t.name in fns]
+        if decoder and past:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
+            pre = fns["adaptive"](feeds.pop("_prefill"))
+            feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items() if k.startswith("present.")})
+        feeds.pop("_prefill", None)
         adaptive_out = fns["adaptive"](feeds)
         say(f"warming up ({warmup} runs each) ...")
         per_round = 0.0
@@ -206,12 +258,16 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     # artifact (what its graph computes: the dense variant every head; the sparse one, in a batch, the
     # batch's largest k for every sample). Realisation is measured against the decisions (DESIGN §5),
     # so work a lowering wastes counts against it.
-    L, H, T = cfg.num_layers, cfg.num_heads, seq
-    dense_flops = flops_per_sample(cfg, T, None)
-    ks = np.stack([adaptive_out[f"decisions.layer{i}.k"] for i in range(L)], axis=1)  # (B, L)
-    flop_ratio = float(np.mean([flops_per_sample(cfg, T, list(map(float, row))) for row in ks]) / dense_flops)
-    executed = [float(H)] * L if meta.get("variant") == "dense" else [float(x) for x in ks.max(axis=0)]
-    executed_ratio = flops_per_sample(cfg, T, executed) / dense_flops
+    if decoder:
+        flop_ratio, executed_ratio, decision_summary = _decoder_flops(cfg, adaptive_out, meta, seq, past)
+    else:
+        L, H, T = cfg.num_layers, cfg.num_heads, seq
+        dense_flops = flops_per_sample(cfg, T, None)
+        ks = np.stack([adaptive_out[f"decisions.layer{i}.k"] for i in range(L)], axis=1)  # (B, L)
+        flop_ratio = float(np.mean([flops_per_sample(cfg, T, list(map(float, row))) for row in ks]) / dense_flops)
+        executed = [float(H)] * L if meta.get("variant") == "dense" else [float(x) for x in ks.max(axis=0)]
+        executed_ratio = flops_per_sample(cfg, T, executed) / dense_flops
+        decision_summary = {"mean_k_per_layer": [float(x) for x in ks.mean(axis=0)]}
     ad, de, na = timings
     lat_ratio = ad.pct(50) / de.pct(50) if de.times_ms else None
     realisation = ((1 - lat_ratio) / (1 - flop_ratio)) if lat_ratio is not None and flop_ratio < 0.99 else None
@@ -224,7 +280,7 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         "dense_reason": de.reason,
         "naive_p50_ms": na.pct(50), "naive_p90_ms": na.pct(90), "naive_p99_ms": na.pct(99),
         "naive_reason": na.reason,
-        "mean_k_per_layer": [float(x) for x in ks.mean(axis=0)],
+        "past": past, **decision_summary,
         "flop_ratio": flop_ratio, "executed_flop_ratio": executed_ratio,
         "latency_ratio": lat_ratio, "realisation": realisation,
         "naive_latency_ratio": (na.pct(50) / de.pct(50)) if na.times_ms and de.times_ms else None,
@@ -251,7 +307,12 @@ def format_bench(r: dict) -> str:
         p99 = r[f"{key}p99_ms"] if key else r["p99_ms"]
         lines.append(f"  {name:<10} {p50:8.3f} {p90:8.3f} {p99:8.3f} {r['batch'] * 1000 / p50:9.1f} "
                      f"{f(r['size_mb'][name], '8.2f')} {f(r['peak_rss_mb'][name], '12.1f')}")
-    lines.append(f"  mean k per layer: {', '.join(f'{k:.2f}' for k in r['mean_k_per_layer'])}")
+    if "keep_rate_per_block" in r:
+        rates = ", ".join(f"{k:.2f}" for k in r["keep_rate_per_block"])
+        step = f"decode step: {r['seq']} new tokens after {r['past']} cached" if r.get("past") else "prefill"
+        lines.append(f"  {step}; tokens running each gated block's FFN: {rates}")
+    else:
+        lines.append(f"  mean k per layer: {', '.join(f'{k:.2f}' for k in r['mean_k_per_layer'])}")
     lines.append(f"  FLOP ratio implied by the decisions: {r['flop_ratio']:.3f}   (executed by this "
                  f"{r['variant']} graph: {r['executed_flop_ratio']:.3f})")
     lines.append(f"  latency ratio (p50 adaptive / dense): {f(r['latency_ratio'], '.3f')}")

@@ -1,0 +1,258 @@
+"""Core ML target, TSA decoder family: adaptex::conditional_ffn lowered to MIL (sparse: non_zero +
+gather_nd + FFN on the kept rows + scatter_nd; dense: every token, update scaled by keep * gate) and
+the decoder exported with its KV cache, checked by MIL reference evaluation of the saved packages
+against eager TSADecoder(mode="hard"): a prefill with an empty past, then a decode step fed with
+the presents."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+
+import torch  # noqa: E402
+
+from exporter.targets import coreml as target  # noqa: E402
+from graphs.tsa import TSAConfig, TSADecoder  # noqa: E402
+from runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+
+CFG = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, max_len=32)
+B, T = 4, 10  # prefill of T tokens, then one decode step
+FP16_TOL = {"atol": 1e-2, "rtol": 1e-2}
+FP16_KEEP_MARGIN = 1e-2  # an fp16 keep may differ from eager only where |p - 0.5| is below this
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(4)
+    m = TSADecoder(TSAConfig(**CFG)).eval()
+    # an untrained tiny model routes by position only; larger token embeddings and sharper routers
+    # make keep vary between tokens, rows and layers, in the prefill and in the decode step
+    m.tok.weight.data.mul_(50)
+    for r in m.routers:
+        r.net[0].weight.data.mul_(40)
+        r.net[2].weight.data.mul_(40)
+    return m
+
+
+@pytest.fixture(scope="module")
+def packages(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("coreml_tsa")
+    out = {}
+    for variant, precision in (("sparse", "fp32"), ("dense", "fp32"), ("sparse", "fp16")):
+        path = d / f"tsa.{variant}.{precision}.mlpackage"
+        meta = target.export(model, {"name": "tiny-tsa"}, path, variant=variant, precision=precision)
+        out[variant, precision] = path, meta
+    return out
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, CFG["vocab_size"], size=(B, T + 1))
+    mask = np.ones((B, T + 1), dtype=np.int64)
+    mask[2, :3] = 0  # a left-padded row
+    ids[2, :3] = 0
+    return ids, mask
+
+
+def _past(presents=None, batch=B):
+    L, H, dh = CFG["num_layers"], CFG["num_heads"], CFG["d_model"] // CFG["num_heads"]
+    if presents is None:  # a prefill: past length MIN_PAST (0: Core ML accepts an empty cache)
+        presents = [(np.zeros((batch, H, target.MIN_PAST, dh), np.float32),) * 2 for _ in range(L)]
+    return {f"past_key_values.{i}.{kv}": np.ascontiguousarray(presents[i][j], dtype=np.float32)
+            for i in range(L) for j, kv in enumerate(("key", "value"))}
+
+
+def _eager(model, ids, mask, past=None):
+    with torch.no_grad():
+        pt = None if past is None else [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past]
+        logits, dec, pres = model(torch.from_numpy(ids), torch.from_numpy(mask), past=pt, mode="hard")
+    out = {"logits": logits.numpy()}
+    for i, (k, v) in enumerate(pres):
+        out[f"present.{i}.key"], out[f"present.{i}.value"] = k.numpy(), v.numpy()
+    for li, dd in enumerate(dec, 1):
+        out[f"decisions.layer{li}.keep"], out[f"decisions.layer{li}.p"] = dd["keep"].numpy(), dd["p"].numpy()
+    return out
+
+
+def _compare(got: dict, ref: dict, precision: str, errors: dict, where: str) -> None:
+    """Assert the package's step outputs match eager; record the largest errors per output kind."""
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    bad_rows = np.zeros(got["logits"].shape[0], dtype=bool)
+    for name in [n for n in ref if n.endswith(".keep")]:
+        k_got, k_ref = got[name], ref[name]
+        assert k_got.dtype == np.float32 and set(np.unique(k_got)) <= {0.0, 1.0}  # Core ML: no bool outputs
+        flip = k_got.astype(bool) != k_ref
+        if precision == "fp32":
+            assert not flip.any(), f"{where} {name}: keep differs from eager at {np.argwhere(flip).tolist()}"
+        else:
+            p = ref[name.replace(".keep", ".p")]
+            near = np.abs(p.astype(np.float64) - 0.5) < FP16_KEEP_MARGIN
+            assert not (flip & ~near).any(), f"{where} {name}: unexcused keep flip at {np.argwhere(flip & ~near).tolist()}"
+            bad_rows |= flip.any(-1)  # an excused flip changes everything downstream in its row
+        errors["keep_flips"] = errors.get("keep_flips", 0) + int(flip.sum())
+    for name in [n for n in ref if not n.endswith(".keep")]:
+        a, r = got[name][~bad_rows].astype(np.float64), ref[name][~bad_rows].astype(np.float64)
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        err = np.abs(a - r)
+        kind = name.split(".")[0] if not name.startswith("decisions") else "p"
+        errors[kind] = max(errors.get(kind, 0.0), float(err.max(initial=0.0)))
+        if precision == "fp32":
+            assert err.max(initial=0.0) <= 1e-4, f"{where} {name}: max abs error {err.max():.3e} > 1e-4"
+        else:
+            need = err - FP16_TOL["rtol"] * np.abs(r)
+            assert need.max(initial=0.0) <= FP16_TOL["atol"], f"{where} {name}: error {err.max():.3e} exceeds atol+rtol 1e-2"
+
+
+def _prefill_then_decode(runner, model, precision):
+    """Prefill (past length MIN_PAST) then one decode step fed with the package's own presents."""
+    ids, mask = _inputs()
+    errors = {}
+    feeds = {"input_ids": ids[:, :T].astype(np.int32), "attention_mask": mask[:, :T].astype(np.int32), **_past()}
+    got = runner.infer(feeds)
+    ref = _eager(model, ids[:, :T], mask[:, :T])
+    _compare(got, ref, precision, errors, "prefill")
+    L = CFG["num_layers"]
+    feeds = {"input_ids": ids[:, T:].astype(np.int32), "attention_mask": mask.astype(np.int32),
+             **_past([(got[f"present.{i}.key"], got[f"present.{i}.value"]) for i in range(L)])}
+    got2 = runner.infer(feeds)
+    ref2 = _eager(model, ids[:, T:], mask, past=[(ref[f"present.{i}.key"], ref[f"present.{i}.value"]) for i in range(L)])
+    _compare(got2, ref2, precision, errors, "decode step")
+    assert got2["present.0.key"].shape[2] == T + 1
+    return ref, ref2, errors
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_fp32_package_matches_eager_prefill_and_decode(packages, model, variant):
+    runner = MilReferenceRunner(packages[variant, "fp32"][0])
+    ref, ref2, errors = _prefill_then_decode(runner, model, "fp32")
+    # the routing really varies: kept and skipped tokens in every router, prefill and decode step
+    for r in (ref, ref2):
+        keeps = np.stack([r[f"decisions.layer{li}.keep"] for li in range(1, CFG["num_layers"])])
+        assert keeps.any() and not keeps.all()
+    assert errors["keep_flips"] == 0 and max(errors["logits"], errors["present"], errors["p"]) <= 1e-4
+    print(f"coreml tsa {variant} fp32 max abs errors: {json.dumps(errors)}")
+
+
+def test_sparse_step_with_no_token_kept(packages, model):
+    """non_zero finds no kept token: gather of zero rows, FFN on zero rows, nothing scattered."""
+    runner = MilReferenceRunner(packages["sparse", "fp32"][0])
+    ids, mask = _inputs()
+    ref = _eager(model, ids[:, :T], mask[:, :T])
+    L = CFG["num_layers"]
+    pres = [(ref[f"present.{i}.key"], ref[f"present.{i}.value"]) for i in range(L)]
+    ref2 = _eager(model, ids[:, T:], mask, past=pres)
+    rows = [b for b in range(B) if not any(ref2[f"decisions.layer{li}.keep"][b].any() for li in range(1, L))]
+    assert rows, "the fixture should have a decode row that skips every gated FFN"
+    b = rows[:1]
+    got = runner.infer({"input_ids": ids[b, T:].astype(np.int32), "attention_mask": mask[b].astype(np.int32),
+                        **_past([(k[b], v[b]) for k, v in pres], batch=1)})
+    for name, r in _eager(model, ids[b, T:], mask[b], past=[(k[b], v[b]) for k, v in pres]).items():
+        assert np.abs(got[name].astype(np.float64) - r.astype(np.float64)).max() <= 1e-4, name
+
+
+def test_fp16_package_matches_eager_within_fp16_tolerance(packages, model):
+    runner = MilReferenceRunner(packages["sparse", "fp16"][0])
+    _, _, errors = _prefill_then_decode(runner, model, "fp16")
+    print(f"coreml tsa sparse fp16 max abs errors: {json.dumps(errors)}")
+
+
+def _ops(path):
+    return list(MilReferenceRunner(path).program.functions["main"].operations)
+
+
+def _cffn_ops(path):
+    """The ops the conditional_ffn translation emitted (and coremltools' rewrites of them)."""
+    return [op for op in _ops(path) if op.op_type != "const"
+            and (op.name.startswith("conditional_ffn") or op.name.startswith("route_conditional_ffn"))]
+
+
+def test_sparse_program_gathers_and_scatters_the_kept_tokens(packages):
+    types = [op.op_type for op in _ops(packages["sparse", "fp32"][0])]
+    gated = CFG["num_layers"] - 1
+    assert types.count("non_zero") == gated and types.count("scatter_nd") == gated
+    assert types.count("gather_nd") == 2 * gated  # the kept rows and their gates
+    cffn = _cffn_ops(packages["sparse", "fp32"][0])
+    scatter = [op for op in cffn if op.op_type == "scatter_nd"]
+    assert all(op.inputs["mode"].val == "update" for op in scatter)
+    assert [op.op_type for op in cffn if op.op_type in ("layer_norm", "linear", "gelu")] == \
+        ["layer_norm", "linear", "gelu", "linear"] * gated
+
+
+def test_dense_program_has_static_shapes(packages):
+    """Dense: every token through the FFN, no data-dependent size anywhere in the conditional-ffn part."""
+    path = packages["dense", "fp32"][0]
+    types = [op.op_type for op in _ops(path)]
+    assert "non_zero" not in types and "gather_nd" not in types and "scatter_nd" not in types
+    cffn = _cffn_ops(path)
+    # elementwise and per-token ops only: no shape, reshape, slice or gather, so no size computed at run time
+    assert cffn and {op.op_type for op in cffn} <= {"layer_norm", "linear", "gelu", "cast", "mul", "expand_dims", "add"}
+    assert [op.op_type for op in cffn if op.op_type in ("layer_norm", "linear", "gelu")] == \
+        ["layer_norm", "linear", "gelu", "linear"] * (CFG["num_layers"] - 1)
+
+
+def test_fp16_package_keeps_routing_in_fp32(packages):
+    import coremltools as ct
+    from coremltools.converters.mil.mil import types
+
+    path, meta = packages["sparse", "fp16"]
+    assert meta["precision"] == "fp16" and meta["routing_precision"] == "fp32"
+    ops = _ops(path)
+    dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
+    # the routers: their linears (by weight), relu, squeeze and sigmoid
+    router_linear = [op for op in ops if op.op_type == "linear" and op.inputs["weight"].name.startswith("p_model_routers_")]
+    assert len(router_linear) == 2 * (CFG["num_layers"] - 1) and {dtype[op.name] for op in router_linear} == {"fp32"}
+    assert {dtype[op.name] for op in ops if op.op_type in ("sigmoid", "relu")} == {"fp32"}
+    # keep = p <= 0.5 compares fp32 p; the gate and everything named route_ stay fp32
+    le = [op for op in ops if op.op_type == "less_equal" and op.inputs["x"].name.startswith("decisions_layer")]
+    assert len(le) == CFG["num_layers"] - 1
+    assert all(types.builtin_to_string(op.inputs["x"].dtype) == "fp32" for op in le)
+    route = [op for op in ops if op.name.startswith("route_") and dtype[op.name] not in ("bool", "int32", "uint16")]
+    assert route and {dtype[op.name] for op in route} == {"fp32"}
+    # while the body, the FFN on the kept rows included, is fp16
+    assert {dtype[op.name] for op in _cffn_ops(path) if op.op_type in ("linear", "layer_norm", "gelu")} == {"fp16"}
+    # every float output is fp32 in the saved interface, keep as 0/1
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    fp32 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT32
+    assert {o.type.multiArrayType.dataType for o in spec.description.output} == {fp32}
+
+
+def test_decoder_package_interface_and_metadata(packages):
+    import coremltools as ct
+
+    path, meta = packages["sparse", "fp32"]
+    L, H, dh = CFG["num_layers"], CFG["num_heads"], CFG["d_model"] // CFG["num_heads"]
+    assert meta["family"] == "tsa" and meta["target"] == "coreml" and meta["variant"] == "sparse"
+    assert meta["keep_threshold"] == 0.5 and meta["kv_cache_bound"] == CFG["max_len"]
+    assert "budget_range" not in meta and meta["min_past_sequence"] == target.MIN_PAST == 0
+    assert meta["lowerings"] == {"adaptex::conditional_ffn": "conditional_ffn_coreml_sparse"}
+    runner = MilReferenceRunner(path)
+    specs = runner.input_metadata()
+    assert list(specs) == ["input_ids", "attention_mask"] + [
+        f"past_key_values.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
+    assert specs["input_ids"].dtype == specs["attention_mask"].dtype == "int32"
+    assert specs["past_key_values.1.value"].dtype == "float32"
+    assert specs["past_key_values.1.value"].shape == ("batch", H, "past_sequence", dh)
+    m = ct.models.MLModel(str(path), skip_model_load=True)
+    spec = m.get_spec()
+    assert [o.name for o in spec.description.output] == [s["coreml_name"] for s in meta["outputs"].values()]
+    assert all(i.shortDescription for i in spec.description.input)
+    assert all(o.shortDescription for o in spec.description.output)
+    ranges = {i.name: [(r.lowerBound, r.upperBound) for r in i.type.multiArrayType.shapeRange.sizeRanges]
+              for i in spec.description.input}
+    assert ranges["input_ids"] == [(1, 4096), (1, 32)] and ranges["attention_mask"] == [(1, 4096), (1, 32)]
+    assert ranges["past_key_values_0_key"] == [(1, 4096), (H, H), (0, 31), (dh, dh)]
+    ud = m.user_defined_metadata
+    assert ud["adaptex.family"] == "tsa" and json.loads(ud["adaptex.keep_threshold"]) == 0.5
+    assert "fp32 routing" in m.short_description
+
+
+def test_decoder_feeds_are_validated(packages):
+    from graphs.errors import InputError
+
+    runner = MilReferenceRunner(packages["sparse", "fp32"][0])
+    ids = np.ones((1, 4), np.int32)
+    with pytest.raises(InputError, match="attention_mask: shape"):
+        runner.infer({"input_ids": ids, "attention_mask": np.ones((1, 3), np.int32), **_past(batch=1)})
+    with pytest.raises(InputError, match="dtype int64, expected int32"):
+        runner.infer({"input_ids": ids.astype(np.int64), "attention_mask": ids, **_past(batch=1)})
