@@ -326,7 +326,6 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
             report.batches += 1
             got = artifact_runner.infer({n: a.astype(specs[n].dtype) for n, a in feeds.items()})
             ref, ps = reference.run_with_routing(feeds)
-            T = feeds["input_ids"].shape[1]
             bad = np.zeros(B, dtype=bool)
             forced: list = [None] * routers
             real = feeds["attention_mask"][:, P:].astype(bool)  # (B, T): decisions of padding tokens do not count

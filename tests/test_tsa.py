@@ -181,3 +181,11 @@ def test_cli_trains_a_tsa_checkpoint(tmp_path, capsys):
     assert info["family"] == "tsa" and info["tokenizer"]["kind"] == "ids"
     assert main(["train", "tsa", "--task", "graded", "-o", str(tmp_path / "x")]) == 2
     assert "unknown task 'graded' for tsa; choose one of copy, sort, charlm" in capsys.readouterr().err
+
+
+def test_reproduction_script_prints_the_table(capsys):
+    from examples.tsa_reproduce import main
+
+    assert main(["--tasks", "copy", "sort", "--steps", "3", "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "copy" in out and "54.9% saved at full accuracy" in out and "22.5% saved" in out and "ops saved" in out
