@@ -218,8 +218,11 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     say = progress or (lambda msg: None)
     task_name = (info.get("training") or {}).get("task")
     feeds = decoder_bench_inputs(cfg, task_name, batch, seq, past) if decoder else bench_inputs(cfg, task_name, batch, seq)
-    if is_coreml:  # Core ML packages take int32 ids and masks
-        feeds = {k: v.astype(np.int32) for k, v in feeds.items()}
+    if is_coreml:  # Core ML packages take int32 ids and masks (caches stay float32)
+        def int32_ids(f: dict) -> dict:
+            return {k: int32_ids(v) if isinstance(v, dict) else v.astype(np.int32)
+                    if k in ("input_ids", "attention_mask") else v for k, v in f.items()}
+        feeds = int32_ids(feeds)
     with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
         tmp = Path(tmp)
         if is_coreml:

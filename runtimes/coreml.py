@@ -20,12 +20,19 @@ def available() -> bool:
     return platform.system() == "Darwin"
 
 
+def _typed(feeds: dict) -> dict:
+    """Core ML packages take int32 ids and masks and float32 caches."""
+    return {k: np.asarray(v).astype(np.int32 if k in ("input_ids", "attention_mask") else np.float32)
+            for k, v in feeds.items()}
+
+
 def load_predictor(path: str | Path, compute_units: str = "all"):
-    """A package without adaptex metadata (bench's stock counterparts) as a feeds -> outputs callable."""
+    """A package without adaptex metadata (bench's stock counterparts) as a feeds -> outputs callable;
+    feeds and outputs by canonical (dotted) name, as the package's feature names have underscores."""
     import coremltools as ct
 
     m = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units]))
-    return lambda feeds: m.predict({k: np.asarray(v).astype(np.int32) for k, v in feeds.items()})
+    return lambda feeds: {k: v for k, v in m.predict({n.replace(".", "_"): a for n, a in _typed(feeds).items()}).items()}
 
 
 class CoreMLRunner(Runner):
@@ -57,9 +64,11 @@ class CoreMLRunner(Runner):
         self.model = None
 
     def input_metadata(self) -> dict[str, IOSpec]:
-        return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in ("input_ids", "attention_mask")}
+        from runtimes.coreml_mil import input_specs
+
+        return input_specs(self.meta)
 
     def _infer(self, feeds):
-        from runtimes.coreml_mil import canonical_outputs
+        from runtimes.coreml_mil import canonical_outputs, coreml_feeds
 
-        return canonical_outputs(self.meta, self.model.predict({k: v.astype(np.int32) for k, v in feeds.items()}))
+        return canonical_outputs(self.meta, self.model.predict(coreml_feeds(self.meta, _typed(feeds))))

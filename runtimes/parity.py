@@ -279,7 +279,7 @@ def decoder_parity_inputs(cfg, task_name: str | None, samples: int, seed: int = 
         if task is not None and i % 3 != 2:
             ids = task.sample(B, rng).input_ids.numpy()[:, : cfg.max_len]
         else:
-            N = int(rng.choice([2, 9, 33, cfg.max_len, int(rng.integers(2, cfg.max_len + 1))]))
+            N = int(rng.choice([2, 9, min(33, cfg.max_len), cfg.max_len, int(rng.integers(2, cfg.max_len + 1))]))
             ids = rng.integers(1, cfg.vocab_size, size=(B, N)).astype(np.int64)
         N = ids.shape[1]
         mask = np.ones_like(ids)

@@ -32,6 +32,7 @@ def model():
     for r in m.routers:
         r.net[0].weight.data.mul_(40)
         r.net[2].weight.data.mul_(40)
+    m.ln_f.weight.data.mul_(0.1)  # logits of magnitude ~3, not ~30, with the embeddings (tied) scaled up
     return m
 
 
@@ -157,6 +158,18 @@ def test_fp16_package_matches_eager_within_fp16_tolerance(packages, model):
     print(f"coreml tsa sparse fp16 max abs errors: {json.dumps(errors)}")
 
 
+def test_fp16_sparse_package_past_65535_tokens(packages, model):
+    """An fp16 convert casts gather_nd indices to uint16: the kept tokens are addressed by (batch,
+    token) pairs, so a batch of more than 65535 tokens still gathers and scatters the right rows."""
+    runner = MilReferenceRunner(packages["sparse", "fp16"][0])
+    rows, T_ = 2100, CFG["max_len"]  # 67200 tokens
+    ids = np.random.default_rng(1).integers(1, CFG["vocab_size"], size=(rows, T_))
+    mask = np.ones_like(ids)
+    got = runner.infer({"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32),
+                        **_past(batch=rows)})
+    _compare(got, _eager(model, ids, mask), "fp16", {}, f"{rows * T_} tokens")
+
+
 def _ops(path):
     return list(MilReferenceRunner(path).program.functions["main"].operations)
 
@@ -257,3 +270,20 @@ def test_decoder_feeds_are_validated(packages):
         runner.infer({"input_ids": ids, "attention_mask": np.ones((1, 3), np.int32), **_past(batch=1)})
     with pytest.raises(InputError, match="dtype int64, expected int32"):
         runner.infer({"input_ids": ids.astype(np.int64), "attention_mask": ids, **_past(batch=1)})
+
+
+def test_stock_counterpart_of_a_decoder_converts_and_computes_hard_dense(model, tmp_path):
+    """`adaptex bench`'s naive counterpart of a decoder: its hard_dense path (every token through every
+    FFN, no adaptex op) converted by stock coremltools, with the adaptive package's inputs."""
+    from runtimes.coreml_mil import load_program, run
+
+    path = target.export_stock(model, tmp_path / "naive.mlpackage", "naive", precision="fp32")
+    _, program = load_program(path)
+    ids, mask = _inputs()
+    feeds = {"input_ids": ids[:, :T].astype(np.int32), "attention_mask": mask[:, :T].astype(np.int32),
+             **{n.replace(".", "_"): a for n, a in _past().items()}}
+    out = run(program, feeds)
+    with torch.no_grad():
+        logits, dec, _ = model(torch.from_numpy(ids[:, :T]), torch.from_numpy(mask[:, :T]), mode="hard_dense")
+    assert np.abs(out["logits"] - logits.numpy()).max() <= 1e-4
+    assert (out["decisions_layer1_keep"].astype(bool) == dec[0]["keep"].numpy()).all()

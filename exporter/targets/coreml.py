@@ -1,11 +1,29 @@
 """Core ML target (ML program): each adaptex op translated to MIL through coremltools' torch.export path.
 
-MIL `topk` takes only a constant k, so dynamic k is argsort + slice_by_index with a runtime end +
-gather (`sparse`); `dense` keeps static shapes (argsort over all heads, every head computed, the
-unselected ones weighted by zero), the variant that can stay on the Neural Engine.
+budgeted_attention (BudgetFormer): MIL `topk` takes only a constant k, so dynamic k is argsort +
+slice_by_index with a runtime end + gather (`sparse`); `dense` keeps static shapes (argsort over all
+heads, every head computed, the unselected ones weighted by zero), the variant that can stay on the
+Neural Engine.
 
-fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking), the
-classifier tail (final norm, pooling, head) and every float output always fp32. Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by runtimes/coreml.py.
+conditional_ffn (TSA decoder): `sparse` is non_zero over the (B, T) keep mask, gather_nd of the
+kept tokens' rows, layer_norm + linear + gelu + linear on them only, scatter_nd (mode update) back:
+the row count is known at run time only, so it runs off the Neural Engine; `dense` computes every token and
+scales the update by keep * gate (static shapes).
+
+fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking; TSA's
+token routers, keep = p <= threshold and gate = keep * (1 - p)), the classifier tail (final norm,
+pooling, head) and every float output always fp32. A TSA package's LM head follows the body's
+precision: it is O(B*T*d*V), as large as the body, and fp32 there buys little (its logits error is
+the fp16 residual stream's). Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by
+runtimes/coreml.py.
+
+A TSA package takes Optimum's decoder-with-past inputs (input_ids, attention_mask, past_key_values.
+{i}.key/value, dots written as underscores in Core ML feature names) with flexible batch, sequence
+and past length; past_sequence may be 0 (MIN_PAST), so a prefill passes empty caches. coremltools 9
+converts and saves such a range; whether the Core ML runtime accepts a zero-length input on every
+compute unit cannot be checked on Linux (coremltools issues #1040 and #2516 report zero-size
+tensors and lower bounds of 0 failing at prediction time), so check a prefill on macOS before
+relying on it; the fallback is MIN_PAST = 1 with a masked dummy cache slot, which shifts positions.
 """
 from __future__ import annotations
 
@@ -108,20 +126,17 @@ def _conditional_ffn_mil(context, node, variant: str):
     r = f"route_{node.name}_"
     lw, lb, w1, b1, w2, b2 = (np.asarray(t.val, dtype=np.float32) for t in (ln_w, ln_b, w1, b1, w2, b2))
     eps = float(eps.val)
-    d = lw.shape[0]
     if variant == "sparse":
-        # the kept tokens' rows of the flattened (B*T, d) stream: their count N is known at run time only
-        flat = mb.reshape(x=x, shape=np.array([-1, d], np.int32), name=f"{node.name}_flat")  # (BT, d)
-        keep_flat = mb.reshape(x=keep, shape=np.array([-1], np.int32), name=r + "keep_flat")  # (BT,)
-        idx = mb.non_zero(x=keep_flat, name=r + "idx")  # (N, 1) int32
-        g = mb.gather_nd(x=mb.reshape(x=gate, shape=np.array([-1], np.int32), name=r + "gate_flat"),
-                         indices=idx, name=r + "gate_kept")  # (N,) fp32
-        xs = mb.gather_nd(x=flat, indices=idx, name=f"{node.name}_kept")  # (N, d)
+        # the kept tokens' (batch, token) indices: their count N is known at run time only. Not a flat
+        # index over B*T rows: an fp16 convert casts gather_nd indices to uint16 (coremltools'
+        # add_int16_cast), which a flat index overflows past 65535 tokens; b < 4096 and t < max_len fit.
+        idx = mb.non_zero(x=keep, name=r + "idx")  # (N, 2) int32
+        g = mb.gather_nd(x=gate, indices=idx, name=r + "gate_kept")  # (N,) fp32
+        xs = mb.gather_nd(x=x, indices=idx, name=f"{node.name}_kept")  # (N, d)
         u = _ffn_mil(xs, lw, lb, w1, b1, w2, b2, eps, node.name)  # (N, d)
         ys = mb.add(x=xs, y=mb.mul(x=u, y=mb.expand_dims(x=g, axes=[1], name=r + "gate_col"),
                                    name=f"{node.name}_gated"), name=f"{node.name}_new")
-        yflat = mb.scatter_nd(data=flat, indices=idx, updates=ys, mode="update", name=f"{node.name}_scatter")
-        y = mb.reshape(x=yflat, shape=mb.shape(x=x, name=f"{node.name}_shape"), name=node.name)
+        y = mb.scatter_nd(data=x, indices=idx, updates=ys, mode="update", name=node.name)  # (B, T, d)
     else:
         # every token through the FFN, its update scaled by keep * gate (zero for skipped tokens)
         u = _ffn_mil(x, lw, lb, w1, b1, w2, b2, eps, node.name)  # (B, T, d)
@@ -158,9 +173,9 @@ def budgeted_attention_coreml_dense(ctx, node):
 
 @lowering("adaptex::conditional_ffn", target="coreml", variant="sparse")
 def conditional_ffn_coreml_sparse(ctx, node):
-    """non_zero on the flattened keep mask, gather_nd of the kept rows, layer_norm + linear + gelu +
-    linear on them only, scatter_nd (mode update) back: dynamic shapes, skipped tokens cost nothing
-    (runs off the Neural Engine)."""
+    """non_zero on the (B, T) keep mask ((batch, token) index pairs), gather_nd of the kept tokens'
+    rows, layer_norm + linear + gelu + linear on them only, scatter_nd (mode update) back: dynamic
+    shapes, skipped tokens cost nothing (runs off the Neural Engine)."""
     return "sparse"
 
 
@@ -223,12 +238,16 @@ def decoder_routing_node_names(ep) -> set[str]:
         stack = n.meta.get("nn_module_stack") or {}
         return [v[0] for v in stack.values()][-1] if stack else ""
 
+    def per_token(n):  # routing values are (B, T): never the (B, T, d) residual stream
+        val = n.meta.get("val")
+        return getattr(val, "ndim", 3) <= 2
+
     router = {n.name for n in ep.graph.nodes if n.op == "call_function" and path(n).startswith("model.routers.")}
     names = set(router)
     todo = [a for node in adaptex_nodes(ep) if "conditional_ffn" in str(node.target) for a in node.args[1:3]]
     while todo:
         n = todo.pop()
-        if not hasattr(n, "op") or n.op != "call_function" or n.name in names:
+        if not hasattr(n, "op") or n.op != "call_function" or n.name in names or not per_token(n):
             continue
         names.add(n.name)
         todo.extend(a for a in n.all_input_nodes)
@@ -296,25 +315,36 @@ def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: s
 def export_stock(model, out, mode: str, *, precision: str = "fp16", min_target: str = DEFAULT_MIN_TARGET) -> Path:
     """The model's `mode` path (dense, naive) converted by stock coremltools, as `adaptex bench`'s
     counterparts: no adaptex translation, the classifier tail kept fp32 like the adaptive package's.
-    Raises whatever coremltools raises (the naive path's data-dependent top-k does not convert)."""
+    Raises whatever coremltools raises (the naive path's data-dependent top-k does not convert).
+
+    A TSA decoder's naive path is its hard_dense mode (every token through every FFN, skipped
+    tokens' updates zeroed); its package has the adaptive package's inputs and flexible shapes."""
     import torch
 
-    from exporter.trace import ExportWrapper, dynamic_shapes, example_inputs, output_names
+    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, io_names
 
-    wrapper = ExportWrapper(model, mode).eval()
+    cfg = model.cfg
+    decoder = cfg.family == "tsa"
+    if decoder and mode == "naive":
+        mode = "hard_dense"
+    wrapper = export_wrapper(model, mode)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(wrapper, example_inputs(model.cfg),
-                                 dynamic_shapes=dynamic_shapes(model.cfg)).run_decompositions({})
-    names = output_names(model.cfg.num_layers, adaptive=(mode != "dense") and model.cfg.adaptive)
-    mlmodel = _convert(ep, names, precision, min_target, head_node_names(ep))
+        ep = torch.export.export(wrapper, example_inputs(cfg),
+                                 dynamic_shapes=dynamic_shapes(cfg)).run_decompositions({})
+    names = io_names(cfg, mode)[1]
+    if decoder:
+        _bool_ops_as_logical(ep)
+        mlmodel = _convert(ep, names, precision, min_target, set(), _decoder_input_types(cfg))
+    else:
+        mlmodel = _convert(ep, names, precision, min_target, head_node_names(ep))
     out = Path(out)
     mlmodel.save(str(out))
     return out
 
 
 MAX_BATCH = 4096  # the batch bound of the trace (exporter.trace.dynamic_shapes)
-MIN_PAST = 0  # the past_sequence lower bound of a decoder package (see MIN_PAST_NOTE)
+MIN_PAST = 0  # the past_sequence lower bound of a decoder package (see the module doc)
 
 
 def decoder_io(cfg) -> tuple[dict, dict]:
@@ -423,6 +453,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
         "max_sequence": cfg.max_len,
     }
+    if info.get("tokenizer"):
+        meta["tokenizer"] = info["tokenizer"]
     spec = mlmodel.get_spec()
     if decoder:
         meta["inputs"], meta["outputs"] = decoder_io(cfg)
