@@ -43,10 +43,17 @@ def depth_loss(decisions: list[dict], mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([((1 - d["p"]) * m).sum() / m.sum().clamp(min=1) for d in decisions]).mean()
 
 
-def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train") -> TSADecoder:
+def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
+              init: dict | None = None) -> TSADecoder:
+    """Train from scratch, or from `init` (a state dict: e.g. a trained dense decoder's weights, the
+    routers then starting fresh)."""
     torch.manual_seed(tc.seed)
     rng = np.random.default_rng(tc.seed)
     model = TSADecoder(cfg)
+    if init is not None:
+        missing, unexpected = model.load_state_dict(init, strict=False)
+        if unexpected or any(not k.startswith("routers.") for k in missing):
+            raise ValueError(f"init weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tc.warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / tc.steps))))
@@ -104,9 +111,9 @@ def evaluate_tsa(model: TSADecoder, task, n: int = 2000, seed: int = 12345, mode
 # positions (and so the KV cache) up to 512 so prefill can be timed at T=512.
 PRESETS = {
     "copy": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32,
-                 steps=1000, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.0),
+                 steps=600, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.2),
     "sort": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32,
-                 steps=1500, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.0),
+                 steps=1500, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.2),
     "charlm": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=512,
                    steps=1000, batch_size=32, lr=2e-3, lambda_depth=0.02, lambda_delay=0.3),
 }
