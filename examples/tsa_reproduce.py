@@ -22,7 +22,8 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None) -> 
     p = dict(PRESETS[task_name])
     task = get_lm_task(task_name)
     cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
-                    num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"])
+                    num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"],
+                    positions=p["positions"])
     tc = TSATrainConfig(steps=steps or p["steps"], batch_size=p["batch_size"], lr=p["lr"],
                         lambda_depth=p["lambda_depth"], lambda_delay=p["lambda_delay"])
     n = 400 if task_name == "charlm" else 2000

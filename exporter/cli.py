@@ -136,7 +136,8 @@ def _train_tsa(args, out: Path) -> int:
     task = get_lm_task(task_name)
     try:
         cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
-                        num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"])
+                        num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"],
+                    positions=p["positions"])
     except ValueError as e:
         _err(f"{e}; adjust --d-model/--heads/--layers")
         return EXIT_ERROR

@@ -110,11 +110,11 @@ def evaluate_tsa(model: TSADecoder, task, n: int = 2000, seed: int = 12345, mode
 # size rather than the paper's d=256 (4x the compute, too slow to train on 2 CPU cores), context 128,
 # positions (and so the KV cache) up to 512 so prefill can be timed at T=512.
 PRESETS = {
-    "copy": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32,
+    "copy": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32, positions="learned",
                  steps=600, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.2),
-    "sort": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32,
+    "sort": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32, positions="learned",
                  steps=1500, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.2),
-    "charlm": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=512,
+    "charlm": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=512, positions="sinusoid",
                    steps=1000, batch_size=32, lr=2e-3, lambda_depth=0.02, lambda_delay=0.3),
 }
 PAPER = {"copy": "54.9% saved at full accuracy", "sort": "22.5% saved",
