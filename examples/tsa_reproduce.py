@@ -36,8 +36,11 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None) -> 
         row["dense"] = evaluate_tsa(base, task, n, mode="hard")
     row["seconds"] = time.perf_counter() - t0
     if save:
+        from pathlib import Path
+
         from graphs import checkpoint
 
+        Path(save).mkdir(parents=True, exist_ok=True)
         checkpoint.save(f"{save}/tsa-{task_name}", model, {
             "description": f"TSA decoder trained on {task_name} by examples/tsa_reproduce.py",
             "training": {"task": task_name, "train_config": tc.__dict__},
@@ -71,7 +74,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the dense decoders")
     ap.add_argument("--save", default=None, help="directory to write the trained TSA checkpoints to")
     args = ap.parse_args(argv)
-    rows = [run(t, args.steps, not args.no_baseline, args.save) for t in args.tasks]
+    rows = []
+    for t in args.tasks:
+        rows.append(run(t, args.steps, not args.no_baseline, args.save))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)  # each task's row as soon as it is done
     print(table(rows))
     return 0
 

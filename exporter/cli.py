@@ -223,7 +223,8 @@ def cmd_export(args) -> int:
 
         raise ExportError(f"target {args.target} has lowerings but no exporter in this version")
     _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
-    kwargs = {"variant": args.variant, "precision": args.precision or target.DEFAULT_PRECISION}
+    default = target.default_precision(model.cfg) if hasattr(target, "default_precision") else target.DEFAULT_PRECISION
+    kwargs = {"variant": args.variant, "precision": args.precision or default}
     if args.target == "coreml":
         kwargs["min_target"] = args.min_target or target.DEFAULT_MIN_TARGET
     elif args.min_target:
@@ -335,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="artifact path to write")
     s.add_argument("--variant", default="sparse", help="sparse (really skips heads) | dense (static shapes, masks)")
     s.add_argument("--precision", default=None,
-                   help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 default, or fp32)")
+                   help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 or fp32, default fp16, "
+                        "fp32 for tsa decoders)")
     s.add_argument("--min-target", default=None,
                    help="coreml: minimum deployment target (iOS16..iOS18, macOS13..macOS15; default iOS17)")
     s.set_defaults(fn=cmd_export)

@@ -224,11 +224,32 @@ def test_fp16_package_keeps_routing_in_fp32(packages):
              and dtype[op.name] not in ("bool", "int32", "uint16")]
     assert route and {dtype[op.name] for op in route} == {"fp32"}
     # while the body, the FFN on the kept rows included, is fp16
-    assert {dtype[op.name] for op in _cffn_ops(path) if op.op_type in ("linear", "layer_norm", "gelu")} == {"fp16"}
+    assert {dtype[op.name] for op in _cffn_ops(path) if op.op_type in ("linear", "gelu")} == {"fp16"}
     # every float output is fp32 in the saved interface, keep as 0/1
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     fp32 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT32
     assert {o.type.multiArrayType.dataType for o in spec.description.output} == {fp32}
+
+
+def test_fp16_package_keeps_residual_stream_and_layer_norms_in_fp32(packages):
+    """Mixed precision: the residual stream (embedding add, every residual add, conditional_ffn's
+    residual add and scatter) and every LayerNorm stay fp32; matmuls, attention and FFN bodies fp16."""
+    from coremltools.converters.mil.mil import types
+
+    path, meta = packages["sparse", "fp16"]
+    assert meta["residual_precision"] == "fp32"
+    ops = [op for op in _ops(path) if op.op_type != "const"]
+    dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
+    L, gated = CFG["num_layers"], CFG["num_layers"] - 1
+    ln = [op for op in ops if op.op_type == "layer_norm"]
+    assert len(ln) == 2 * L + 1 and {dtype[op.name] for op in ln} == {"fp32"}  # ln1, ln2 (in the op), ln_f
+    # the embedding add and the 2 residual adds of block 0 and 1 of each gated block, then the
+    # conditional_ffn's residual add on the kept rows and its scatter back
+    resid_add = [op for op in ops if op.op_type == "add" and op.name.startswith("resid_")]
+    cffn_resid = [op for op in _cffn_ops(path) if op.op_type in ("add", "scatter_nd")]
+    assert len(resid_add) == 1 + 2 + gated and len(cffn_resid) == 2 * gated
+    assert {dtype[op.name] for op in resid_add + cffn_resid} == {"fp32"}
+    assert {dtype[op.name] for op in ops if op.op_type in ("matmul", "softmax", "gelu")} == {"fp16"}
 
 
 def test_decoder_package_interface_and_metadata(packages):
@@ -287,3 +308,13 @@ def test_stock_counterpart_of_a_decoder_converts_and_computes_hard_dense(model, 
         logits, dec, _ = model(torch.from_numpy(ids[:, :T]), torch.from_numpy(mask[:, :T]), mode="hard_dense")
     assert np.abs(out["logits"] - logits.numpy()).max() <= 1e-4
     assert (out["decisions_layer1_keep"].astype(bool) == dec[0]["keep"].numpy()).all()
+
+
+def test_tsa_packages_default_to_fp32_bodies():
+    """fp16 bodies missed the fp16 tolerance on the shipped character LM (README), so a TSA package
+    is fp32 unless fp16 is asked for; BudgetFormer keeps the fp16 default."""
+    from graphs.budgetformer import BudgetFormerConfig
+    from graphs.tsa import TSAConfig
+
+    assert target.default_precision(TSAConfig(vocab_size=32)) == "fp32"
+    assert target.default_precision(BudgetFormerConfig()) == "fp16"

@@ -12,9 +12,11 @@ scales the update by keep * gate (static shapes).
 
 fp16 (default) or fp32 bodies; routing (routers, temperature softmax, floor(s*H), ranking; TSA's
 token routers, keep = p <= threshold and gate = keep * (1 - p)), the classifier tail (final norm,
-pooling, head) and every float output always fp32. A TSA package's LM head follows the body's
+pooling, head) and every float output always fp32. A TSA package also keeps its residual stream
+fp32 (embedding add, every residual add, conditional_ffn's residual add and scatter) and its
+LayerNorms (mixed precision: matmuls, attention and FFN bodies fp16). A TSA package's LM head follows the body's
 precision: it is O(B*T*d*V), as large as the body, and fp32 there buys little (its logits error is
-the fp16 residual stream's). Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by
+the fp16 body's). Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by
 runtimes/coreml.py.
 
 A TSA package takes Optimum's decoder-with-past inputs (input_ids, attention_mask, past_key_values.
@@ -43,9 +45,19 @@ from exporter.registry import lowering
 
 PRECISIONS = ("fp16", "fp32")
 DEFAULT_PRECISION = "fp16"
+
+
+def default_precision(cfg) -> str:
+    """fp16 bodies by default, except TSA decoders: their fp16 package missed the fp16 tolerance on
+    the shipped character LM (max abs error 3.9e-2 against atol 1e-2 + rtol 1e-2, even with the
+    residual stream and norms in fp32), so they default to fp32 and fp16 stays an explicit choice."""
+    return "fp32" if cfg.family == "tsa" else DEFAULT_PRECISION
 MIN_TARGETS = {"iOS16": "iOS16", "iOS17": "iOS17", "iOS18": "iOS18",
                "macOS13": "macOS13", "macOS14": "macOS14", "macOS15": "macOS15"}
 DEFAULT_MIN_TARGET = "iOS17"
+# MIL ops whose name (or an output's name) starts with one of these stay fp32 in an fp16 package:
+# route_ for routing, resid_ for a decoder's residual stream (see decoder_residual_node_names)
+FP32_PREFIXES = ("route_", "resid_")
 # the variant each registered MIL translation emits during a convert, set from the registry per export
 _VARIANT = {"adaptex::budgeted_attention": "sparse", "adaptex::conditional_ffn": "sparse"}
 
@@ -260,11 +272,59 @@ def _prefix_routing_nodes(ep, names: set[str]) -> set[str]:
     squeeze_1 of an attention's unbind), so the fp16 op selector matches them by the prefix, which
     no suffix can break, instead of by name. Graph outputs keep their names (the signature refers to
     them); those are returned, for the selector's name set."""
+    return _prefix_nodes(ep, names, "route_")
+
+
+def decoder_residual_node_names(ep) -> set[str]:
+    """A TSA decoder's residual-stream FX nodes: the token and position embeddings and their add,
+    every residual add (B, T, d) outside the attention and FFN bodies, and the LayerNorms (ln1, ln2,
+    ln_f). They stay fp32 in an fp16 package (standard mixed precision: matmuls, attention and FFN
+    bodies fp16): the trained residual stream reaches |h| ~ 30 with per-token std ~ 5, so an fp16 h
+    before each LayerNorm costs ~1.6e-3 relative after normalisation, compounding over the blocks
+    (tsa-charlm's fp16 logits were off by 6.5e-2 with an fp16 residual stream)."""
+    import torch
+
+    def path(n):
+        stack = n.meta.get("nn_module_stack") or {}
+        return [v[0] for v in stack.values()][-1] if stack else ""
+
+    names = set()
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        p, val = path(n), n.meta.get("val")
+        if n.target == torch.ops.aten.layer_norm.default and (p.endswith((".ln1", ".ln2")) or p == "model.ln_f"):
+            names.add(n.name)
+        elif p in ("model.tok", "model.pos_emb") and n.target == torch.ops.aten.embedding.default:
+            names.add(n.name)
+        elif p == "model" and n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.index.Tensor) \
+                and getattr(val, "ndim", 0) >= 2 and getattr(val, "dtype", None) == torch.float32:
+            names.add(n.name)  # (B, T, d) residual adds and the embedding add; the (T, d) position rows
+    for n in ep.graph.nodes:  # the position rows' unsqueeze before the embedding add
+        if n.op == "call_function" and n.target == torch.ops.aten.unsqueeze.default and any(
+                a.name in names and a.target == torch.ops.aten.index.Tensor for a in n.all_input_nodes):
+            names.add(n.name)
+    return names
+
+
+def _conditional_ffn_fp32_ops(ep) -> set[str]:
+    """The MIL op names the conditional_ffn translation gives its residual part (the kept rows, the
+    layer_norm, the residual add and the scatter back): kept fp32 alongside the decoder's residual
+    stream, while the FFN's linears and gelu run in the body's precision."""
+    from exporter.trace import adaptex_nodes
+
+    return {f"{n.name}{s}" for n in adaptex_nodes(ep) if "conditional_ffn" in str(n.target)
+            for s in ("", "_kept", "_ln", "_new")}
+
+
+def _prefix_nodes(ep, names: set[str], prefix: str) -> set[str]:
+    """Rename the FX nodes `names` to <prefix><name> (see _prefix_routing_nodes); graph outputs keep
+    their names and are returned."""
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     outputs = {a.name for a in out_node.all_input_nodes}
     for n in list(ep.graph.nodes):
         if n.op == "call_function" and n.name in names and n.name not in outputs:
-            n._rename("route_" + n.name)
+            n._rename(prefix + n.name)
     ep.graph_module.recompile()
     return names & outputs
 
@@ -289,7 +349,7 @@ def _bool_ops_as_logical(ep) -> None:
 
 def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str], inputs=None):
     """ct.convert an ExportedProgram to an ML program; in fp16, the FX nodes in keep_fp32 (and every
-    op whose name carries the route_ prefix) stay fp32, and every float output is fp32. `inputs`
+    op whose name carries a FP32_PREFIXES prefix) stay fp32, and every float output is fp32. `inputs`
     (ct.TensorType, in the program's input order) overrides the shapes coremltools reads off the trace."""
     import coremltools as ct
 
@@ -302,8 +362,8 @@ def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: s
             # route_ also by output name: translations such as aten.linear's name the result after
             # the FX node while the op keeps a counter name (linear_4)
             compute = ct.transform.FP16ComputePrecision(
-                op_selector=lambda op: op.name not in keep and not op.name.startswith("route_")
-                and not any(v.name.startswith("route_") for v in op.outputs))
+                op_selector=lambda op: op.name not in keep and not op.name.startswith(FP32_PREFIXES)
+                and not any(v.name.startswith(FP32_PREFIXES) for v in op.outputs))
         else:
             compute = ct.precision.FLOAT32
         return ct.convert(ep, convert_to="mlprogram", inputs=inputs,
@@ -398,12 +458,13 @@ def _decoder_input_types(cfg) -> list:
     return types
 
 
-def export(model, info: dict, out, *, variant: str = "sparse", precision: str = "fp16",
+def export(model, info: dict, out, *, variant: str = "sparse", precision: str | None = None,
            min_target: str = DEFAULT_MIN_TARGET) -> dict:
     """Convert to an ML program package at `out` (a directory, written atomically)."""
     from exporter.registry import lookup
     from exporter.trace import adaptex_nodes, io_names, trace
 
+    precision = precision or default_precision(model.cfg)
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the coreml target; use fp16 or fp32")
     if min_target not in MIN_TARGETS:
@@ -436,6 +497,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         _bool_ops_as_logical(ep)
         # routing stays fp32; the LM head follows the body's precision (see the module doc)
         keep = _prefix_routing_nodes(ep, decoder_routing_node_names(ep))
+        # the residual stream and its LayerNorms stay fp32 too (mixed precision; see decoder_residual_node_names)
+        keep |= _prefix_nodes(ep, decoder_residual_node_names(ep), "resid_") | _conditional_ffn_fp32_ops(ep)
         inputs = _decoder_input_types(cfg)
     else:
         keep = routing_node_names(ep) | head_node_names(ep)
@@ -447,7 +510,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
         raise ExportError(f"coremltools conversion failed: {first}") from e
     meta = {
         "format": artifact.FORMAT_VERSION, "family": cfg.family, "target": "coreml", "variant": variant,
-        "precision": precision, "routing_precision": "fp32", "head_precision": precision if decoder else "fp32",
+        "precision": precision, "routing_precision": "fp32",
+        **({"residual_precision": "fp32"} if decoder else {}), "head_precision": precision if decoder else "fp32",
         "min_target": min_target, "opset": {"adaptex": 1}, "lowerings": notes,
         **artifact.routing_meta(cfg), "config": cfg.to_dict(),
         "source": {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256")},
@@ -486,6 +550,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str = 
                "adaptex.source_checkpoint": str(meta["source"]["checkpoint"]),
                "adaptex.source_sha256": str(meta["source"]["sha256"])})
     ud.update({f"adaptex.{k}": json.dumps(v) for k, v in artifact.routing_meta(cfg).items()})
+    if decoder:
+        ud["adaptex.residual_precision"] = "fp32"
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     try:
         mlmodel.save(str(tmp / out.name))
