@@ -37,8 +37,9 @@ def main(argv=None) -> int:
             continue
         if seq + past > model.cfg.max_len:
             continue
+        big = batch * seq >= 8192  # a second or more per run: 10 interleaved rounds
         r = run_bench(args.artifact, model, info, batch=batch, seq=seq, past=past, threads=args.threads,
-                      warmup=3, time_budget_s=args.time_budget)
+                      warmup=2 if big else 5, runs=10 if big else None, time_budget_s=args.time_budget)
         rows.append(r)
         kind = "prefill" if not past else "decode"
         print(f"{kind:<8} B={batch:<3} T={seq:<4} past={past:<4} sparse {r['p50_ms']:9.3f} ms  dense "
