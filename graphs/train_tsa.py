@@ -77,7 +77,7 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
         opt.step()
         sched.step()
         if step % 25 == 0 or step == tc.steps:
-            fields = {"loss": float(task_loss)}
+            fields = {"loss": float(task_loss.detach())}
             if cfg.adaptive:
                 fields["alpha"] = alpha(decisions, b.attention_mask, hard=(mode == "st"))
             bar.update(step, **fields)
