@@ -243,20 +243,25 @@ def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200
             a, r = got[name].astype(np.float64), ref[name].astype(np.float64)
             keep = ~bad_rows  # rows with an unexcused flip already failed; their values mean nothing
             a, r = a[keep], r[keep]
-            st = report.outputs.setdefault(name, OutputStat())
-            if a.size == 0:
-                continue
-            err = np.abs(a - r)
-            rel = err / np.maximum(np.abs(r), 1e-12)
-            need = float(np.max(err - tol["rtol"] * np.abs(r)))
-            if err.max() > st.max_abs_err:
-                st.max_abs_err, st.worst_input = float(err.max()), where
-            st.max_rel_err = max(st.max_rel_err, float(rel.max()))
-            st.needed_atol = max(st.needed_atol, need)
-            if need > tol["atol"]:
-                report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
-                                       f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
+            _compare_values(report, name, a, r, where)
     return report
+
+
+def _compare_values(report: ParityReport, name: str, a: np.ndarray, r: np.ndarray, where: str) -> None:
+    """Fold one output's artifact values `a` against the reference `r` into the report."""
+    tol = report.tolerance
+    st = report.outputs.setdefault(name, OutputStat())
+    if a.size == 0:
+        return
+    err = np.abs(a - r)
+    need = float(np.max(err - tol["rtol"] * np.abs(r)))
+    if err.max() > st.max_abs_err:
+        st.max_abs_err, st.worst_input = float(err.max()), where
+    st.max_rel_err = max(st.max_rel_err, float((err / np.maximum(np.abs(r), 1e-12)).max()))
+    st.needed_atol = max(st.needed_atol, need)
+    if need > tol["atol"]:
+        report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
+                               f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
 
 
 # --- decoders (TSA): prefill then decode steps, each step checked on the reference's own cache ---
@@ -360,17 +365,6 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
                 if name.endswith(".p") or name == "logits":  # padding tokens' values mean nothing
                     m = real[keep_rows]
                     a, r = a[m], r[m]
-                st = report.outputs.setdefault(name, OutputStat())
-                if a.size == 0:
-                    continue
-                err = np.abs(a - r)
-                need = float(np.max(err - tol["rtol"] * np.abs(r)))
-                if err.max() > st.max_abs_err:
-                    st.max_abs_err, st.worst_input = float(err.max()), where
-                st.max_rel_err = max(st.max_rel_err, float((err / np.maximum(np.abs(r), 1e-12)).max()))
-                st.needed_atol = max(st.needed_atol, need)
-                if need > tol["atol"]:
-                    report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
-                                           f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
+                _compare_values(report, name, a, r, where)
             past = {f"past_key_values.{i}.{kv}": ref[f"present.{i}.{kv}"] for i in range(L) for kv in ("key", "value")}
     return report
