@@ -218,7 +218,7 @@ def alpha(decisions: list[dict], mask: Tensor, hard: bool = True) -> float:
         return 1.0
     m = mask.float()
     vals = [((d["keep"].float() if hard else 1 - d["p"]) * m).sum() / m.sum().clamp(min=1) for d in decisions]
-    return float(torch.stack(vals).mean())
+    return float(torch.stack(vals).mean().detach())
 
 
 def ops_saved(a: float, num_layers: int) -> float:
