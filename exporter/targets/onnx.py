@@ -110,16 +110,18 @@ def _io_spec(values) -> dict:
     return out
 
 
-def lower(model, *, variant: str = "sparse", precision: str = "fp32") -> tuple[onnx.ModelProto, dict]:
-    """Trace `model` and lower it to an ONNX ModelProto; returns (proto, lowering notes)."""
+def lower(model, *, variant: str = "sparse", precision: str = "fp32",
+          target: str = "onnx") -> tuple[onnx.ModelProto, dict]:
+    """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
+    target hands its engine builder ONNX too); returns (proto, lowering notes)."""
     from exporter.registry import lookup
 
     ep = trace(model, mode="hard")
-    ctx = LoweringContext("onnx", variant, precision, fx.ONNX_OPSET)
+    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         op = node.target.name()  # "adaptex::budgeted_attention"
-        entry = lookup(op, "onnx", variant, node)
+        entry = lookup(op, target, variant, node)
         res = entry.fn(ctx, node)
         table[node.target] = res.translation
         for f in res.functions:
