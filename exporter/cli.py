@@ -192,7 +192,6 @@ def _soft_eval(model, task, tc) -> dict:
 
 def cmd_export(args) -> int:
     from exporter import artifact
-    from graphs.ops import OPS
     from exporter.registry import TARGETS, VARIANTS
     from graphs import checkpoint
 
@@ -202,8 +201,26 @@ def cmd_export(args) -> int:
     if args.variant not in VARIANTS:
         _err(f"unknown variant {args.variant!r}; choose one of {', '.join(VARIANTS)}")
         return EXIT_ERROR
+    trt_flags = [f"--{f.replace('_', '-')}" for f in ("onnx_only", "min_shapes", "opt_shapes", "max_shapes",
+                                                      "timing_cache", "trt_version") if getattr(args, f, None)]
+    if args.target != "tensorrt" and trt_flags:
+        _err(f"{', '.join(trt_flags)} {'applies' if len(trt_flags) == 1 else 'apply'} to --target tensorrt only")
+        return EXIT_ERROR
     if args.target == "onnx":
         artifact.check_writable(args.output)
+    shapes = (args.min_shapes, args.opt_shapes, args.max_shapes)
+    if args.target == "tensorrt" and args.model and str(args.model).endswith(".onnx"):
+        # an engine from a TensorRT-bound ONNX written earlier (--onnx-only): its exact bytes
+        from exporter.targets import tensorrt
+
+        if args.onnx_only:
+            _err(f"{args.model} is already ONNX; drop --onnx-only to build an engine from it")
+            return EXIT_ERROR
+        _say(f"building a TensorRT engine from {args.model} ...")
+        tensorrt.export_from_onnx(args.model, args.output, precision=args.precision, shapes=shapes,
+                                         timing_cache=args.timing_cache, say=_say)
+        _say(f"wrote {args.output} and {tensorrt.sidecar(args.output).name}")
+        return 0
     model, info = checkpoint.load(args.model)
     # a shipped model is recorded by name; a directory by absolute path, so check/bench work from anywhere
     info["name"] = info["path"] if Path(args.model or checkpoint.DEFAULT_MODEL).is_dir() else (
@@ -213,15 +230,7 @@ def cmd_export(args) -> int:
     elif args.target == "coreml":
         from exporter.targets import coreml as target
     else:
-        # Every op's cell for the other targets is declared in the registry; until their exporters
-        # land, lookup raises UnsupportedLowering saying why and what to do instead.
-        from exporter.registry import lookup
-
-        for op in sorted(OPS):
-            lookup(op, args.target, args.variant)
-        from exporter.errors import ExportError
-
-        raise ExportError(f"target {args.target} has lowerings but no exporter in this version")
+        from exporter.targets import tensorrt as target
     _say(f"exporting {info['name']} to {args.target} ({args.variant}) ...")
     default = target.default_precision(model.cfg) if hasattr(target, "default_precision") else target.DEFAULT_PRECISION
     kwargs = {"variant": args.variant, "precision": args.precision or default}
@@ -230,6 +239,9 @@ def cmd_export(args) -> int:
     elif args.min_target:
         _err("--min-target applies to --target coreml only")
         return EXIT_ERROR
+    if args.target == "tensorrt":
+        kwargs.update(onnx_only=args.onnx_only, shapes=shapes, timing_cache=args.timing_cache, say=_say,
+                      trt_version=args.trt_version or target.tensorrt_rules.DEFAULT_VERSION)
     meta = target.export(model, info, args.output, **kwargs)
     _say(f"wrote {args.output}: {len(meta['outputs'])} outputs, lowerings {meta['lowerings']}")
     return 0
@@ -242,10 +254,45 @@ def cmd_inspect(args) -> int:
         from runtimes.onnxruntime import open_artifact
 
         meta = open_artifact(args.artifact).meta
+    elif str(args.artifact).endswith((".plan", ".engine")):
+        from runtimes.tensorrt import read_plan_meta
+
+        meta = read_plan_meta(args.artifact)
     else:
         meta = read_onnx_metadata(args.artifact)
     print(json.dumps(meta, indent=2) if args.json else f"{args.artifact}\n{format_metadata(meta)}")
     return 0
+
+
+def cmd_lint(args) -> int:
+    """The static check of an ONNX model against TensorRT's parser rules (no GPU needed)."""
+    import onnx
+
+    from exporter.targets import tensorrt_rules
+
+    path = Path(args.model)
+    if not path.is_file():
+        _err(f"{path}: no such file; export one with 'adaptex export --target tensorrt --onnx-only -o {path}'")
+        return EXIT_ERROR
+    try:
+        model = onnx.load(str(path))
+        violations = tensorrt_rules.lint(model, args.trt_version, tuple(args.plugin or ()))
+    except ValueError as e:
+        _err(str(e))
+        return EXIT_ERROR
+    except Exception as e:
+        _err(f"{path}: not a readable ONNX model ({type(e).__name__}); pass an .onnx file")
+        return EXIT_ERROR
+    active = [r for r in tensorrt_rules.RULES if r.holds_for(tensorrt_rules._version(args.trt_version))]
+    if args.json:
+        print(json.dumps({"model": str(path), "tensorrt": args.trt_version, "rules": [r.name for r in active],
+                          "violations": [v.__dict__ for v in violations]}, indent=2))
+    else:
+        for v in violations:
+            print(v)
+        verdict = f"{len(violations)} violation(s)" if violations else "passes"
+        print(f"{path}: {verdict} of {len(active)} TensorRT {args.trt_version} parser rules")
+    return EXIT_FAILED if violations else 0
 
 
 def cmd_check(args) -> int:
@@ -332,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="export a model to a runtime artifact")
     s.add_argument("model", nargs="?", default=None, help="checkpoint directory or shipped model name (default: the shipped BudgetFormer)")
-    s.add_argument("--target", required=True, help="onnx | coreml (fp32 ML program) | tensorrt (not yet)")
+    s.add_argument("--target", required=True, help="onnx | coreml (ML program) | tensorrt (engine, or --onnx-only)")
     s.add_argument("-o", "--output", required=True, help="artifact path to write")
     s.add_argument("--variant", default="sparse", help="sparse (really skips heads) | dense (static shapes, masks)")
     s.add_argument("--precision", default=None,
@@ -340,7 +387,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp32 for tsa decoders)")
     s.add_argument("--min-target", default=None,
                    help="coreml: minimum deployment target (iOS16..iOS18, macOS13..macOS15; default iOS17)")
+    s.add_argument("--onnx-only", action="store_true",
+                   help="tensorrt: write the TensorRT-bound ONNX (-o X.onnx) instead of building an engine (no GPU needed); "
+                        "build it later with 'adaptex export --target tensorrt X.onnx -o X.plan'")
+    for key, default in (("min", "batch=1,sequence=1"), ("opt", "batch=1,sequence=min(128, max)"),
+                         ("max", "batch=64,sequence=max")):
+        s.add_argument(f"--{key}-shapes", default=None,
+                       help=f"tensorrt: the optimization profile's {key} sizes, AXIS=N,... over batch, sequence and "
+                            f"(decoders) past_sequence (default {default})")
+    s.add_argument("--timing-cache", default=None, help="tensorrt: a timing cache file, read if present and rewritten")
+    s.add_argument("--trt-version", default=None, help="tensorrt: the parser version to check rules for (default 10.0)")
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("lint", help="check an ONNX model against TensorRT's parser rules (no GPU needed)")
+    s.add_argument("model", help="an .onnx file (e.g. from 'adaptex export --target tensorrt --onnx-only')")
+    s.add_argument("--trt-version", default="10.0", help="TensorRT version whose rules apply (default 10.0)")
+    s.add_argument("--plugin", action="append", help="a custom op served by a registered plugin (repeatable)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_lint)
 
     s = sub.add_parser("inspect", help="print an artifact's metadata")
     s.add_argument("artifact")

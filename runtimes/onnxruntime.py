@@ -87,5 +87,9 @@ def open_artifact(path: str | Path, threads: int | None = None, compute_units: s
         from runtimes.coreml_mil import MilReferenceRunner
 
         return MilReferenceRunner(path)
+    if path.suffix in (".plan", ".engine"):
+        from runtimes.tensorrt import TensorRTRunner
+
+        return TensorRTRunner(path)
     raise AdaptexError(f"{path}: unknown artifact kind {path.suffix or '(no suffix)'!r}; "
-                       "adaptex runs .onnx and .mlpackage artifacts (TensorRT .plan arrives with issue #6)")
+                       "adaptex runs .onnx, .mlpackage and TensorRT .plan/.engine artifacts")
