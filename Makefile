@@ -8,7 +8,7 @@ ADAPTEX:= $(VENV)/bin/adaptex
 STAMP  := $(VENV)/.installed
 OUTDIR ?= build/demo
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow test-gpu install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# On an NVIDIA GPU machine: TensorRT 10 and cuda-python, then the engine tests (skipped elsewhere).
+test-gpu: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[tensorrt]'
+	$(PY) -m pytest -q -m tensorrt -rs
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

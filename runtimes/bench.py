@@ -199,13 +199,54 @@ def _coreml_graphs(artifact, model, meta: dict, tmp: Path, compute_units: str, s
     return timings, runs, f"Core ML runtime ({compute_units}), coremltools {ct.__version__}"
 
 
+def _tensorrt_graphs(artifact, model, info: dict, meta: dict, tmp: Path, say):
+    """The engine, against a dense engine built from the same checkpoint with the same profile and
+    precision, and the stock export's engine where TensorRT builds one. Timed by CUDA events."""
+    from exporter.targets import tensorrt
+    from runtimes.tensorrt import TensorRTRunner
+
+    prof, precision = meta["tensorrt"]["profile"], meta.get("precision", "fp32")
+    say(f"building the dense counterpart engine ({precision}) ...")
+    timings = [Timing("adaptive", str(artifact))]
+    data, dmeta = tensorrt.bound_onnx(model, info, variant="dense", prof=prof)
+    dense = tmp / "dense.plan"
+    tensorrt.build_engine(data, dmeta, dense, precision=precision, timing_cache=None, say=say)
+    timings.append(Timing("dense", str(dense)))
+    naive, reason = export_counterparts(model, tmp)["naive"]
+    if naive:
+        try:
+            nmeta = {**dmeta, "tensorrt": {**dmeta["tensorrt"], "routing_values": []}}
+            tensorrt.build_engine(Path(naive).read_bytes(), nmeta, tmp / "naive.plan", precision=precision,
+                                  timing_cache=None, say=say, pin=False)
+            timings.append(Timing("naive", str(tmp / "naive.plan")))
+        except Exception as e:
+            timings.append(Timing("naive", None, reason=f"TensorRT did not build the stock export: "
+                                                        f"{str(e).splitlines()[0][:160]}"))
+    else:
+        timings.append(Timing("naive", None, reason=reason))
+    runs, clocks = {}, {}
+    for t in timings:
+        if t.path:
+            r = TensorRTRunner(t.path).activate()
+            runs[t.name], clocks[t.name] = r.run_raw, (lambda r=r: r.last_ms)
+    import tensorrt as trt
+
+    return timings, runs, f"TensorRT {trt.__version__} ({precision}, CUDA-event timing)", clocks
+
+
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
               warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
               progress=None, compute_units: str = "all", past: int = 0) -> dict:
     from runtimes.coreml_mil import read_package_meta
 
     is_coreml = Path(artifact).suffix == ".mlpackage"
-    meta = read_package_meta(artifact) if is_coreml else OnnxRuntimeRunner(artifact).meta
+    is_trt = Path(artifact).suffix in (".plan", ".engine")
+    if is_trt:
+        from runtimes.tensorrt import read_plan_meta
+
+        meta = read_plan_meta(artifact)
+    else:
+        meta = read_package_meta(artifact) if is_coreml else OnnxRuntimeRunner(artifact).meta
     cfg = model.cfg
     decoder = cfg.family == "tsa"
     if past and not decoder:
@@ -225,8 +266,11 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         feeds = int32_ids(feeds)
     with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
         tmp = Path(tmp)
+        clocks = {}  # name -> the device time of its last run (TensorRT: CUDA events), else wall time
         if is_coreml:
             timings, fns, runtime = _coreml_graphs(artifact, model, meta, tmp, compute_units, say)
+        elif is_trt:
+            timings, fns, runtime, clocks = _tensorrt_graphs(artifact, model, info, meta, tmp, say)
         else:
             timings, fns, runtime = _onnx_graphs(artifact, model, tmp, threads, say)
         live = [t for t in timings if t.name in fns]
@@ -248,7 +292,8 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
             for t in live:
                 t0 = time.perf_counter_ns()
                 fns[t.name](feeds)
-                t.times_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                wall = (time.perf_counter_ns() - t0) / 1e6
+                t.times_ms.append(clocks[t.name]() if t.name in clocks else wall)
         del fns
         say("measuring peak memory in separate processes ...")
         npz = tmp / "inputs.npz"

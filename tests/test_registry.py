@@ -21,13 +21,6 @@ def test_no_empty_cell(op, target, variant):
         assert entry.fn.__doc__, "a lowering documents what it emits"
 
 
-@pytest.mark.parametrize("target", ["tensorrt"])
-def test_pending_targets_refuse_with_the_issue_and_a_workaround(target):
-    with pytest.raises(UnsupportedLowering) as e:
-        registry.lookup("adaptex::budgeted_attention", target, "sparse")
-    assert "not implemented yet" in str(e.value) and "--target onnx" in str(e.value)
-
-
 def test_unknown_target_and_variant_are_refused_with_choices():
     with pytest.raises(UnsupportedLowering, match="choose one of onnx, coreml, tensorrt"):
         registry.lookup("adaptex::budgeted_attention", "tflite", "sparse")

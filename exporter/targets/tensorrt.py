@@ -329,7 +329,10 @@ def pin_routing(network, mark: str, routing_values: set[str], trt) -> int:
     return pinned
 
 
-def build_engine(data: bytes, meta: dict, out: Path, *, precision: str, timing_cache: str | None, say=None) -> dict:
+def build_engine(data: bytes, meta: dict, out: Path, *, precision: str, timing_cache: str | None, say=None,
+                 pin: bool = True) -> dict:
+    """Parse `data`, build with one optimization profile, write `out` and `<out>.json`. `pin=False`
+    (benchmarks of stock exports only) skips the fp32 pinning of routing layers."""
     trt = require_tensorrt()
     say = say or (lambda msg: None)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -356,7 +359,7 @@ def build_engine(data: bytes, meta: dict, out: Path, *, precision: str, timing_c
         config.set_flag(trt.BuilderFlag.FP16)
         config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
         pinned = pin_routing(network, meta["tensorrt"]["routing_mark"], set(meta["tensorrt"]["routing_values"]), trt)
-        if pinned == 0:
+        if pinned == 0 and pin:
             raise ExportError("no routing layer was found to pin to fp32, so fp16 could move decisions; "
                               "build with --precision fp32")
     cache = None

@@ -347,14 +347,26 @@ def _context(model: onnx.ModelProto, version: tuple[int, int]) -> tuple[onnx.Mod
         if tt.HasField("shape"):
             ctx.shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                                    for d in tt.shape.dim]
-    for init in g.initializer:
-        ctx.constants[init.name] = numpy_helper.to_array(init)
-        ctx.dtypes[init.name] = init.data_type
-        ctx.shapes[init.name] = list(init.dims)
-    for n in g.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            ctx.constants[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    for sub in _all_graphs(g):  # If/Loop bodies have initializers and constants of their own
+        for init in sub.initializer:
+            ctx.constants[init.name] = numpy_helper.to_array(init)
+            ctx.dtypes[init.name] = init.data_type
+            ctx.shapes[init.name] = list(init.dims)
+        for n in sub.node:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                ctx.constants[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
     return inferred, ctx
+
+
+def _all_graphs(graph: onnx.GraphProto):
+    yield graph
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_graphs(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _all_graphs(g)
 
 
 def _where(node: onnx.NodeProto, functions: set[str], callers: dict[str, list[str]]) -> str:
@@ -437,3 +449,7 @@ def rules_table() -> str:
     for r in RULES:
         rows.append(f"| `{r.name}` | {r.span()} | {r.what} | {r.source} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":  # print the docs' rule table
+    print(rules_table())

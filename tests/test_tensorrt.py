@@ -1,0 +1,240 @@
+"""The TensorRT target on CPU: the TensorRT-bound ONNX of every family and variant, its parity in
+ONNX Runtime, the static parser-rule checker, the engine build's refusal without a GPU, and the
+builder's fp32 pinning of routing layers. Engine tests proper live in test_tensorrt_gpu.py."""
+from __future__ import annotations
+
+import hashlib
+import types
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from exporter.cli import main
+from exporter.errors import ExportError
+from exporter.targets import tensorrt, tensorrt_rules
+from graphs import checkpoint
+from tests import zoo
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trt")
+    zoo.save_tiny(d / "bf")
+    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def bound(checkpoints, tmp_path_factory):
+    """{(family, variant): path} of the TensorRT-bound ONNX, written by the CLI with --onnx-only."""
+    out = {}
+    d = tmp_path_factory.mktemp("bound")
+    for family in ("bf", "tsa"):
+        for variant in ("sparse", "dense"):
+            path = d / f"{family}.{variant}.onnx"
+            assert main(["export", str(checkpoints / family), "--target", "tensorrt", "--onnx-only",
+                         "--variant", variant, "-o", str(path)]) == 0
+            out[(family, variant)] = path
+    return out
+
+
+KEYS = [(f, v) for f in ("bf", "tsa") for v in ("sparse", "dense")]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: f"{k[0]}-{k[1]}")
+def test_bound_onnx_passes_the_checker_and_parity_in_onnxruntime(bound, key, capsys):
+    path = bound[key]
+    assert tensorrt_rules.lint(onnx.load(str(path))) == []
+    assert main(["lint", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(path), "--samples", "40", "--json"]) == 0  # fp32 1e-4, unexcused flips 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["unexcused_flips"] == 0
+    assert report["max_abs_err"] < 1e-4
+    meta = onnx.load(str(path), load_external_data=False).metadata_props
+    assert '"target": "tensorrt"' in next(p.value for p in meta if p.key == "adaptex")
+
+
+def test_bound_onnx_keeps_one_node_per_op_and_runtime_k(bound):
+    m = onnx.load(str(bound[("bf", "sparse")]))
+    calls = [n for n in m.graph.node if n.domain == "adaptex"]
+    assert len(calls) == 2 and {f.name for f in m.functions} == {"BudgetedAttention"}
+    topk = next(n for n in m.functions[0].node if n.op_type == "TopK")
+    producers = {o: n.op_type for n in m.functions[0].node for o in n.output}
+    assert producers[topk.input[1]] == "ReduceMax"  # K is the batch's largest k, computed at run time
+    m = onnx.load(str(bound[("tsa", "sparse")]))
+    ops = {n.op_type for n in m.functions[0].node}
+    assert {"NonZero", "ScatterND"} <= ops
+    scatter = next(n for n in m.functions[0].node if n.op_type == "ScatterND")
+    assert not scatter.attribute  # TensorRT <= 10.8 refuses even reduction='none'
+
+
+def test_routing_nodes_are_marked_and_only_routing(bound):
+    m = onnx.load(str(bound[("tsa", "sparse")]))
+    marked = [n for n in m.graph.node if n.name.startswith(tensorrt.ROUTE_MARK)]
+    assert marked and all("routers." in str(n.metadata_props) or n.op_type in ("LessOrEqual", "Cast", "Sub", "Mul")
+                          for n in marked)
+    body = {n.op_type for n in m.functions[0].node if n.name.startswith(tensorrt.ROUTE_MARK)}
+    assert "NonZero" in body and not body & {"Gemm", "LayerNormalization", "Gelu", "Add"}
+    m = onnx.load(str(bound[("bf", "sparse")]))
+    body = {n.op_type for n in m.functions[0].node if n.name.startswith(tensorrt.ROUTE_MARK)}
+    assert {"Floor", "TopK", "ScatterElements"} <= body and not body & {"Softmax", "MatMul", "Gather"}
+    assert sum("router" in str(n.metadata_props) for n in m.graph.node if n.name.startswith(tensorrt.ROUTE_MARK)) >= 8
+
+
+def test_engine_build_parses_the_written_file_byte_for_byte(bound, monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_build(data, meta, out, **kw):
+        seen["sha"] = hashlib.sha256(data).hexdigest()
+        return meta
+
+    monkeypatch.setattr(tensorrt, "require_tensorrt", lambda: None)
+    monkeypatch.setattr(tensorrt, "build_engine", fake_build)
+    path = bound[("bf", "sparse")]
+    assert main(["export", str(path), "--target", "tensorrt", "-o", str(tmp_path / "m.plan")]) == 0
+    assert seen["sha"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_bound_onnx_is_deterministic(checkpoints):
+    model, info = checkpoint.load(checkpoints / "bf")
+    a, _ = tensorrt.bound_onnx(model, info)
+    b, _ = tensorrt.bound_onnx(model, info)
+    assert a == b
+
+
+# --- the checker ----------------------------------------------------------------------------------
+
+def _planted(bound, family: str, op: str, **attrs) -> onnx.ModelProto:
+    m = onnx.load(str(bound[(family, "sparse")]))
+    node = next(n for n in m.functions[0].node if n.op_type == op)
+    for k, v in attrs.items():
+        node.attribute.extend([helper.make_attribute(k, v)]) if not any(a.name == k for a in node.attribute) else \
+            [a.CopyFrom(helper.make_attribute(k, v)) for a in node.attribute if a.name == k]
+    return m
+
+
+def test_checker_rejects_planted_topk_sorted_0(bound, tmp_path, capsys):
+    m = _planted(bound, "bf", "TopK", sorted=0)
+    v = tensorrt_rules.lint(m)
+    assert {x.rule for x in v} == {"topk-sorted"} and len(v) == 2  # one per call of the function
+    assert "in function BudgetedAttention" in v[0].where
+    onnx.save(m, str(tmp_path / "bad.onnx"))
+    capsys.readouterr()
+    assert main(["lint", str(tmp_path / "bad.onnx")]) == 1
+    assert "[topk-sorted]" in capsys.readouterr().out
+
+
+def test_checker_rejects_planted_scatternd_reduction(bound):
+    v = tensorrt_rules.lint(_planted(bound, "tsa", "ScatterND", reduction="add"))
+    assert {x.rule for x in v} == {"scatternd-reduction", "scatternd-reduction-attr"}
+    assert {x.rule for x in tensorrt_rules.lint(_planted(bound, "tsa", "ScatterND", reduction="add"), "10.9")} \
+        == {"scatternd-reduction"}
+    none = _planted(bound, "tsa", "ScatterND", reduction="none")  # refused up to 10.8, fixed in 10.9
+    assert {x.rule for x in tensorrt_rules.lint(none, "10.8")} == {"scatternd-reduction-attr"}
+    assert tensorrt_rules.lint(none, "10.9") == []
+
+
+def _tiny_graph(nodes, inputs, outputs, functions=(), opset=20):
+    g = helper.make_graph(nodes, "g", inputs, outputs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("x", 1)],
+                             functions=list(functions))
+
+
+def test_checker_rules_on_small_graphs():
+    f32 = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    # runtime K: fine on 10.x, refused before 8.6; K over a dynamic axis cannot be bounded
+    k_in = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
+    topk = helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=-1)
+    m = _tiny_graph([topk], [f32("x", [2, 8]), k_in], [f32("v", [2, None])])
+    assert tensorrt_rules.lint(m, "10.0") == []
+    assert {v.rule for v in tensorrt_rules.lint(m, "8.5")} == {"topk-k-initializer"}
+    m = _tiny_graph([topk], [f32("x", [2, "n"]), k_in], [f32("v", [2, None])])
+    assert {v.rule for v in tensorrt_rules.lint(m)} == {"topk-k-limit"}
+    # unsupported operator; custom op without a body; If branches of different rank
+    m = _tiny_graph([helper.make_node("Unique", ["x"], ["y"])], [f32("x", [4])], [f32("y", [None])])
+    assert {v.rule for v in tensorrt_rules.lint(m)} == {"operator-table"}
+    m = _tiny_graph([helper.make_node("Mystery", ["x"], ["y"], domain="x")], [f32("x", [4])], [f32("y", [4])])
+    assert {v.rule for v in tensorrt_rules.lint(m)} == {"custom-op-body"}
+    assert tensorrt_rules.lint(m, plugins=("Mystery",)) == []
+    then_g = helper.make_graph([helper.make_node("Identity", ["x"], ["a"])], "t", [], [f32("a", [4])])
+    else_g = helper.make_graph([helper.make_node("Unsqueeze", ["x", "ax"], ["b"])], "e", [], [f32("b", [1, 4])],
+                               initializer=[helper.make_tensor("ax", TensorProto.INT64, [1], [0])])
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    m = _tiny_graph([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)],
+                    [cond, f32("x", [4])], [f32("y", None)])
+    assert {v.rule for v in tensorrt_rules.lint(m)} == {"if-branches"}
+
+
+def test_rule_table_in_the_docs_is_current():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "tensorrt.md").read_text()
+    assert tensorrt_rules.rules_table() in doc, "regenerate the table: python -m exporter.targets.tensorrt_rules"
+
+
+def test_lint_cli_errors(tmp_path, capsys):
+    assert main(["lint", str(tmp_path / "nope.onnx")]) == 2
+    (tmp_path / "junk.onnx").write_bytes(b"\x00junk")
+    assert main(["lint", str(tmp_path / "junk.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "not a readable ONNX model" in err
+
+
+# --- profiles and the builder's pinning ------------------------------------------------------------
+
+def test_profiles_defaults_and_errors(checkpoints):
+    bf, _ = checkpoint.load(checkpoints / "bf")
+    tsa, _ = checkpoint.load(checkpoints / "tsa")
+    p = tensorrt.profile(bf.cfg, {}, {"batch": 8}, {})
+    assert p["opt"] == {"batch": 8, "sequence": 64} and p["max"] == {"batch": 64, "sequence": 64}
+    p = tensorrt.profile(tsa.cfg, {}, {}, {})
+    assert p["min"]["past_sequence"] == 0 and p["max"]["past_sequence"] == tsa.cfg.max_len - 1
+    with pytest.raises(ExportError, match="min <= opt <= max"):
+        tensorrt.profile(bf.cfg, {"batch": 4}, {"batch": 2}, {})
+    with pytest.raises(ExportError, match="decoders"):
+        tensorrt.profile(bf.cfg, {}, {}, {"past_sequence": 3})
+    with pytest.raises(ExportError, match="exceeds the model's maximum"):
+        tensorrt.profile(bf.cfg, {}, {}, {"sequence": 65})
+    with pytest.raises(ExportError, match="expected AXIS=N"):
+        tensorrt.parse_shapes("batch:1", "--min-shapes")
+    meta = {"inputs": {"input_ids": {"shape": ["batch", "sequence"]},
+                       "attention_mask": {"shape": ["batch", "past_sequence + sequence"]},
+                       "past_key_values.0.key": {"shape": ["batch", 4, "past_sequence", 8]}}, "max_sequence": 32}
+    shapes = tensorrt.input_shapes(meta, {"batch": 2, "sequence": 32, "past_sequence": 31})
+    assert shapes == {"input_ids": (2, 32), "attention_mask": (2, 32), "past_key_values.0.key": (2, 4, 31, 8)}
+
+
+class _FakeTensor:
+    def __init__(self, name, dtype):
+        self.name, self.dtype = name, dtype
+
+
+class _FakeLayer:
+    def __init__(self, name, outputs, type_="ELEMENTWISE"):
+        self.name, self._outs, self.type = name, outputs, type_
+        self.precision, self.out_types = None, {}
+
+    num_outputs = property(lambda self: len(self._outs))
+
+    def get_output(self, j):
+        return self._outs[j]
+
+    def set_output_type(self, j, dtype):
+        self.out_types[j] = dtype
+
+
+def test_pin_routing_pins_marked_layers_and_routing_values_only():
+    trt = types.SimpleNamespace(float32="f32", float16="f16", LayerType=types.SimpleNamespace(CONSTANT="C", SHAPE="S"))
+    layers = [_FakeLayer("adaptex_route/node_linear_4", [_FakeTensor("t1", "f32")]),  # a router layer
+              _FakeLayer("BudgetedAttention/adaptex_route/TopK_10", [_FakeTensor("t2", "f32"), _FakeTensor("i", "i64")]),
+              _FakeLayer("node_gelu_3", [_FakeTensor("le_7", "f32")]),  # produces a routing value
+              _FakeLayer("adaptex_route/const", [_FakeTensor("c", "f32")], type_="C"),
+              _FakeLayer("node_MatMul_24", [_FakeTensor("h", "f32")])]  # body
+    net = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+    assert tensorrt.pin_routing(net, tensorrt.ROUTE_MARK, {"le_7"}, trt) == 3
+    assert [lay.precision for lay in layers] == ["f32", "f32", "f32", None, None]
+    assert layers[1].out_types == {0: "f32"}  # the int64 indices keep their type
