@@ -174,13 +174,135 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
     )
 
 
+EA_INPUTS = ["q", "k", "v", "sa", "key_mask"]
+NEG = -1e30  # masked scores: finite, so a query with no visible key gives a finite (ignored) row
+
+
+def _pick(b: _Body, cond: str, x: str, y: str) -> str:
+    """Where over bool tensors (ONNX Runtime's Where has no bool kernel): (cond & x) | (~cond & y)."""
+    return b("Or", b("And", cond, x), b("And", b("Not", cond), y))
+
+
+def _visibility(b: _Body, T: str, S: str, sink: str, window: str, causal: str):
+    """(T, S) bool masks of the keys a full (FA) and a streaming (SA) query sees, before padding."""
+    c0, c1 = b.const(0), b.const(1)
+    a = b("Unsqueeze", b("Range", b("Sub", S, T), S, c1), b.const([1]))  # (T, 1) absolute query positions
+    j = b("Unsqueeze", b("Range", c0, S, c1), b.const([0]))  # (1, S)
+    is_causal = b("Equal", causal, c1)
+    fa = b("Or", b("LessOrEqual", j, a), b("Not", is_causal))  # (T, S)
+    d = b("Sub", a, j)  # (T, S): query minus key
+    local_c = b("And", b("GreaterOrEqual", d, c0), b("Less", d, window))
+    local_n = b("LessOrEqual", b("Abs", d), b("Div", window, b.const(2)))
+    local = _pick(b, is_causal, local_c, local_n)
+    return fa, b("And", fa, b("Or", b("Less", j, sink), local))
+
+
+def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
+    return b("MatMul", b("Softmax", b("Where", visible, scores, b.const(NEG, np.float32)), axis=-1), v)
+
+
+def elastic_attention_function(variant: str) -> onnx.FunctionProto:
+    """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
+
+    sparse: the (B*H) head pairs of each mode gathered (NonZero over sa); FA pairs attend every
+    visible key; SA pairs attend block-local, each block of Bq = min(window, T) queries against its
+    own run of keys (Gather with a (blocks, L) index), plus the sinks; ScatterND (no reduction)
+    puts both groups back. dense: the full score matrix for every head, SA heads through a band
+    mask (static shapes)."""
+    b = _Body("ea_")
+    q, k, v, sa, key_mask = EA_INPUTS
+    sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
+    c0, c1 = b.const(0), b.const(1)
+    B1, H1 = b("Shape", q, start=0, end=1), b("Shape", q, start=1, end=2)
+    T1, dh1, S1 = b("Shape", q, start=2, end=3), b("Shape", q, start=3, end=4), b("Shape", k, start=2, end=3)
+    T, S = b("Squeeze", T1, b.const([0])), b("Squeeze", S1, b.const([0]))
+    scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))  # (1,)
+    fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
+    if variant == "dense":
+        scores = b("Mul", b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2])), scale)  # (B, H, T, S)
+        vis = _pick(b, b("Unsqueeze", sa, b.const([2, 3])), sa_vis, fa_vis)  # (B, H, T, S)
+        vis = b("And", vis, b("Unsqueeze", key_mask, b.const([1, 2])))
+        b.nodes.append(helper.make_node("Identity", [_masked_softmax_av(b, scores, vis, v)], ["o"]))
+    else:
+        cm1 = b.const([-1])
+        qf = b("Reshape", q, b("Concat", cm1, T1, dh1, axis=0))  # (BH, T, dh)
+        kf = b("Reshape", k, b("Concat", cm1, S1, dh1, axis=0))  # (BH, S, dh)
+        vf = b("Reshape", v, b("Concat", cm1, S1, dh1, axis=0))
+        mf = b("Reshape", b("Expand", b("Unsqueeze", key_mask, b.const([1])), b("Concat", B1, H1, S1, axis=0)),
+               b("Concat", cm1, S1, axis=0))  # (BH, S)
+        modes = b("Reshape", sa, cm1)  # (BH,)
+        out = b("Mul", qf, b.const(0.0, np.float32))  # (BH, T, dh) zeros
+        # FA pairs: every visible key
+        idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
+        rows = b("Squeeze", idx, b.const([1]))
+        qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+        scores = b("Mul", b("MatMul", qa, b("Transpose", ka, perm=[0, 2, 1])), scale)  # (Nf, T, S)
+        vis = b("And", b("Unsqueeze", ma, b.const([1])), fa_vis)
+        out = b("ScatterND", out, idx, _masked_softmax_av(b, scores, vis, va))
+        # SA pairs: block-local windows plus sinks
+        idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
+        rows = b("Squeeze", idx, b.const([1]))
+        qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+        is_causal = b("Equal", causal, c1)
+        Bq = b("Max", b("Min", window, T), c1)
+        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
+        half = b("Div", window, b.const(2))
+        before = b("Where", is_causal, b("Sub", window, c1), half)
+        L = b("Add", Bq, b("Where", is_causal, b("Sub", window, c1), b("Mul", half, b.const(2))))
+        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
+        j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
+              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
+        a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
+        d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
+        inwin = _pick(b, is_causal, b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
+                      b("LessOrEqual", b("Abs", d), half))
+        j3 = b("Unsqueeze", j, b.const([1]))
+        valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
+                  b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
+        jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
+        pad = b("Sub", b("Mul", nb, Bq), T)
+        qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
+        qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
+                                dh1, axis=0))  # (Ns, nb, Bq, dh)
+        kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
+        s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
+        vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
+                    b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
+        ns = b("Min", sink, S)
+        ns1 = b("Unsqueeze", ns, b.const([0]))
+        k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
+        v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
+        s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
+        jn = b("Range", c0, ns, c1)  # (ns,)
+        sink_c = b("Or", b("LessOrEqual", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2]))),
+                   b("Not", is_causal))  # (nb, Bq, ns)
+        vis_sink = b("And", b("Unsqueeze", sink_c, b.const([0])),
+                     b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2])))
+        scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
+                   b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
+        p = b("Softmax", scores, axis=-1)
+        end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
+        o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
+              b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
+        o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
+        o = b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
+        out = b("ScatterND", out, idx, o)
+        b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
+    return helper.make_function(
+        DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["sink", "window", "causal"],
+        doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
+    )
+
+
 def register_schema() -> None:
     """Register the node's schema with onnx (in this process only) so onnxscript can emit it.
 
     Models never depend on it: the body ships as a function, which is what runtimes read."""
     from onnx import defs
 
-    if defs.has("BudgetedAttention", DOMAIN) and defs.has("ConditionalFFN", DOMAIN):
+    if all(defs.has(n, DOMAIN) for n in ("BudgetedAttention", "ConditionalFFN", "ElasticAttention")):
         return
     FP = defs.OpSchema.FormalParameter
     float_in = {"x", "w_qkv", "b_qkv", "w_o", "b_o"}
@@ -194,8 +316,15 @@ def register_schema() -> None:
                           ("B", ["tensor(bool)"], ""), ("I", ["tensor(int64)"], "")],
         attributes=[defs.OpSchema.Attribute("num_heads", defs.OpSchema.AttrType.INT, "H")],
     )
-    defs.register_schema(schema)
-    defs.register_schema(defs.OpSchema(
+    for new in (schema, _cffn_schema(FP), _ea_schema(FP)):
+        if not defs.has(new.name, DOMAIN):
+            defs.register_schema(new)
+
+
+def _cffn_schema(FP):
+    from onnx import defs
+
+    return (defs.OpSchema(
         "ConditionalFFN", DOMAIN, OPSET_VERSION,
         doc="Pre-norm FFN residual update for the kept tokens only; see docs/ops.md.",
         inputs=[FP(n, "B" if n == "keep" else ("F" if n == "gate" else "T")) for n in CFFN_INPUTS],
@@ -203,4 +332,17 @@ def register_schema() -> None:
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"),
                           ("F", ["tensor(float)"], "routing stays fp32"), ("B", ["tensor(bool)"], "")],
         attributes=[defs.OpSchema.Attribute("eps", defs.OpSchema.AttrType.FLOAT, "LayerNorm epsilon")],
+    ))
+
+
+def _ea_schema(FP):
+    from onnx import defs
+
+    return (defs.OpSchema(
+        "ElasticAttention", DOMAIN, OPSET_VERSION,
+        doc="Every head of a layer, each full or streaming (sinks + local window); see docs/ops.md.",
+        inputs=[FP(n, "B" if n in ("sa", "key_mask") else "T") for n in EA_INPUTS],
+        outputs=[FP("o", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"), ("B", ["tensor(bool)"], "")],
+        attributes=[defs.OpSchema.Attribute(n, defs.OpSchema.AttrType.INT, n) for n in ("sink", "window", "causal")],
     ))
