@@ -97,4 +97,7 @@ def routing_meta(cfg) -> dict:
     """The family's routing parameters, as artifact metadata."""
     if cfg.family == "tsa":
         return {"keep_threshold": cfg.threshold, "kv_cache_bound": cfg.max_len}
+    if cfg.family == "elastic":
+        return {"sink": cfg.sink, "window": cfg.window, "backbone": cfg.backbone,
+                "backbone_sha256": cfg.backbone_sha256, "position_limit": cfg.max_len}
     return {"budget_range": [cfg.s_min, cfg.s_max]}

@@ -41,9 +41,22 @@ def decoder_output_names(num_layers: int, adaptive: bool = True) -> list[str]:
     return names
 
 
+ELASTIC_FIELDS = ("sa", "logits")  # per layer: head modes (B, H) bool, [FA, SA] logits (B, H, 2)
+
+
+def elastic_output_names(num_layers: int, adaptive: bool = True) -> list[str]:
+    names = ["sentence_embedding"]
+    if adaptive:
+        for i in range(num_layers):
+            names += [f"decisions.layer{i}.{f}" for f in ELASTIC_FIELDS]
+    return names
+
+
 def io_names(cfg, mode: str = "hard") -> tuple[list[str], list[str]]:
     """(input names, output names) of a traced model of cfg's family."""
-    adaptive = cfg.adaptive and mode != "dense"
+    adaptive = cfg.adaptive and mode not in ("dense", "full")
+    if cfg.family == "elastic":
+        return list(INPUT_NAMES), elastic_output_names(cfg.num_layers, adaptive)
     if cfg.family == "tsa":
         return decoder_input_names(cfg.num_layers), decoder_output_names(cfg.num_layers, adaptive)
     return list(INPUT_NAMES), output_names(cfg.num_layers, adaptive)
@@ -80,9 +93,10 @@ class ExportWrapper(torch.nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor):
         logits, decisions = self.model(input_ids, attention_mask, mode=self.mode)
+        fields = ELASTIC_FIELDS if self.model.cfg.family == "elastic" else DECISION_FIELDS
         outs = [logits]
         for dec in decisions:
-            outs += [dec[f] for f in DECISION_FIELDS if f in dec]
+            outs += [dec[f] for f in fields if f in dec]
         return tuple(outs)
 
 

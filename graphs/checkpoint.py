@@ -15,13 +15,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
+from graphs.elastic import ElasticConfig, ElasticEncoder
 from graphs.tsa import TSAConfig, TSADecoder
 from graphs.errors import CheckpointError
 
 ZOO = Path(__file__).parent / "zoo"
 DEFAULT_MODEL = "budgetformer-graded"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer), "tsa": (TSAConfig, TSADecoder)}
+FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer), "tsa": (TSAConfig, TSADecoder),
+            "elastic": (ElasticConfig, ElasticEncoder)}
 
 
 def shipped_models() -> dict[str, Path]:
@@ -74,10 +76,13 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     except Exception as e:  # safetensors raises several types (SafetensorError, OSError, ...)
         raise CheckpointError(f"{w_path}: corrupt weights ({str(e).splitlines()[0]}); "
                               "re-run 'adaptex train' to write a fresh checkpoint") from None
-    net = model_cls(cfg)
+    # a family on a pretrained backbone builds it from its own source and stores only what it trains
+    net = model_cls.from_config(cfg) if hasattr(model_cls, "from_config") else model_cls(cfg)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     try:
         missing, unexpected = net.load_state_dict(state, strict=False)
+        if hasattr(net, "checkpoint_state"):
+            missing = [k for k in missing if k in net.checkpoint_state()]
     except RuntimeError as e:  # shape mismatches
         raise CheckpointError(f"{w_path}: weights do not match config.json ({str(e).splitlines()[-1].strip()}); "
                               "the two files come from different runs") from None
@@ -124,8 +129,8 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
         info = {"family": net.cfg.family, "config": net.cfg.to_dict(), "weights_dtype": dtype, **(extra or {})}
         (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
         cast = torch.float16 if dtype == "float16" else torch.float32
-        state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous()
-                 for k, v in net.state_dict().items()}
+        own = net.checkpoint_state() if hasattr(net, "checkpoint_state") else net.state_dict()
+        state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in own.items()}
         save_file(state, str(tmp / WEIGHTS))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is ordinary data
         for f in (CONFIG, WEIGHTS):

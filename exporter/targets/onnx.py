@@ -82,6 +82,27 @@ def conditional_ffn_onnx_dense(ctx, node):
     return OnnxLowering(_conditional_ffn_node, [fx.conditional_ffn_function("dense")])
 
 
+def _elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
+    from onnxscript.values import Opset
+
+    return Opset(fx.DOMAIN, fx.OPSET_VERSION).ElasticAttention(q, k, v, sa, key_mask, sink=sink, window=window,
+                                                               causal=int(causal))
+
+
+@lowering("adaptex::elastic_attention", target="onnx", variant="sparse")
+def elastic_attention_onnx_sparse(ctx, node):
+    """The (B*H) head pairs split by mode (NonZero over sa): FA pairs attend every visible key, SA
+    pairs block-local (each block of min(window, T) queries against its own run of keys, plus the
+    sinks: O(T (sink + window))); ScatterND puts both groups back."""
+    return OnnxLowering(_elastic_attention_node, [fx.elastic_attention_function("sparse")])
+
+
+@lowering("adaptex::elastic_attention", target="onnx", variant="dense")
+def elastic_attention_onnx_dense(ctx, node):
+    """Every head over the full score matrix, SA heads through a band mask: static shapes."""
+    return OnnxLowering(_elastic_attention_node, [fx.elastic_attention_function("dense")])
+
+
 def _name_dynamic_axes(proto: onnx.ModelProto) -> None:
     """Rename the tracer's symbols (s0, s1...) to 'batch', 'sequence' and, for decoders,
     'past_sequence' everywhere, inside expressions too ('past_sequence + sequence')."""

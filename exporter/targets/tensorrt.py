@@ -68,9 +68,22 @@ def conditional_ffn_tensorrt_dense(ctx, node):
     return onnx_target.OnnxLowering(onnx_target._conditional_ffn_node, [fx.conditional_ffn_function("dense")])
 
 
+@lowering("adaptex::elastic_attention", target="tensorrt", variant="sparse")
+def elastic_attention_tensorrt_sparse(ctx, node):
+    """The ONNX body: NonZero over the head modes (internal data-dependent shapes), Gather of each
+    group, block-local SA (Gather with a (blocks, L) index), ScatterND without a reduction attribute."""
+    return onnx_target.OnnxLowering(onnx_target._elastic_attention_node, [fx.elastic_attention_function("sparse")])
+
+
+@lowering("adaptex::elastic_attention", target="tensorrt", variant="dense")
+def elastic_attention_tensorrt_dense(ctx, node):
+    """Every head over the full score matrix, SA heads through a band mask: static shapes."""
+    return onnx_target.OnnxLowering(onnx_target._elastic_attention_node, [fx.elastic_attention_function("dense")])
+
+
 # --- routing nodes ---------------------------------------------------------------------------------
 
-ROUTING_INPUTS = {"BudgetedAttention": ("s", "p"), "ConditionalFFN": ("keep", "gate")}
+ROUTING_INPUTS = {"BudgetedAttention": ("s", "p"), "ConditionalFFN": ("keep", "gate"), "ElasticAttention": ("sa",)}
 
 
 def _scopes(node: onnx.NodeProto) -> str:
@@ -114,11 +127,12 @@ def mark_routing(proto: onnx.ModelProto) -> list[str]:
     nodes fed by the routing inputs that do not read the token stream x or the weights."""
     g = proto.graph
     nodes = list(g.node)
-    is_router = [bool(re.search(r"\.router\b|\brouters\.", _scopes(n))) for n in nodes]
+    is_router = [bool(re.search(r"\.router\b|\brouters\.", _scopes(n))) for n in nodes]  # TSA, BudgetFormer, Elastic
     router_outs = {o for n, r in zip(nodes, is_router) if r for o in n.output}
     sinks = {o.name for o in g.output if o.name.startswith("decisions.")}
     for n in nodes:
-        names = fx.INPUTS if n.op_type == "BudgetedAttention" else fx.CFFN_INPUTS if n.op_type == "ConditionalFFN" else []
+        names = {"BudgetedAttention": fx.INPUTS, "ConditionalFFN": fx.CFFN_INPUTS,
+                 "ElasticAttention": fx.EA_INPUTS}.get(n.op_type, [])
         sinks.update(n.input[pos] for pos, name in enumerate(names)
                      if name in ROUTING_INPUTS[n.op_type] and pos < len(n.input))
     marked = {i for i, r in enumerate(is_router) if r} | _graph_routing(g, router_outs, sinks)
