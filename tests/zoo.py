@@ -40,3 +40,30 @@ def tiny_tsa(seed: int = 0, spread: float = 20.0, **overrides):
             r.net[0].weight.mul_(spread)
             r.net[2].weight.mul_(spread)
     return model.eval()
+
+
+TINY_ELASTIC = dict(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_positions=64)
+
+
+def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 6):
+    """A tiny random encoder (an inline backbone: the checkpoint carries its weights) with routers
+    scaled so that head modes vary across inputs."""
+    from graphs.elastic import ElasticConfig, ElasticEncoder
+    from graphs.minilm import MiniLMConfig, MiniLMEncoder
+
+    torch.manual_seed(seed)
+    bcfg = MiniLMConfig(**TINY_ELASTIC)
+    cfg = ElasticConfig(backbone="inline", backbone_config=bcfg.to_dict(), num_layers=bcfg.num_layers,
+                        num_heads=bcfg.num_heads, head_dim=bcfg.d_model // bcfg.num_heads, vocab_size=bcfg.vocab_size,
+                        max_len=bcfg.max_positions, sink=sink, window=window, pool_tokens=8, router_hidden=16)
+    model = ElasticEncoder(cfg, MiniLMEncoder(bcfg))
+    # centre each router's logit gap on a batch of random inputs, then spread it, so that both modes occur
+    ids = torch.randint(1, bcfg.vocab_size, (64, 24))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        for li, r in enumerate(model.routers):
+            r.router[2].weight.mul_(spread)
+            _, dec = model(ids, mask, mode="hard_dense")
+            gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]  # (B, H)
+            r.router[2].bias[1] -= gap.median()
+    return model.eval()
