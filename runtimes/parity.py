@@ -377,22 +377,28 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
 
 def elastic_parity_inputs(cfg, samples: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Held-out and training text at lengths from a few tokens to the position limit, in batches of
-    1 to 16 with padded rows, plus random token soup (routers see unusual key statistics)."""
-    from graphs.elastic import StdlibText
-    from graphs.minilm import MiniLMTokenizer, default_model_dir
-
-    tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
-    text = StdlibText()
+    1 to 16 with padded rows, plus random token soup (routers see unusual key statistics). An inline
+    (test) backbone has no tokenizer: random tokens of the same lengths, with padded rows."""
     rng = np.random.default_rng(seed)
-    lengths = [8, 32, 64, 128, 256, cfg.max_len]
+    lengths = sorted({min(n, cfg.max_len) for n in (8, 32, 64, 128, 256, cfg.max_len)})
+    text = tok = None
+    if cfg.backbone == "minilm":
+        from graphs.elastic import StdlibText
+        from graphs.minilm import MiniLMTokenizer, default_model_dir
+
+        tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+        text = StdlibText()
     out, n, i = [], 0, 0
     while n < samples:
         B = int(min(samples - n, [1, 4, 16, 7][i % 4]))
         max_len = lengths[i % len(lengths)]
-        if i % 5 == 4:  # token soup, full length
-            ids = rng.integers(1000, cfg.vocab_size, size=(B, max_len)).astype(np.int64)
-            ids[:, 0], ids[:, -1] = 101, 102
+        if tok is None or i % 5 == 4:  # token soup
+            ids = rng.integers(1, cfg.vocab_size, size=(B, max_len)).astype(np.int64)
             mask = np.ones_like(ids)
+            if B > 1:  # padded rows of random lengths
+                for row in range(1, B, 2):
+                    mask[row, rng.integers(1, max_len + 1):] = 0
+            ids = ids * mask
         else:
             ids_t, mask_t = tok.encode(text.sample(B, rng, split="val" if i % 2 else "train", join=4), max_length=max_len)
             ids, mask = ids_t.numpy(), mask_t.numpy()

@@ -1,0 +1,153 @@
+"""Elastic Attention: the op (eager, block-local SA, ONNX bodies), the routers on a frozen encoder,
+training that leaves the backbone untouched, export and parity, and bad input."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from exporter.cli import main
+from exporter.targets import onnx_functions as fx
+from graphs import checkpoint
+from graphs.errors import AdaptexError, InputError
+from graphs.ops import elastic_attention as ea
+from tests import zoo
+
+CASES = [(2, 4, 16, 16), (2, 4, 1, 20), (1, 3, 5, 30), (3, 2, 40, 40)]  # (B, H, T new, S keys)
+
+
+def _inputs(B, H, T, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, 8, generator=g) for n in (T, S, S))
+    sa = torch.rand(B, H, generator=g) > 0.5
+    km = torch.ones(B, S, dtype=torch.bool)
+    km[0, :2] = False  # left padding in row 0
+    return q, k, v, sa, km
+
+
+def _real_rows(km, T, S):
+    return km[:, S - T:][:, None, :, None]  # a padded query's row is ignored (it sees nothing)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sink,window", [(2, 4), (0, 6), (4, 64)])
+def test_eager_kernel_matches_the_dense_reference(causal, sink, window):
+    for B, H, T, S in CASES:
+        q, k, v, sa, km = _inputs(B, H, T, S)
+        got = ea.elastic_attention_eager(q, k, v, sa, km, sink, window, causal)
+        ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, causal)
+        assert ((got - ref) * _real_rows(km, T, S)).abs().max() < 1e-5
+
+
+def test_block_local_layout_costs_sink_plus_window_per_query():
+    Bq, idx, valid = ea.block_index(T=2048, S=2048, sink=4, window=64, causal=True)
+    assert Bq == 64 and idx.shape == (32, 127)  # each block of 64 queries reads 127 keys, not 2048
+    assert int(valid.sum(-1).max()) == 64  # a query's window: at most `window` keys
+    Bq, idx, _ = ea.block_index(T=1, S=500, sink=4, window=64, causal=True)  # a decode step
+    assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
+
+
+def _function_session(variant, sink, window, causal):
+    vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
+    node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
+                            causal=int(causal))
+    ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
+    m = helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
+                          opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1)],
+                          functions=[fx.elastic_attention_function(variant)])
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, causal):
+    sess = _function_session(variant, 2, 6, causal)
+    for B, H, T, S in CASES:
+        q, k, v, sa, km = _inputs(B, H, T, S, seed=1)
+        for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, 2, 6, causal)
+            got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                  "key_mask": km.numpy()})[0]
+            assert np.abs((got - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+def test_router_pools_first_and_last_real_tokens():
+    r = ea_router = __import__("graphs.elastic", fromlist=["HeadRouter"]).HeadRouter(2, 4, 8, pool_tokens=2)
+    k = torch.arange(6, dtype=torch.float32)[None, None, :, None].expand(1, 2, 6, 4)  # key j = j
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # 5 real tokens
+    pooled = r.pool(k, mask)  # first 2 real: mean 0.5; last 2 real (3, 4): mean 3.5; padding ignored
+    assert torch.allclose(pooled[0, 0], torch.tensor([0.5] * 4 + [3.5] * 4))
+    assert ea_router(k, mask).shape == (1, 2, 2)
+
+
+def test_training_moves_only_the_routers():
+    from graphs.elastic import ElasticTrainConfig, train_elastic
+
+    model = zoo.tiny_elastic()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Tok:  # random token batches stand in for text
+        def encode(self, texts, max_length=None):
+            ids = torch.randint(1, 64, (len(texts), 24))
+            return ids, torch.ones_like(ids)
+
+    class Text:
+        def sample(self, n, rng, split="train", join=3):
+            return ["x"] * n
+
+    train_elastic(model, Tok(), Text(), ElasticTrainConfig(steps=4, batch_size=4, lr=1e-2))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("backbone."))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("routers."))
+    assert all(not p.requires_grad for p in model.backbone.parameters())
+
+
+@pytest.fixture(scope="module")
+def elastic_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("elastic") / "tiny"
+    checkpoint.save(path, zoo.tiny_elastic(), {"description": "test elastic encoder"})
+    return path
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_export_and_parity(elastic_ckpt, tmp_path, capsys, variant):
+    out = tmp_path / f"el.{variant}.onnx"
+    assert main(["export", str(elastic_ckpt), "--target", "onnx", "--variant", variant, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(out), "--samples", "40", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    seen = r["decisions"]["decisions.layer0.sa"]["values_seen"]
+    assert seen["SA"] > 0 and seen["FA"] > 0
+
+
+def test_tensorrt_bound_onnx_lints_and_passes(elastic_ckpt, tmp_path, capsys):
+    import onnx
+
+    from exporter.targets import tensorrt_rules
+
+    out = tmp_path / "el.trt.onnx"
+    assert main(["export", str(elastic_ckpt), "--target", "tensorrt", "--onnx-only", "-o", str(out)]) == 0
+    assert tensorrt_rules.lint(onnx.load(str(out))) == []
+    capsys.readouterr()
+    assert main(["check", str(out), "--samples", "24"]) == 0
+
+
+def test_bad_input(elastic_ckpt, tmp_path):
+    model, _ = checkpoint.load(elastic_ckpt)
+    with pytest.raises(InputError, match="truncate"):
+        model(torch.ones(1, 65, dtype=torch.long), torch.ones(1, 65, dtype=torch.long))
+    cfg = json.loads((elastic_ckpt / "config.json").read_text())
+    cfg["config"]["backbone"] = "gpt2"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes((elastic_ckpt / "model.safetensors").read_bytes())
+    with pytest.raises(AdaptexError, match="unknown elastic backbone 'gpt2'"):
+        checkpoint.load(bad)
