@@ -385,10 +385,43 @@ def cmd_bench(args) -> int:
     runner = open_artifact(args.artifact, args.threads)
     model, info = load_source_model(runner.meta, args.model)
     _threads(args.threads)
-    r = run_bench(args.artifact, model, info, batch=args.batch, seq=args.seq, threads=args.threads,
+    try:
+        seqs = [int(x) for x in str(args.seq).split(",")]
+    except ValueError:
+        _err(f"--seq {args.seq!r}: expected a length or a comma-separated list (e.g. --seq 128,512,2048)")
+        return EXIT_ERROR
+    if len(seqs) > 1:
+        return _bench_sweep(args, model, info, seqs)
+    r = run_bench(args.artifact, model, info, batch=args.batch, seq=seqs[0], threads=args.threads,
                   warmup=args.warmup, runs=args.runs, progress=None if args.json else _say,
                   compute_units=args.compute_units or "all", past=args.past)
     print(json.dumps(r, indent=2) if args.json else format_bench(r))
+    return 0
+
+
+def _bench_sweep(args, model, info, seqs: list[int]) -> int:
+    """One bench per length; lengths above the model's limit are reported, not run."""
+    from runtimes.bench import format_bench, format_sweep, run_bench
+
+    rows, skipped = [], []
+    for T in seqs:
+        if T + args.past > model.cfg.max_len:
+            limit = "position limit" if model.cfg.family == "elastic" else "maximum sequence length"
+            skipped.append(f"T={T}: above the model's {limit} of {model.cfg.max_len}; not run")
+            continue
+        _say(f"--- T={T} ---")
+        r = run_bench(args.artifact, model, info, batch=args.batch, seq=T, threads=args.threads, warmup=args.warmup,
+                      runs=args.runs, progress=None if args.json else _say, past=args.past)
+        rows.append(r)
+        if not args.json:
+            print(format_bench(r))
+    if args.json:
+        print(json.dumps({"sweep": rows, "skipped": skipped}, indent=2))
+    elif model.cfg.family == "elastic":
+        print(f"sweep: {args.artifact} against full attention (batch {args.batch}, {args.threads} thread(s))")
+        print(format_sweep(rows, skipped))
+    else:
+        print("\n".join(skipped))
     return 0
 
 
@@ -480,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("artifact")
     s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
     s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--seq", type=int, default=128, help="new tokens per run (a decoder's prefill length)")
+    s.add_argument("--seq", default="128", help="new tokens per run (a decoder's prefill length); a list such as "
+                                                 "128,512,2048 sweeps the lengths")
     s.add_argument("--past", type=int, default=0, help="decoders: cached tokens before the timed step (decode: --seq 1 --past N)")
     s.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: runtime default)")
     s.add_argument("--warmup", type=int, default=10)

@@ -90,6 +90,34 @@ def bench_inputs(cfg, task_name: str | None, batch: int, seq: int, seed: int = 0
     return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
 
+def elastic_bench_inputs(cfg, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Held-out stdlib text of exactly `seq` tokens (passages joined until long enough); random
+    tokens for an inline (test) backbone."""
+    rng = np.random.default_rng(seed)
+    if cfg.backbone == "minilm":
+        from graphs.elastic import StdlibText
+        from graphs.minilm import MiniLMTokenizer, default_model_dir
+
+        tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+        ids, _ = tok.encode(StdlibText().sample(batch, rng, split="val", join=40), max_length=seq)
+        if ids.shape[1] == seq:
+            return {"input_ids": ids.numpy(), "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+    ids = rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+
+
+def elastic_flops(cfg, sa: np.ndarray, T: int) -> float:
+    """FLOPs of one sequence of T tokens with head modes sa (L, H) (1 = SA): projections and FFN as
+    in the backbone, FA heads 4 T^2 dh, SA heads 4 T min(T, sink + window + 1) dh."""
+    b = cfg.backbone_config or {}
+    d = cfg.num_heads * cfg.head_dim
+    d_ff = b.get("d_ff", 4 * d)
+    linear = 2 * T * (4 * d * d + 2 * d * d_ff)
+    ctx_sa = min(T, cfg.sink + cfg.window + 1)
+    att = 4 * T * cfg.head_dim * np.where(sa, ctx_sa, T)  # (L, H)
+    return float(cfg.num_layers * linear + att.sum())
+
+
 def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past: int, seed: int = 0) -> dict:
     """Feeds for a decoder step of `seq` new tokens after `past` cached ones; the cache itself is filled
     by a prefill of the preceding text (key "_prefill"), run on the adaptive artifact by run_bench."""
@@ -259,7 +287,12 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         raise AdaptexError("--batch and --seq must be at least 1 and --threads at least 0")
     say = progress or (lambda msg: None)
     task_name = (info.get("training") or {}).get("task")
-    feeds = decoder_bench_inputs(cfg, task_name, batch, seq, past) if decoder else bench_inputs(cfg, task_name, batch, seq)
+    if decoder:
+        feeds = decoder_bench_inputs(cfg, task_name, batch, seq, past)
+    elif cfg.family == "elastic":
+        feeds = elastic_bench_inputs(cfg, batch, seq)
+    else:
+        feeds = bench_inputs(cfg, task_name, batch, seq)
     if is_coreml:  # Core ML packages take int32 ids and masks (caches stay float32)
         def int32_ids(f: dict) -> dict:
             return {k: int32_ids(v) if isinstance(v, dict) else v.astype(np.int32)
@@ -309,6 +342,13 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     # so work a lowering wastes counts against it.
     if decoder:
         flop_ratio, executed_ratio, decision_summary = _decoder_flops(cfg, adaptive_out, meta, seq, past)
+    elif cfg.family == "elastic":
+        sa = np.stack([adaptive_out[f"decisions.layer{i}.sa"] for i in range(cfg.num_layers)], axis=1)  # (B, L, H)
+        full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)
+        flop_ratio = float(np.mean([elastic_flops(cfg, row, seq) for row in sa]) / full)
+        executed_ratio = 1.0 if meta.get("variant") == "dense" else flop_ratio
+        decision_summary = {"sa_fraction": float(sa.mean()),
+                            "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}
     else:
         L, H, T = cfg.num_layers, cfg.num_heads, seq
         dense_flops = flops_per_sample(cfg, T, None)
@@ -356,7 +396,10 @@ def format_bench(r: dict) -> str:
         p99 = r[f"{key}p99_ms"] if key else r["p99_ms"]
         lines.append(f"  {name:<10} {p50:8.3f} {p90:8.3f} {p99:8.3f} {r['batch'] * 1000 / p50:9.1f} "
                      f"{f(r['size_mb'][name], '8.2f')} {f(r['peak_rss_mb'][name], '12.1f')}")
-    if "keep_rate_per_block" in r:
+    if "sa_fraction" in r:
+        layers = ", ".join(f"{x:.2f}" for x in r["sa_fraction_per_layer"])
+        lines.append(f"  SA heads: {100 * r['sa_fraction']:.1f}% (per layer: {layers}); dense = every head full attention")
+    elif "keep_rate_per_block" in r:
         rates = ", ".join(f"{k:.2f}" for k in r["keep_rate_per_block"])
         step = f"decode step: {r['seq']} new tokens after {r['past']} cached" if r.get("past") else "prefill"
         lines.append(f"  {step}; tokens running each gated block's FFN: {rates}")
@@ -368,4 +411,24 @@ def format_bench(r: dict) -> str:
     lines.append(f"  realisation (1 - latency ratio) / (1 - FLOP ratio): {f(r['realisation'], '.3f')}")
     if r.get("naive_latency_ratio") is not None:
         lines.append(f"  naive export latency ratio: {r['naive_latency_ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict], skipped: list[str]) -> str:
+    """Elastic against full attention across sequence lengths, and where the curves cross."""
+    lines = [f"  {'T':>6} {'elastic ms':>11} {'full ms':>9} {'ratio':>7} {'FLOP ratio':>11} {'SA heads':>9}"]
+    for r in rows:
+        lines.append(f"  {r['seq']:6d} {r['p50_ms']:11.3f} {r['dense_p50_ms']:9.3f} {r['latency_ratio']:7.3f} "
+                     f"{r['flop_ratio']:11.3f} {100 * r['sa_fraction']:8.1f}%")
+    lines += [f"  {s}" for s in skipped]
+    rows = sorted(rows, key=lambda r: r["seq"])
+    cross = [(x["seq"], y["seq"]) for x, y in zip(rows, rows[1:])
+             if (x["latency_ratio"] < 1) != (y["latency_ratio"] < 1)]
+    if cross:
+        where = "; ".join(f"between T={x} and T={y}" for x, y in cross)
+        lines.append(f"  the curves cross {where}: elastic is "
+                     f"{'faster' if rows[-1]['latency_ratio'] < 1 else 'slower'} from T={cross[-1][1]}")
+    elif rows:
+        lines.append(f"  no crossing in the sweep: elastic is {'faster' if rows[0]['latency_ratio'] < 1 else 'slower'} "
+                     "than full attention at every length measured")
     return "\n".join(lines)

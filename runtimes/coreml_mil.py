@@ -30,6 +30,10 @@ def _slice(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_m
     n = x.ndim; sl = []
     stride = np.ones(n, int) if stride is None else stride
     for i in range(n):
+        if squeeze_mask is not None and squeeze_mask[i]:  # MIL: a squeezed axis takes element begin[i], end is ignored
+            b = int(begin[i])
+            sl.append(slice(b, b + 1 if b != -1 else None))
+            continue
         b = None if (begin_mask is not None and begin_mask[i]) else int(begin[i])
         e = None if (end_mask is not None and end_mask[i]) else int(end[i])
         sl.append(slice(b, e, int(stride[i])))
@@ -72,6 +76,33 @@ def _scatter_nd(data, indices, updates, mode="add", validate_indices=False):
     return out
 
 
+def _cumsum(x, axis=0, exclusive=False, reverse=False):
+    """Running sum along axis (fp16 accumulates in fp32); exclusive drops the element itself."""
+    x32 = x.astype(np.float32) if x.dtype == np.float16 else x
+    if reverse:
+        x32 = np.flip(x32, int(axis))
+    out = np.cumsum(x32, axis=int(axis))
+    if exclusive:
+        out = out - x32
+    if reverse:
+        out = np.flip(out, int(axis))
+    return out.astype(x.dtype)
+
+
+def _reduce_l2_norm(x, axes=None, keep_dims=False):
+    """sqrt(sum(x^2)) over axes, accumulated in fp32 (an elastic encoder's L2-normalised embedding)."""
+    ax = tuple(_axes(axes, x.ndim)) if axes is not None else None
+    x32 = x.astype(np.float32)
+    return np.sqrt(np.sum(x32 * x32, axis=ax, keepdims=bool(keep_dims))).astype(x.dtype)
+
+
+def _floor_div(x, y):
+    """Elementwise floor(x / y): integer floor division for ints (block counts), floor of the quotient for floats."""
+    if np.issubdtype(np.result_type(x, y), np.integer):
+        return np.floor_divide(x, y)
+    return np.floor(x / y)
+
+
 def _slice_by_size(x, begin, size):
     return x[tuple(slice(int(b), None if int(n) == -1 else int(b) + int(n)) for b, n in zip(begin, size))]
 
@@ -89,6 +120,8 @@ EVAL = {
     "mul": lambda x, y: x * y, "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "real_div": lambda x, y: x / y,
     "maximum": lambda x, y: np.maximum(x, y), "minimum": lambda x, y: np.minimum(x, y), "less": lambda x, y: x < y, "greater": lambda x, y: x > y,
     "greater_equal": lambda x, y: x >= y, "less_equal": lambda x, y: x <= y, "equal": lambda x, y: x == y,
+    "not_equal": lambda x, y: x != y, "floor_div": _floor_div, "cumsum": _cumsum, "reduce_l2_norm": _reduce_l2_norm,
+    "tile": lambda x, reps: np.tile(x, [int(r) for r in reps]),
     "logical_not": lambda x: np.logical_not(x), "logical_and": lambda x, y: np.logical_and(x, y),
     "logical_or": lambda x, y: np.logical_or(x, y),
     "relu": lambda x: np.maximum(x, x.dtype.type(0)),
@@ -139,11 +172,13 @@ def read_package_meta(path: str | Path) -> dict:
 def canonical_outputs(meta: dict, outputs: dict) -> dict:
     """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
     (and a decoder's present_0_key for present.0.key)."""
-    from exporter.trace import output_names
+    from exporter.trace import elastic_output_names, output_names
 
     cfg = meta["config"]
     if _is_decoder(meta):
         canonical = {spec["coreml_name"]: n for n, spec in meta["outputs"].items()}
+    elif cfg.get("family") == "elastic":  # decisions_layer0_sa for decisions.layer0.sa
+        canonical = {n.replace(".", "_"): n for n in elastic_output_names(cfg["num_layers"], cfg["adaptive"])}
     else:
         canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
     return {canonical.get(k, k): np.asarray(v) for k, v in outputs.items()}
@@ -202,7 +237,7 @@ def load_program(path: Path):
 
 
 _SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose_y", "keep_dims", "ascending",
-                "epsilon", "alpha", "beta", "interleave", "batch_dims", "validate_indices")
+                "epsilon", "alpha", "beta", "interleave", "batch_dims", "validate_indices", "exclusive", "reverse")
 
 
 def run(program, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

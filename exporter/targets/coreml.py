@@ -59,7 +59,8 @@ DEFAULT_MIN_TARGET = "iOS17"
 # route_ for routing, resid_ for a decoder's residual stream (see decoder_residual_node_names)
 FP32_PREFIXES = ("route_", "resid_")
 # the variant each registered MIL translation emits during a convert, set from the registry per export
-_VARIANT = {"adaptex::budgeted_attention": "sparse", "adaptex::conditional_ffn": "sparse"}
+_VARIANT = {"adaptex::budgeted_attention": "sparse", "adaptex::conditional_ffn": "sparse",
+            "adaptex::elastic_attention": "sparse"}
 
 
 def _budgeted_attention_mil(context, node, variant: str):
@@ -158,6 +159,191 @@ def _conditional_ffn_mil(context, node, variant: str):
     context.add(y, node.name)
 
 
+MASK_BIAS = 1e4  # added (negated) to masked scores: finite in fp16, and exp(-1e4) is exactly 0 in either precision
+
+
+def _i32(x):
+    return np.asarray(x, dtype=np.int32)
+
+
+def _ea_bias(vis, name: str):
+    """0/1 visibility (float) -> additive score bias: 0 where visible, -MASK_BIAS where not. (select
+    with a scalar branch loses its shape in coremltools 9, so masks are applied additively.)"""
+    from coremltools.converters.mil import Builder as mb
+
+    return mb.mul(x=mb.sub(x=vis, y=np.float32(1)), y=np.float32(MASK_BIAS), name=name)
+
+
+def _ea_attend(q, k, v, vis, scale: float, name: str):
+    """softmax(q k^T * scale + bias(vis)) v over the last two axes; vis broadcasts to the scores."""
+    from coremltools.converters.mil import Builder as mb
+
+    scores = mb.mul(x=mb.matmul(x=q, y=k, transpose_y=True), y=np.float32(scale), name=f"{name}_scores")
+    scores = mb.add(x=scores, y=_ea_bias(vis, f"{name}_bias"))
+    return mb.matmul(x=mb.softmax(x=scores, axis=-1, name=f"{name}_softmax"), y=v, name=f"{name}_av")
+
+
+def _ea_dims(q, k):
+    """T and S as int32 scalars, read off the input shapes at run time."""
+    from coremltools.converters.mil import Builder as mb
+
+    T = mb.gather(x=mb.shape(x=q), indices=np.int32(2), axis=0)
+    S = mb.gather(x=mb.shape(x=k), indices=np.int32(2), axis=0)
+    return T, S
+
+
+def _ea_band(T, S, sink: int, window: int, causal: bool):
+    """(T, S) 0/1 float masks of the keys an FA and an SA query sees (before padding), as
+    graphs.ops.elastic_attention.visibility; FA's is None when every key is visible (encoders)."""
+    from coremltools.converters.mil import Builder as mb
+
+    a = mb.range_1d(start=mb.sub(x=S, y=T), end=S, step=np.int32(1))  # (T,) absolute query positions
+    j = mb.range_1d(start=np.int32(0), end=S, step=np.int32(1))  # (S,)
+    d = mb.sub(x=mb.expand_dims(x=a, axes=[1]), y=mb.expand_dims(x=j, axes=[0]))  # (T, S) query - key
+    if causal:
+        fa = mb.greater_equal(x=d, y=np.int32(0))
+        local = mb.logical_and(x=fa, y=mb.less(x=d, y=np.int32(window)))
+    else:
+        fa, half = None, np.int32(window // 2)
+        local = mb.logical_and(x=mb.greater_equal(x=d, y=-half), y=mb.less_equal(x=d, y=half))
+    sa = mb.logical_or(x=local, y=mb.expand_dims(x=mb.less(x=j, y=np.int32(sink)), axes=[0]))
+    if fa is not None:
+        sa = mb.logical_and(x=sa, y=fa)
+        fa = mb.cast(x=fa, dtype="fp32")
+    return fa, mb.cast(x=sa, dtype="fp32")
+
+
+def _ea_dense(q, k, v, sa, km, sink: int, window: int, causal: bool, scale: float, name: str):
+    """Every head over its full (T, S) score matrix; SA heads through a band mask (static shapes)."""
+    from coremltools.converters.mil import Builder as mb
+
+    T, S = _ea_dims(q, k)
+    fa_vis, sa_vis = _ea_band(T, S, sink, window, causal)
+    sa_f = mb.expand_dims(x=mb.cast(x=sa, dtype="fp32"), axes=[2, 3])  # (B, H, 1, 1)
+    base = np.float32(1) if fa_vis is None else fa_vis
+    vis = mb.add(x=mb.mul(x=sa_f, y=mb.sub(x=sa_vis, y=base)), y=base)  # (B, H, T, S): SA ? sa_vis : fa_vis
+    vis = mb.mul(x=vis, y=mb.expand_dims(x=km, axes=[1, 2]))  # padded keys
+    return _ea_attend(q, k, v, vis, scale, name)
+
+
+def _ea_blocks(T, S, sink: int, window: int, causal: bool):
+    """The block-local SA layout of graphs.ops.elastic_attention.block_index, computed at run time:
+    blocks of Bq = max(1, min(window, T)) queries, nb = ceil(T / Bq) of them, each reading its own
+    run of L keys. Returns qi (nb, Bq) the query row of each block slot (clamped to T - 1: the
+    padding slots are dropped afterwards), jc (nb, L) the key of each run slot (clamped into range),
+    valid (nb, Bq, L) 0/1 float (in the query's window, past the sinks, in range) and a (nb, Bq)
+    the absolute query positions."""
+    from coremltools.converters.mil import Builder as mb
+
+    one = np.int32(1)
+    before, extra = (window - 1, window - 1) if causal else (window // 2, 2 * (window // 2))
+    Bq = mb.maximum(x=mb.minimum(x=T, y=np.int32(window)), y=one)
+    nb = mb.floor_div(x=mb.sub(x=mb.add(x=T, y=Bq), y=one), y=Bq)
+    L = mb.add(x=Bq, y=np.int32(extra))
+    ib = mb.range_1d(start=np.int32(0), end=Bq, step=one)  # (Bq,)
+    il = mb.range_1d(start=np.int32(0), end=L, step=one)  # (L,)
+    q0 = mb.mul(x=mb.range_1d(start=np.int32(0), end=nb, step=one), y=Bq)  # (nb,) first query row of each block
+    rows = mb.add(x=mb.expand_dims(x=q0, axes=[1]), y=mb.expand_dims(x=ib, axes=[0]))  # (nb, Bq)
+    qi = mb.minimum(x=rows, y=mb.sub(x=T, y=one))
+    a0 = mb.add(x=q0, y=mb.sub(x=S, y=T))  # (nb,) absolute position of each block's first query
+    a = mb.add(x=rows, y=mb.sub(x=S, y=T))  # (nb, Bq)
+    j = mb.add(x=mb.expand_dims(x=mb.sub(x=a0, y=np.int32(before)), axes=[1]),
+               y=mb.expand_dims(x=il, axes=[0]))  # (nb, L) absolute key positions
+    jc = mb.maximum(x=mb.minimum(x=j, y=mb.sub(x=S, y=one)), y=np.int32(0))
+    # query minus key is i + before - l whatever the block: one (Bq, L) window mask for all blocks
+    d = mb.sub(x=mb.add(x=mb.expand_dims(x=ib, axes=[1]), y=np.int32(before)), y=mb.expand_dims(x=il, axes=[0]))
+    if causal:
+        inwin = mb.logical_and(x=mb.greater_equal(x=d, y=np.int32(0)), y=mb.less(x=d, y=np.int32(window)))
+    else:
+        half = np.int32(window // 2)
+        inwin = mb.logical_and(x=mb.greater_equal(x=d, y=-half), y=mb.less_equal(x=d, y=half))
+    # j >= sink also excludes j < 0 (sink >= 0); the sinks have their own part
+    jok = mb.logical_and(x=mb.greater_equal(x=j, y=np.int32(sink)), y=mb.less(x=j, y=S))  # (nb, L)
+    valid = mb.logical_and(x=mb.expand_dims(x=inwin, axes=[0]), y=mb.expand_dims(x=jok, axes=[1]))
+    return qi, jc, mb.cast(x=valid, dtype="fp32"), a
+
+
+def _ea_streaming(qs, ks, vs, ms, T, S, sink: int, window: int, causal: bool, scale: float, name: str):
+    """(N, T, dh) queries of the SA pairs over their sinks and block-local windows: each block of Bq
+    queries gathers its own run of L keys (gather by the (nb, L) index), so O(T * (sink + window))."""
+    from coremltools.converters.mil import Builder as mb
+
+    qi, jc, valid, a = _ea_blocks(T, S, sink, window, causal)
+    qb = mb.gather(x=qs, indices=qi, axis=1, name=f"{name}_q_blocks")  # (N, nb, Bq, dh)
+    kb = mb.gather(x=ks, indices=jc, axis=1, name=f"{name}_k_runs")  # (N, nb, L, dh)
+    vb = mb.gather(x=vs, indices=jc, axis=1, name=f"{name}_v_runs")
+    vis = mb.mul(x=mb.expand_dims(x=mb.gather(x=ms, indices=jc, axis=1), axes=[2]), y=valid)  # (N, nb, Bq, L)
+    s_loc = mb.mul(x=mb.matmul(x=qb, y=kb, transpose_y=True), y=np.float32(scale))
+    s_loc = mb.add(x=s_loc, y=_ea_bias(vis, f"{name}_loc_bias"), name=f"{name}_loc_scores")
+    if sink > 0:
+        jn = np.arange(sink, dtype=np.int32)
+        jnc = mb.minimum(x=jn, y=mb.sub(x=S, y=np.int32(1)))  # (sink,) clamped; keys past S masked below
+        k_sink = mb.expand_dims(x=mb.gather(x=ks, indices=jnc, axis=1), axes=[1])  # (N, 1, sink, dh)
+        v_sink = mb.expand_dims(x=mb.gather(x=vs, indices=jnc, axis=1), axes=[1])
+        vis_s = mb.mul(x=mb.gather(x=ms, indices=jnc, axis=1), y=mb.cast(x=mb.less(x=jn, y=S), dtype="fp32"))
+        vis_s = mb.expand_dims(x=vis_s, axes=[1, 2])  # (N, 1, 1, sink)
+        if causal:
+            seen = mb.less_equal(x=jn, y=mb.expand_dims(x=a, axes=[2]))  # (nb, Bq, sink)
+            vis_s = mb.mul(x=vis_s, y=mb.cast(x=seen, dtype="fp32"))
+        s_sink = mb.mul(x=mb.matmul(x=qb, y=k_sink, transpose_y=True), y=np.float32(scale))  # (N, nb, Bq, sink)
+        s_sink = mb.add(x=s_sink, y=_ea_bias(vis_s, f"{name}_sink_bias"), name=f"{name}_sink_scores")
+        p = mb.softmax(x=mb.concat(values=[s_sink, s_loc], axis=-1), axis=-1, name=f"{name}_softmax")
+        keep = [True, True, True, False]
+        p_sink = mb.slice_by_index(x=p, begin=[0, 0, 0, 0], end=[0, 0, 0, sink], end_mask=keep)
+        p_loc = mb.slice_by_index(x=p, begin=[0, 0, 0, sink], end=[0, 0, 0, 0], begin_mask=keep,
+                                  end_mask=[True] * 4)
+        o = mb.add(x=mb.matmul(x=p_sink, y=v_sink), y=mb.matmul(x=p_loc, y=vb))  # (N, nb, Bq, dh)
+    else:
+        o = mb.matmul(x=mb.softmax(x=s_loc, axis=-1, name=f"{name}_softmax"), y=vb)
+    # (N, nb, Bq, dh) -> (N, nb * Bq, dh) -> the first T rows
+    shp = mb.shape(x=o)
+    rows = mb.mul(x=mb.slice_by_index(x=shp, begin=[1], end=[2]), y=mb.slice_by_index(x=shp, begin=[2], end=[3]))
+    o = mb.reshape(x=o, shape=mb.concat(values=[mb.slice_by_index(x=shp, begin=[0], end=[1]), rows,
+                                                mb.slice_by_index(x=shp, begin=[3], end=[4])], axis=0))
+    return mb.slice_by_index(x=o, begin=[0, 0, 0], end=mb.concat(values=[_i32([0]), mb.expand_dims(x=T, axes=[0]),
+                                                                         _i32([0])], axis=0),
+                             end_mask=[True, False, True], name=f"{name}_o")
+
+
+def _ea_sparse(q, k, v, sa, km, sink: int, window: int, causal: bool, scale: float, name: str):
+    """The (b, h) pairs of each mode gathered (non_zero over sa, gather_nd), FA pairs over every
+    visible key, SA pairs block-local, both scattered back (scatter_nd, mode update) into q's
+    shape: every pair is written by exactly one group."""
+    from coremltools.converters.mil import Builder as mb
+
+    T, S = _ea_dims(q, k)
+    out = q
+    for group, pick in (("fa", mb.logical_not(x=sa)), ("sa", sa)):
+        g = f"{name}_{group}"
+        idx = mb.non_zero(x=pick, name=f"{g}_pairs")  # (N, 2) (batch, head); N known at run time only
+        qs, ks, vs = (mb.gather_nd(x=t, indices=idx, name=f"{g}_{n}") for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        b = mb.slice_by_index(x=idx, begin=[0, 0], end=[0, 1], end_mask=[True, False])  # (N, 1) batch index
+        ms = mb.gather_nd(x=km, indices=b, name=f"{g}_key_mask")  # (N, S)
+        if group == "fa":
+            vis = mb.expand_dims(x=ms, axes=[1])  # (N, 1, S)
+            if causal:  # keys up to the query's own position
+                vis = mb.mul(x=vis, y=_ea_band(T, S, sink, window, causal)[0])
+            o = _ea_attend(qs, ks, vs, vis, scale, g)  # (N, T, dh)
+        else:
+            o = _ea_streaming(qs, ks, vs, ms, T, S, sink, window, causal, scale, g)
+        out = mb.scatter_nd(data=out, indices=idx, updates=o, mode="update", name=f"{g}_scatter")
+    return out
+
+
+def _elastic_attention_mil(context, node, variant: str):
+    """Emit MIL for one adaptex::elastic_attention node (sink, window and causal are constants)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+
+    q, k, v, sa, key_mask, sink, window, causal = _get_inputs(context, node, expected=8)
+    sink, window, causal = int(sink.val), int(window.val), bool(causal.val)
+    scale = float(q.shape[-1]) ** -0.5
+    km = mb.cast(x=key_mask, dtype="fp32", name=f"{node.name}_key_mask")  # (B, S) 0/1
+    fn = _ea_sparse if variant == "sparse" else _ea_dense
+    o = fn(q, k, v, sa, km, sink, window, causal, scale, node.name)
+    context.add(mb.identity(x=o, name=node.name), node.name)
+
+
 def _register_translation() -> None:
     from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
 
@@ -168,6 +354,10 @@ def _register_translation() -> None:
     @register_torch_op(torch_alias=["adaptex::conditional_ffn"], override=True)
     def conditional_ffn(context, node):
         _conditional_ffn_mil(context, node, _VARIANT["adaptex::conditional_ffn"])
+
+    @register_torch_op(torch_alias=["adaptex::elastic_attention"], override=True)
+    def elastic_attention(context, node):
+        _elastic_attention_mil(context, node, _VARIANT["adaptex::elastic_attention"])
 
 
 @lowering("adaptex::budgeted_attention", target="coreml", variant="sparse")
@@ -196,6 +386,24 @@ def conditional_ffn_coreml_dense(ctx, node):
     """Static shapes: every token through layer_norm + FFN, the update multiplied by keep * gate
     (fp32 routing), so skipped tokens pass through unchanged; the variant that can stay on the
     Neural Engine."""
+    return "dense"
+
+
+@lowering("adaptex::elastic_attention", target="coreml", variant="sparse")
+def elastic_attention_coreml_sparse(ctx, node):
+    """non_zero over sa splits the (batch, head) pairs by mode, gather_nd gathers each group's q, k, v
+    and key-mask rows; FA pairs: matmul + softmax over every visible key; SA pairs: block-local, a
+    gather by a (blocks, L) key index gives each block of Bq = min(window, T) queries its own run of
+    keys, plus the sinks (O(T * (sink + window)), no T x S scores); scatter_nd (mode update) puts
+    both groups back. Dynamic shapes: runs off the Neural Engine."""
+    return "sparse"
+
+
+@lowering("adaptex::elastic_attention", target="coreml", variant="dense")
+def elastic_attention_coreml_dense(ctx, node):
+    """Static shapes: every head's full T x S score matrix, SA heads through a band mask (sinks +
+    local window, built from range_1d positions) selected per head by sa, padded keys by the key
+    mask, all as additive biases before one softmax; the variant that can stay on the Neural Engine."""
     return "dense"
 
 
@@ -263,6 +471,46 @@ def decoder_routing_node_names(ep) -> set[str]:
             continue
         names.add(n.name)
         todo.extend(a for a in n.all_input_nodes)
+    return names
+
+
+def elastic_routing_node_names(ep) -> set[str]:
+    """An elastic encoder's routing FX nodes: the HeadRouters (model.routers.*: key pooling, task and
+    router MLPs) and the ops from a router's [FA, SA] logits to each elastic_attention's sa (the
+    logit slices and their comparison). They stay fp32 in an fp16 package: an fp16 logit gap would
+    flip every head whose gap is within fp16 rounding of zero. The walk back from sa stops at the
+    router nodes, so it never enters the body."""
+    from exporter.trace import adaptex_nodes
+
+    def path(n):
+        stack = n.meta.get("nn_module_stack") or {}
+        return [v[0] for v in stack.values()][-1] if stack else ""
+
+    names = {n.name for n in ep.graph.nodes if n.op == "call_function" and path(n).startswith("model.routers.")}
+    todo = [node.args[3] for node in adaptex_nodes(ep) if "elastic_attention" in str(node.target)]
+    while todo:
+        n = todo.pop()
+        if not hasattr(n, "op") or n.op != "call_function" or n.name in names \
+                or getattr(n.meta.get("val"), "ndim", 4) > 3:  # per-head values only: never (B, H, T, dh)
+            continue
+        names.add(n.name)
+        todo.extend(n.all_input_nodes)
+    return names
+
+
+def elastic_tail_node_names(ep) -> set[str]:
+    """An elastic encoder's pooling tail: everything downstream of the last LayerNorm (masked mean
+    over tokens, L2 normalisation). It runs fp32 in an fp16 package, like the classifier tail: it is
+    O(B*T*d) against the body's O(B*T*d^2), and a sum over T tokens is where fp16 would round most."""
+    import torch
+
+    norms = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.layer_norm.default]
+    names, todo = set(), list(norms[-1].users) if norms else []
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n.name not in names:
+            names.add(n.name)
+            todo.extend(n.users)
     return names
 
 
@@ -483,7 +731,7 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
         raise ExportError("the coreml target needs coremltools; install it with pip install 'adaptex[coreml]'") from e
 
     cfg = model.cfg
-    decoder = cfg.family == "tsa"
+    decoder, elastic = cfg.family == "tsa", cfg.family == "elastic"
     ep = trace(model, mode="hard").run_decompositions({})
     notes = {}
     for node in adaptex_nodes(ep):
@@ -500,6 +748,11 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
         # the residual stream and its LayerNorms stay fp32 too (mixed precision; see decoder_residual_node_names)
         keep |= _prefix_nodes(ep, decoder_residual_node_names(ep), "resid_") | _conditional_ffn_fp32_ops(ep)
         inputs = _decoder_input_types(cfg)
+    elif elastic:
+        # the routers, the sa decisions and the pooling tail stay fp32; inputs as BudgetFormer's
+        _bool_ops_as_logical(ep)
+        keep = _prefix_routing_nodes(ep, elastic_routing_node_names(ep)) | elastic_tail_node_names(ep)
+        inputs = None
     else:
         keep = routing_node_names(ep) | head_node_names(ep)
         inputs = None
@@ -534,7 +787,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
                                  f"adaptex: {variant} lowering, {precision} body, fp32 routing")
     mlmodel.author = "adaptex"
     mlmodel.version = str(artifact.FORMAT_VERSION)
-    describe = _decoder_descriptions(cfg) if decoder else _classifier_descriptions(cfg)
+    describe = (_decoder_descriptions(cfg) if decoder else _elastic_descriptions(cfg) if elastic
+                else _classifier_descriptions(cfg))
     spec_inputs = {i.name for i in spec.description.input}
     spec_outputs = {o.name for o in spec.description.output}
     for name, text in describe.items():
@@ -573,6 +827,21 @@ def _classifier_descriptions(cfg) -> dict:
         describe[f"decisions_layer{i}_k"] = f"layer {i}: heads computed per sample, clamp(floor(s*H), 1, H)"
         describe[f"decisions_layer{i}_head_mask"] = f"layer {i}: 1 for the heads computed, 0 otherwise [batch, {cfg.num_heads}]"
         describe[f"decisions_layer{i}_s"] = f"layer {i}: budget s in (0, 1) per sample"
+    return describe
+
+
+def _elastic_descriptions(cfg) -> dict:
+    """Feature descriptions of an elastic encoder package, by Core ML feature name."""
+    H = cfg.num_heads
+    describe = {
+        "input_ids": f"token ids, int32 [batch, sequence], sequence 1..{cfg.max_len}",
+        "attention_mask": "1 for real tokens, 0 for padding, int32 [batch, sequence]",
+        "sentence_embedding": "mean-pooled, L2-normalised sentence embedding, float32 [batch, d_model]",
+    }
+    for i in range(cfg.num_layers):
+        describe[f"decisions_layer{i}_sa"] = (f"layer {i}: 1 where the head ran streaming attention (sink {cfg.sink}, "
+                                              f"window {cfg.window}), 0 full attention; float32 0/1 [batch, {H}]")
+        describe[f"decisions_layer{i}_logits"] = f"layer {i}: the router's [FA, SA] logits, float32 [batch, {H}, 2]"
     return describe
 
 

@@ -132,6 +132,7 @@ def elastic_attention_dense_reference(q: Tensor, k: Tensor, v: Tensor, sa: Tenso
     implementation (tests; the dense lowerings compute this)."""
     T, S = q.shape[2], k.shape[2]
     fa, sa_vis = visibility(T, S, sink, window, causal, q.device)
-    vis = torch.where(sa[:, :, None, None], sa_vis, fa) & key_mask[:, None, None, :]  # (B, H, T, S)
+    m = sa[:, :, None, None]
+    vis = ((m & sa_vis) | (~m & fa)) & key_mask[:, None, None, :]  # (B, H, T, S); no bool Where (ONNX Runtime lacks it)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     return torch.softmax(scores.masked_fill(~vis, NEG), dim=-1) @ v
