@@ -240,8 +240,9 @@ _SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose
                 "epsilon", "alpha", "beta", "interleave", "batch_dims", "validate_indices", "exclusive", "reverse")
 
 
-def run(program, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Evaluate the program's main function on `feeds`; returns its outputs by name."""
+def run(program, feeds: dict[str, np.ndarray], on_op=None) -> dict[str, np.ndarray]:
+    """Evaluate the program's main function on `feeds`; returns its outputs by name. on_op(op, outputs),
+    if given, sees every evaluated op and its values (tests check the shapes a program really computes)."""
     fn = program.functions["main"]
     env = {name: np.asarray(feeds[name]) for name in fn.inputs}
 
@@ -269,4 +270,6 @@ def run(program, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = f(**args)
         for var, o in zip(op.outputs, out if isinstance(out, list) else [out]):
             env[var.name] = np.asarray(o)
+        if on_op is not None:
+            on_op(op, [env[var.name] for var in op.outputs])
     return {v.name: env[v.name] for v in fn.outputs}

@@ -505,12 +505,22 @@ def elastic_tail_node_names(ep) -> set[str]:
     import torch
 
     norms = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.layer_norm.default]
-    names, todo = set(), list(norms[-1].users) if norms else []
+    if not norms:
+        return set()
+    names, todo = set(), list(norms[-1].users)
     while todo:
         n = todo.pop()
         if n.op == "call_function" and n.name not in names:
             names.add(n.name)
             todo.extend(n.users)
+    # and the attention-mask side of the mean (mask as float, token count, clamp): the walk back
+    # from the tail stops at the LayerNorm, so it only reaches ops computed from the mask
+    todo = [a for n in ep.graph.nodes if n.name in names for a in n.all_input_nodes]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n is not norms[-1] and n.name not in names:
+            names.add(n.name)
+            todo.extend(n.all_input_nodes)
     return names
 
 
@@ -595,10 +605,14 @@ def _bool_ops_as_logical(ep) -> None:
         ep.graph_module.recompile()
 
 
-def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str], inputs=None):
+def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: set[str], inputs=None,
+             keep_between: bool = False):
     """ct.convert an ExportedProgram to an ML program; in fp16, the FX nodes in keep_fp32 (and every
     op whose name carries a FP32_PREFIXES prefix) stay fp32, and every float output is fp32. `inputs`
-    (ct.TensorType, in the program's input order) overrides the shapes coremltools reads off the trace."""
+    (ct.TensorType, in the program's input order) overrides the shapes coremltools reads off the trace.
+    keep_between (elastic): an op fed only by kept ops and read only by kept ops stays fp32 too; it
+    catches translations that name neither op nor result after the FX node (aten.clamp's clip_0
+    inside a router or the pooling tail)."""
     import coremltools as ct
 
     logging.getLogger("coremltools").setLevel(logging.ERROR)
@@ -607,11 +621,21 @@ def _convert(ep, names: list[str], precision: str, min_target: str, keep_fp32: s
         if precision == "fp16":
             # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
             keep = keep_fp32 | {n + "_0" for n in keep_fp32 if not n.rsplit("_", 1)[-1].isdigit()}
-            # route_ also by output name: translations such as aten.linear's name the result after
-            # the FX node while the op keeps a counter name (linear_4)
+
+            def kept(op) -> bool:
+                # route_ also by output name: translations such as aten.linear's name the result
+                # after the FX node while the op keeps a counter name (linear_4)
+                return (op.name in keep or op.name.startswith(FP32_PREFIXES)
+                        or any(v.name.startswith(FP32_PREFIXES) for v in op.outputs))
+
+            def between(op) -> bool:
+                ins = [v.op for v in op.inputs.values() if not isinstance(v, (list, tuple))
+                       and v.op is not None and v.op.op_type != "const"]
+                outs = [c for v in op.outputs for c in v.child_ops]
+                return bool(ins and outs) and all(kept(o) for o in ins + outs)
+
             compute = ct.transform.FP16ComputePrecision(
-                op_selector=lambda op: op.name not in keep and not op.name.startswith(FP32_PREFIXES)
-                and not any(v.name.startswith(FP32_PREFIXES) for v in op.outputs))
+                op_selector=lambda op: not kept(op) and not (keep_between and between(op)))
         else:
             compute = ct.precision.FLOAT32
         return ct.convert(ep, convert_to="mlprogram", inputs=inputs,
@@ -757,7 +781,7 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
         keep = routing_node_names(ep) | head_node_names(ep)
         inputs = None
     try:
-        mlmodel = _convert(ep, names, precision, min_target, keep, inputs)
+        mlmodel = _convert(ep, names, precision, min_target, keep, inputs, keep_between=elastic)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"coremltools conversion failed: {first}") from e

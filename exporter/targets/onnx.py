@@ -89,12 +89,18 @@ def _elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causa
                                                                causal=int(causal))
 
 
+def _causal(node) -> bool | None:
+    """The node's causal flag when tracing left it a constant (the encoder's False), else None."""
+    c = node.args[7] if node is not None and len(node.args) > 7 else None
+    return c if isinstance(c, bool) else None
+
+
 @lowering("adaptex::elastic_attention", target="onnx", variant="sparse")
 def elastic_attention_onnx_sparse(ctx, node):
     """The (B*H) head pairs split by mode (NonZero over sa): FA pairs attend every visible key, SA
     pairs block-local (each block of min(window, T) queries against its own run of keys, plus the
     sinks: O(T (sink + window))); ScatterND puts both groups back."""
-    return OnnxLowering(_elastic_attention_node, [fx.elastic_attention_function("sparse")])
+    return OnnxLowering(_elastic_attention_node, [fx.elastic_attention_function("sparse", _causal(node))])
 
 
 @lowering("adaptex::elastic_attention", target="onnx", variant="dense")

@@ -201,14 +201,15 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
     return b("MatMul", b("Softmax", b("Where", visible, scores, b.const(NEG, np.float32)), axis=-1), v)
 
 
-def elastic_attention_function(variant: str) -> onnx.FunctionProto:
+def elastic_attention_function(variant: str, causal_known: bool | None = None) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) head pairs of each mode gathered (NonZero over sa); FA pairs attend every
     visible key; SA pairs attend block-local, each block of Bq = min(window, T) queries against its
     own run of keys (Gather with a (blocks, L) index), plus the sinks; ScatterND (no reduction)
     puts both groups back. dense: the full score matrix for every head, SA heads through a band
-    mask (static shapes)."""
+    mask (static shapes). causal_known=False (every call site is an encoder's) lets the sparse FA
+    group skip the T x S causal mask: its keys are masked by padding only."""
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
@@ -217,7 +218,10 @@ def elastic_attention_function(variant: str) -> onnx.FunctionProto:
     T1, dh1, S1 = b("Shape", q, start=2, end=3), b("Shape", q, start=3, end=4), b("Shape", k, start=2, end=3)
     T, S = b("Squeeze", T1, b.const([0])), b("Squeeze", S1, b.const([0]))
     scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))  # (1,)
-    fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
+    if variant == "dense" or causal_known is not False:
+        fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
+    else:
+        fa_vis = b.const([[True]], np.bool_)  # (1, 1): every key, padding aside
     if variant == "dense":
         scores = b("Mul", b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2])), scale)  # (B, H, T, S)
         vis = _pick(b, b("Unsqueeze", sa, b.const([2, 3])), sa_vis, fa_vis)  # (B, H, T, S)

@@ -72,7 +72,8 @@ def conditional_ffn_tensorrt_dense(ctx, node):
 def elastic_attention_tensorrt_sparse(ctx, node):
     """The ONNX body: NonZero over the head modes (internal data-dependent shapes), Gather of each
     group, block-local SA (Gather with a (blocks, L) index), ScatterND without a reduction attribute."""
-    return onnx_target.OnnxLowering(onnx_target._elastic_attention_node, [fx.elastic_attention_function("sparse")])
+    return onnx_target.OnnxLowering(onnx_target._elastic_attention_node,
+                                    [fx.elastic_attention_function("sparse", onnx_target._causal(node))])
 
 
 @lowering("adaptex::elastic_attention", target="tensorrt", variant="dense")
