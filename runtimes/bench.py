@@ -127,10 +127,14 @@ def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past:
     n = past + seq
     try:
         task = get_lm_task(task_name) if task_name else None
-        text = task.sample(batch, rng).input_ids.numpy() if task is not None else None
+        if getattr(task, "val", None) is not None and len(task.val) > n:  # a text corpus: held-out windows of n tokens
+            starts = rng.integers(0, len(task.val) - n, size=batch)
+            text = np.stack([task.val[s:s + n] for s in starts]).astype(np.int64)
+        else:
+            text = task.sample(batch, rng).input_ids.numpy() if task is not None else None
     except Exception:
         text = None
-    if text is None or text.shape[1] < n:
+    if text is None or text.shape[1] < n:  # random tokens: routing on them says little; prefer a task
         text = rng.integers(1, cfg.vocab_size, size=(batch, n)).astype(np.int64)
     text = text[:, :n]
     H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
