@@ -177,8 +177,8 @@ def _train_tsa(args, out: Path) -> int:
 def _train_elastic(args, out: Path) -> int:
     """Routers on the frozen MiniLM, trained on stdlib text to keep the sentence embedding."""
     from graphs import checkpoint
-    from graphs.elastic import (ElasticConfig, ElasticEncoder, ElasticTrainConfig, StdlibText, evaluate_elastic,
-                                summary_table_elastic, train_elastic)
+    from graphs.elastic import (ElasticConfig, ElasticEncoder, ElasticTrainConfig, StdlibText, calibrate,
+                                evaluate_elastic, summary_table_elastic, train_elastic)
     from graphs.minilm import load_minilm
 
     path = None
@@ -202,6 +202,9 @@ def _train_elastic(args, out: Path) -> int:
     bar = _progress(tc.steps, "elastic ")
     t0 = time.perf_counter()
     train_elastic(model, tok, text, tc, progress=bar)
+    cal = calibrate(model, tok, text, min_sparsity=min(0.52, args.target_sparsity), max_tokens=tc.max_tokens)
+    _say(f"calibrated the SA/FA boundary on training text: delta {cal['delta']} (SA {cal['sa_fraction']}, "
+         f"cosine {cal['mean_cosine']})")
     checkpoint.round_weights(model, args.save_dtype)
     n = min(args.eval_size, 200)
     held_out = evaluate_elastic(model, tok, text, n=n, max_tokens=tc.max_tokens, split="val")
@@ -211,7 +214,7 @@ def _train_elastic(args, out: Path) -> int:
         "description": args.description or "Elastic Attention routers on all-MiniLM-L6-v2 (frozen)",
         "training": {"task": "stdlib-text", "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
                      "backbone": {k: binfo[k] for k in ("path", "sha256")}},
-        "evaluation": {"held_out": held_out}, "summary_table": table,
+        "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
     }
     checkpoint.save(out, model, extra, dtype=args.save_dtype)
     _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}: the routers; the backbone stays in its package)")
