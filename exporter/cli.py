@@ -39,14 +39,15 @@ def cmd_models(args) -> int:
     if not models:
         print("no shipped models")
         return 0
-    print(f"{'name':<28} {'family':<14} {'task':<8} {'layers x heads':<15} {'d_model':<8} description")
+    print(f"{'name':<28} {'family':<14} {'task':<13} {'layers x heads':<15} {'d_model':<8} description")
     for name, path in models.items():
         info = json.loads((path / checkpoint.CONFIG).read_text())
         cfg = info["config"]
         default = " (default)" if name == checkpoint.DEFAULT_MODEL else ""
         task = (info.get("training") or {}).get("task", "?")
-        print(f"{name:<28} {info['family']:<14} {task:<8} {cfg['num_layers']} x {cfg['num_heads']:<11} "
-              f"{cfg['d_model']:<8} {info.get('description', '')}{default}")
+        d_model = cfg.get("d_model") or cfg["num_heads"] * cfg["head_dim"]  # elastic: the backbone's width
+        print(f"{name:<28} {info['family']:<14} {task:<13} {cfg['num_layers']} x {cfg['num_heads']:<11} "
+              f"{d_model:<8} {info.get('description', '')}{default}")
     return 0
 
 
