@@ -10,7 +10,6 @@ default full softmax attention, so adaptive attention can reuse the pretrained p
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 import json
 import math
@@ -201,11 +200,9 @@ def default_model_dir() -> Path:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from graphs.checkpoint import file_hash
+
+    return file_hash(path)
 
 
 def _read_json(path: Path) -> dict | list:

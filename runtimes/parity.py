@@ -40,6 +40,15 @@ class DecisionStat:
     unexcused: int = 0
     values_seen: dict = field(default_factory=dict)  # k -> count (k decisions only)
 
+    def count(self, flip: np.ndarray, excusable: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Fold one batch in: `flip` where artifact and reference disagree, `excusable` where the
+        reference sat within the margin; `where` limits the count (e.g. to real tokens)."""
+        w = np.ones_like(flip, dtype=bool) if where is None else where
+        self.compared += int(w.sum())
+        self.agreed += int((~flip & w).sum())
+        self.excused += int((flip & excusable & w).sum())
+        self.unexcused += int((flip & ~excusable & w).sum())
+
 
 @dataclass
 class ParityReport:
@@ -222,10 +231,7 @@ def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200
             for name, flip, margin, limit, what in checks:
                 ok = margin < limit
                 st = report.decisions.setdefault(name, DecisionStat())
-                st.compared += B
-                st.agreed += int((~flip).sum())
-                st.excused += int((flip & ok).sum())
-                st.unexcused += int((flip & ~ok).sum())
+                st.count(flip, ok)
                 excused_any |= bool((flip & ok).any())
                 for row in np.flatnonzero(flip & ~ok):
                     bad_rows[row] = True
@@ -344,10 +350,7 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
                 margin = np.abs(ps[li].astype(np.float64) - 0.5)
                 ok = flip & (margin < margins["keep"])
                 st = report.decisions.setdefault(name, DecisionStat())
-                st.compared += int(real.sum())
-                st.agreed += int((~flip & real).sum())
-                st.excused += int(ok.sum())
-                st.unexcused += int((flip & ~ok).sum())
+                st.count(flip, ok, real)
                 for v in (0, 1):
                     st.values_seen[v] = st.values_seen.get(v, 0) + int(((k_got == bool(v)) & real).sum())
                 for row, col in zip(*np.nonzero(flip & ~ok)):
@@ -427,10 +430,7 @@ def check_elastic(artifact_runner: Runner, reference: TorchRunner, *, samples: i
             flip = ref[name] != got[name]  # (B, H)
             ok = gaps[li] < margins["sa"]
             st = report.decisions.setdefault(name, DecisionStat())
-            st.compared += flip.size
-            st.agreed += int((~flip).sum())
-            st.excused += int((flip & ok).sum())
-            st.unexcused += int((flip & ~ok).sum())
+            st.count(flip, ok)
             for row, head in zip(*np.nonzero(flip & ~ok)):
                 bad_rows[row] = True
                 report.failures.append(

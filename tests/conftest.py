@@ -66,3 +66,14 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
         target.export(model, info, path, variant=variant)
         out[variant] = path
     return out
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    """A tiny BudgetFormer ("bf") and a tiny TSA decoder ("tsa") saved as checkpoints: {name: path}'s parent."""
+    from graphs import checkpoint
+
+    d = tmp_path_factory.mktemp("families")
+    zoo.save_tiny(d / "bf")
+    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    return d

@@ -14,15 +14,11 @@ from exporter.cli import main
 from exporter.errors import ExportError
 from exporter.targets import tensorrt, tensorrt_rules
 from graphs import checkpoint
-from tests import zoo
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trt")
-    zoo.save_tiny(d / "bf")
-    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
-    return d
+def checkpoints(family_checkpoints):
+    return family_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,13 @@ import json
 import pytest
 
 from exporter.cli import main
-from graphs import checkpoint
-from tests import zoo
 
 pytestmark = pytest.mark.tensorrt
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trt-gpu")
-    zoo.save_tiny(d / "bf")
-    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
-    return d
+def checkpoints(family_checkpoints):
+    return family_checkpoints
 
 
 @pytest.mark.parametrize("family", ["bf", "tsa"])

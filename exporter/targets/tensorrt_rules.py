@@ -433,14 +433,9 @@ def lint(model: onnx.ModelProto, version: str = DEFAULT_VERSION, plugins: tuple[
 
 
 def _all_nodes(graph: onnx.GraphProto):
-    for n in graph.node:
-        yield n
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    yield from _all_nodes(g)
+    """Every node, If/Loop bodies included."""
+    for g in _all_graphs(graph):
+        yield from g.node
 
 
 def rules_table() -> str:
