@@ -97,6 +97,11 @@ def routing_meta(cfg) -> dict:
     """The family's routing parameters, as artifact metadata."""
     if cfg.family == "tsa":
         return {"keep_threshold": cfg.threshold, "kv_cache_bound": cfg.max_len}
+    if cfg.family == "elastic_decoder":
+        return {"sink": cfg.sink, "window": cfg.window, "backbone": "dense decoder",
+                "backbone_sha256": cfg.backbone_sha256, "kv_cache_bound": cfg.max_len,
+                "head_modes": "routed at prefill (empty cache); decode steps take head_modes.{i} = the prefill's "
+                              "decisions.layer{i}.sa"}
     if cfg.family == "elastic":
         return {"sink": cfg.sink, "window": cfg.window, "backbone": cfg.backbone,
                 "backbone_sha256": cfg.backbone_sha256, "position_limit": cfg.max_len}

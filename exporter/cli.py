@@ -414,7 +414,7 @@ def _bench_sweep(args, model, info, seqs: list[int]) -> int:
     rows, skipped = [], []
     for T in seqs:
         if T + args.past > model.cfg.max_len:
-            limit = "position limit" if model.cfg.family == "elastic" else "maximum sequence length"
+            limit = "position limit" if model.cfg.family in ("elastic", "elastic_decoder") else "maximum sequence length"
             skipped.append(f"T={T}: above the model's {limit} of {model.cfg.max_len}; not run")
             continue
         _say(f"--- T={T} ---")
@@ -425,7 +425,7 @@ def _bench_sweep(args, model, info, seqs: list[int]) -> int:
             print(format_bench(r))
     if args.json:
         print(json.dumps({"sweep": rows, "skipped": skipped}, indent=2))
-    elif model.cfg.family == "elastic":
+    elif model.cfg.family in ("elastic", "elastic_decoder"):
         print(f"sweep: {args.artifact} against full attention (batch {args.batch}, {args.threads} thread(s))")
         print(format_sweep(rows, skipped))
     else:

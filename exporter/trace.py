@@ -52,9 +52,27 @@ def elastic_output_names(num_layers: int, adaptive: bool = True) -> list[str]:
     return names
 
 
+def elastic_decoder_io_names(num_layers: int, adaptive: bool = True) -> tuple[list[str], list[str]]:
+    """The decoder's names plus head modes: inputs head_modes.{i} (used at decode steps), outputs
+    decisions.layer{i}.sa and .logits (taken at prefill)."""
+    inputs, outputs = decoder_input_names(num_layers), decoder_output_names(num_layers, adaptive=False)
+    if adaptive:
+        inputs += [f"head_modes.{i}" for i in range(num_layers)]
+        for i in range(num_layers):
+            outputs += [f"decisions.layer{i}.{f}" for f in ELASTIC_FIELDS]
+    return inputs, outputs
+
+
+def is_decoder(cfg) -> bool:
+    """A decoder with a KV cache (prefill, then one step per token)."""
+    return cfg.family in ("tsa", "elastic_decoder")
+
+
 def io_names(cfg, mode: str = "hard") -> tuple[list[str], list[str]]:
     """(input names, output names) of a traced model of cfg's family."""
     adaptive = cfg.adaptive and mode not in ("dense", "full")
+    if cfg.family == "elastic_decoder":
+        return elastic_decoder_io_names(cfg.num_layers, adaptive)
     if cfg.family == "elastic":
         return list(INPUT_NAMES), elastic_output_names(cfg.num_layers, adaptive)
     if cfg.family == "tsa":
@@ -70,18 +88,23 @@ class DecoderExportWrapper(torch.nn.Module):
         self.model, self.mode = model, mode
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, *past_flat: Tensor):
-        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
-        logits, decisions, presents = self.model(input_ids, attention_mask, past=past, mode=self.mode)
+        L = self.model.cfg.num_layers
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(L)]
+        kw = {}
+        if len(past_flat) > 2 * L:  # an elastic decoder's head modes (decode steps)
+            kw["head_modes"] = list(past_flat[2 * L:])
+        logits, decisions, presents = self.model(input_ids, attention_mask, past=past, mode=self.mode, **kw)
         outs = [logits]
         for k, v in presents:
             outs += [k, v]
+        fields = ELASTIC_FIELDS if self.model.cfg.family == "elastic_decoder" else ("keep", "p")
         for dec in decisions:
-            outs += [dec["keep"], dec["p"]]
+            outs += [dec[f] for f in fields]
         return tuple(outs)
 
 
 def export_wrapper(model: torch.nn.Module, mode: str = "hard") -> torch.nn.Module:
-    return (DecoderExportWrapper if model.cfg.family == "tsa" else ExportWrapper)(model, mode).eval()
+    return (DecoderExportWrapper if is_decoder(model.cfg) else ExportWrapper)(model, mode).eval()
 
 
 class ExportWrapper(torch.nn.Module):
@@ -100,26 +123,32 @@ class ExportWrapper(torch.nn.Module):
         return tuple(outs)
 
 
-def example_inputs(cfg, batch: int = 2, seq: int = 16) -> tuple[Tensor, ...]:
-    if cfg.family == "tsa":  # a step with a past of 3 tokens (not 0 or 1: those would specialise)
+def example_inputs(cfg, batch: int = 2, seq: int = 16, mode: str = "hard") -> tuple[Tensor, ...]:
+    if is_decoder(cfg):  # a step with a past of 3 tokens (not 0 or 1: those would specialise)
         seq, past = min(seq, cfg.max_len - 3), 3
         H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
         ids = torch.randint(1, cfg.vocab_size, (batch, seq))
         mask = torch.ones(batch, past + seq, dtype=torch.int64)
-        return (ids, mask, *[torch.randn(batch, H, past, dh) for _ in range(2 * cfg.num_layers)])
+        modes = []
+        if cfg.family == "elastic_decoder" and mode not in ("full", "dense"):
+            modes = [torch.rand(batch, H) < 0.5 for _ in range(cfg.num_layers)]
+        return (ids, mask, *[torch.randn(batch, H, past, dh) for _ in range(2 * cfg.num_layers)], *modes)
     ids = torch.randint(1, cfg.vocab_size, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.int64)
     mask[-1, seq // 2:] = 0  # one padded row so the trace never assumes a full mask
     return ids, mask
 
 
-def dynamic_shapes(cfg):
+def dynamic_shapes(cfg, mode: str = "hard"):
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("sequence", min=1, max=cfg.max_len)
-    if cfg.family == "tsa":
+    if is_decoder(cfg):
         past = torch.export.Dim("past_sequence", min=0, max=cfg.max_len - 1)
+        flat = [{0: batch, 2: past} for _ in range(2 * cfg.num_layers)]
+        if cfg.family == "elastic_decoder" and mode not in ("full", "dense"):
+            flat += [{0: batch} for _ in range(cfg.num_layers)]
         return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim.AUTO},
-                "past_flat": tuple({0: batch, 2: past} for _ in range(2 * cfg.num_layers))}
+                "past_flat": tuple(flat)}
     return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
 
 
@@ -130,7 +159,8 @@ def trace(model: torch.nn.Module, mode: str = "hard") -> torch.export.ExportedPr
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.export.export(wrapper, example_inputs(model.cfg), dynamic_shapes=dynamic_shapes(model.cfg))
+            return torch.export.export(wrapper, example_inputs(model.cfg, mode=mode),
+                                       dynamic_shapes=dynamic_shapes(model.cfg, mode))
     except Exception as e:  # torch.export raises many types; the first line is the useful one
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.export failed in mode {mode!r}: {first}") from e

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
 from graphs.elastic import ElasticConfig, ElasticEncoder
+from graphs.elastic_decoder import ElasticDecoder, ElasticDecoderConfig
 from graphs.tsa import TSAConfig, TSADecoder
 from graphs.errors import CheckpointError
 
@@ -23,7 +24,7 @@ ZOO = Path(__file__).parent / "zoo"
 DEFAULT_MODEL = "budgetformer-graded"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer), "tsa": (TSAConfig, TSADecoder),
-            "elastic": (ElasticConfig, ElasticEncoder)}
+            "elastic": (ElasticConfig, ElasticEncoder), "elastic_decoder": (ElasticDecoderConfig, ElasticDecoder)}
 
 
 def shipped_models() -> dict[str, Path]:

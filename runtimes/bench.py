@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from graphs.budgetformer import flops_per_sample
+from exporter.trace import is_decoder
 from graphs.errors import AdaptexError
 from runtimes.onnxruntime import OnnxRuntimeRunner, session_options
 
@@ -44,7 +45,8 @@ class Timing:
 # the plain PyTorch inference path (the decisions taken, everything computed, the rest masked).
 COUNTERPART_MODES = {"budgetformer": {"dense": "dense", "naive": "naive"},
                      "tsa": {"dense": "dense", "naive": "hard_dense"},
-                     "elastic": {"dense": "full", "naive": "hard_dense"}}
+                     "elastic": {"dense": "full", "naive": "hard_dense"},
+                     "elastic_decoder": {"dense": "full", "naive": "hard_dense"}}
 
 
 def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str | None]]:
@@ -63,7 +65,8 @@ def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str
             wrapper = export_wrapper(model, mode)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ep = torch.export.export(wrapper, example_inputs(model.cfg), dynamic_shapes=dynamic_shapes(model.cfg))
+                ep = torch.export.export(wrapper, example_inputs(model.cfg, mode=mode),
+                                        dynamic_shapes=dynamic_shapes(model.cfg, mode))
                 inputs, names = io_names(model.cfg, mode)
                 prog = torch.onnx.export(ep, (), dynamo=True, optimize=True, verbose=False,
                                          input_names=inputs, output_names=names)
@@ -140,6 +143,8 @@ def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past:
     H, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
     empty = {f"past_key_values.{i}.{kv}": np.zeros((batch, H, 0, dh), np.float32)
              for i in range(cfg.num_layers) for kv in ("key", "value")}
+    if cfg.family == "elastic_decoder":  # ignored at prefill; decode steps get the prefill's decisions
+        empty.update({f"head_modes.{i}": np.zeros((batch, H), bool) for i in range(cfg.num_layers)})
     feeds = {"input_ids": np.ascontiguousarray(text[:, past:]), "attention_mask": np.ones((batch, n), np.int64), **empty}
     if past:
         feeds["_prefill"] = {"input_ids": np.ascontiguousarray(text[:, :past]),
@@ -189,7 +194,9 @@ def _onnx_graphs(artifact, model, tmp: Path, threads: int, say) -> tuple[list[Ti
         if t.path:
             sess = ort.InferenceSession(t.path, session_options(threads), providers=["CPUExecutionProvider"])
             names = [o.name for o in sess.get_outputs()]
-            runs[t.name] = (lambda feeds, sess=sess, names=names: dict(zip(names, sess.run(None, feeds))))
+            takes = {i.name for i in sess.get_inputs()}  # the dense graph has no head_modes inputs
+            runs[t.name] = (lambda feeds, sess=sess, names=names, takes=takes:
+                            dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in takes}))))
     return timings, runs, f"onnxruntime {ort.__version__} (CPU)"
 
 
@@ -281,9 +288,9 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     else:
         meta = read_package_meta(artifact) if is_coreml else OnnxRuntimeRunner(artifact).meta
     cfg = model.cfg
-    decoder = cfg.family == "tsa"
+    decoder = is_decoder(cfg)
     if past and not decoder:
-        raise AdaptexError("--past applies to decoders (tsa) only: it times decode steps on a KV cache")
+        raise AdaptexError("--past applies to decoders (tsa, elastic_decoder) only: it times decode steps on a KV cache")
     if seq + past > cfg.max_len:
         raise AdaptexError(f"--seq {seq}{f' + --past {past}' if past else ''} exceeds the model's maximum sequence "
                            f"length {cfg.max_len}; use at most {cfg.max_len} tokens in all")
@@ -315,6 +322,8 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
         if decoder and past:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
             pre = fns["adaptive"](feeds.pop("_prefill"))
             feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items() if k.startswith("present.")})
+            # an elastic decoder's steps reuse the prefill's head modes
+            feeds.update({f"head_modes.{k.split('.')[1][5:]}": v for k, v in pre.items() if k.endswith(".sa")})
         feeds.pop("_prefill", None)
         adaptive_out = fns["adaptive"](feeds)
         say(f"warming up ({warmup} runs each) ...")
@@ -344,7 +353,16 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     # artifact (what its graph computes: the dense variant every head; the sparse one, in a batch, the
     # batch's largest k for every sample). Realisation is measured against the decisions (DESIGN §5),
     # so work a lowering wastes counts against it.
-    if decoder:
+    if cfg.family == "elastic_decoder":
+        from graphs.elastic_decoder import attention_flops
+
+        sa = np.stack([adaptive_out[f"decisions.layer{i}.sa"] for i in range(cfg.num_layers)], axis=1)  # (B, L, H)
+        flops = np.array([attention_flops(cfg, row, seq, past) for row in sa])
+        flop_ratio = float(flops[:, 0].mean() / flops[:, 1].mean())
+        executed_ratio = 1.0 if meta.get("variant") == "dense" else flop_ratio
+        decision_summary = {"sa_fraction": float(sa.mean()),
+                            "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}
+    elif decoder:
         flop_ratio, executed_ratio, decision_summary = _decoder_flops(cfg, adaptive_out, meta, seq, past)
     elif cfg.family == "elastic":
         sa = np.stack([adaptive_out[f"decisions.layer{i}.sa"] for i in range(cfg.num_layers)], axis=1)  # (B, L, H)

@@ -194,7 +194,7 @@ def check(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200
     if cfg.family == "elastic":
         return check_elastic(artifact_runner, reference, samples=samples, precision=precision, seed=seed,
                              artifact_name=artifact_name)
-    if cfg.family == "tsa":
+    if cfg.family in ("tsa", "elastic_decoder"):
         return check_decoder(artifact_runner, reference, samples=samples, task=task, precision=precision,
                              seed=seed, artifact_name=artifact_name)
     tol, margins = TOLERANCES[precision], MARGINS[precision]
@@ -287,13 +287,21 @@ def decoder_parity_inputs(cfg, task_name: str | None, samples: int, seed: int = 
         task = get_lm_task(task_name) if task_name else None
     except Exception:
         task = None
+    # an elastic decoder's positions reach far (4096) but parity needs lengths past its window, not
+    # quadratic full-attention references at the bound: its sequences stop at 600 tokens
+    long_text = cfg.family == "elastic_decoder" and getattr(task, "val", None) is not None
+    cap = min(cfg.max_len, 600) if cfg.family == "elastic_decoder" else cfg.max_len
     out, total, i = [], 0, 0
     while total < samples:
         B = min([1, 2, 4, 8][i % 4], samples - total)
         if task is not None and i % 3 != 2:
             ids = task.sample(B, rng).input_ids.numpy()[:, : cfg.max_len]
+            if long_text and i % 3 == 1:  # past the streaming window: held-out windows of up to `cap` chars
+                N = int(rng.choice([100, 300, cap]))
+                starts = rng.integers(0, len(task.val) - N, size=B)
+                ids = np.stack([task.val[s:s + N] for s in starts]).astype(np.int64)
         else:
-            N = int(rng.choice([2, 9, min(33, cfg.max_len), cfg.max_len, int(rng.integers(2, cfg.max_len + 1))]))
+            N = int(rng.choice([2, 9, min(33, cap), cap, int(rng.integers(2, cap + 1))]))
             ids = rng.integers(1, cfg.vocab_size, size=(B, N)).astype(np.int64)
         N = ids.shape[1]
         mask = np.ones_like(ids)
@@ -319,51 +327,35 @@ def _decoder_steps(item: dict, cfg):
 
 def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
                   precision: str = "fp32", seed: int = 0, artifact_name: str = "") -> ParityReport:
-    """Prefill and decode steps; each step gets the reference's cache, so errors do not compound and
-    every flip is attributed to the step that made it. Keep flips are excused within |p - 0.5| < margin."""
+    """Prefill and decode steps; each step gets the reference's cache (and, for an elastic decoder,
+    the reference's prefill head modes), so errors do not compound and every flip is attributed to
+    the step that made it. TSA keep flips are excused within |p - 0.5| < margin; elastic head-mode
+    flips within the FA/SA logit gap, at prefill only (decode steps take the modes as inputs)."""
     cfg = reference.model.cfg
+    elastic = cfg.family == "elastic_decoder"
     tol, margins = TOLERANCES[precision], MARGINS[precision]
-    report = ParityReport(artifact_name, artifact_runner.name, precision, tol, margins)
+    report = ParityReport(artifact_name, artifact_runner.name, precision, tol,
+                          {"sa": margins["sa"]} if elastic else {"keep": margins["keep"]})
     if "MIL reference" in artifact_runner.name:
         report.note = ("the saved ML program evaluated op by op in numpy (MIL reference evaluation), "
                        "not the Core ML runtime")
     L, H, dh = cfg.num_layers, cfg.num_heads, cfg.d_model // cfg.num_heads
     specs = artifact_runner.input_metadata()
-    routers = L - 1 if cfg.adaptive else 0
     for bi, item in enumerate(decoder_parity_inputs(cfg, task, samples, seed)):
         B = item["input_ids"].shape[0]
         report.samples += B
         past = {f"past_key_values.{i}.{kv}": np.zeros((B, H, 0, dh), np.float32) for i in range(L) for kv in ("key", "value")}
+        modes = {f"head_modes.{i}": np.zeros((B, H), bool) for i in range(L)} if elastic else {}
         for si, (feeds, P) in enumerate(_decoder_steps(item, cfg)):
-            feeds = {**feeds, **past}
+            feeds = {**feeds, **past, **modes}
             where = f"batch {bi} step {si} (B={B}, past={P}, new={feeds['input_ids'].shape[1]})"
             report.batches += 1
             got = artifact_runner.infer({n: a.astype(specs[n].dtype) for n, a in feeds.items()})
-            ref, ps = reference.run_with_routing(feeds)
-            bad = np.zeros(B, dtype=bool)
-            forced: list = [None] * routers
             real = feeds["attention_mask"][:, P:].astype(bool)  # (B, T): decisions of padding tokens do not count
-            for li in range(routers):
-                name = f"decisions.layer{li + 1}.keep"
-                k_ref, k_got = ref[name].astype(bool), got[name].astype(bool)
-                flip = (k_ref != k_got) & real
-                margin = np.abs(ps[li].astype(np.float64) - 0.5)
-                ok = flip & (margin < margins["keep"])
-                st = report.decisions.setdefault(name, DecisionStat())
-                st.count(flip, ok, real)
-                for v in (0, 1):
-                    st.values_seen[v] = st.values_seen.get(v, 0) + int(((k_got == bool(v)) & real).sum())
-                for row, col in zip(*np.nonzero(flip & ~ok)):
-                    bad[row] = True
-                    report.failures.append(
-                        f"{name}: unexcused flip at {where} row {row} token {col}: reference keep={bool(k_ref[row, col])} "
-                        f"vs artifact {bool(k_got[row, col])}; the reference's |p - 0.5| was {margin[row, col]:.2e} "
-                        f"(stated margin {margins['keep']:g})")
-                if ok.any():  # replay the artifact's routing from this router on
-                    forced[li] = k_got
-                    ref, ps = reference.run_with_routing(feeds, force_masks=forced)
+            decide = _head_mode_decisions if elastic else _keep_decisions
+            ref, bad = decide(report, reference, feeds, got, margins, where, P, real)
             for name in ref:
-                if name.endswith(".keep"):
+                if name.endswith((".keep", ".sa")):
                     continue
                 a, r = got[name].astype(np.float64), ref[name].astype(np.float64)
                 keep_rows = ~bad
@@ -371,9 +363,76 @@ def check_decoder(artifact_runner: Runner, reference: TorchRunner, *, samples: i
                 if name.endswith(".p") or name == "logits":  # padding tokens' values mean nothing
                     m = real[keep_rows]
                     a, r = a[m], r[m]
+                elif elastic and name.startswith("present."):  # nor do padded positions' cache entries
+                    m = feeds["attention_mask"].astype(bool)[keep_rows]
+                    a, r = a.transpose(0, 2, 1, 3)[m], r.transpose(0, 2, 1, 3)[m]
                 _compare_values(report, name, a, r, where)
             past = {f"past_key_values.{i}.{kv}": ref[f"present.{i}.{kv}"] for i in range(L) for kv in ("key", "value")}
+            if elastic and P == 0:  # decode steps reuse the prefill's head modes
+                modes = {f"head_modes.{i}": ref[f"decisions.layer{i}.sa"] for i in range(L)}
     return report
+
+
+def _keep_decisions(report, reference, feeds, got, margins, where, P, real):
+    """TSA: each router's per-token keep decision; returns the reference outputs (the artifact's
+    routing replayed from an excused flip on) and the rows with an unexcused flip."""
+    cfg = reference.model.cfg
+    ref, ps = reference.run_with_routing(feeds)
+    bad = np.zeros(real.shape[0], dtype=bool)
+    routers = cfg.num_layers - 1 if cfg.adaptive else 0
+    forced: list = [None] * routers
+    for li in range(routers):
+        name = f"decisions.layer{li + 1}.keep"
+        k_ref, k_got = ref[name].astype(bool), got[name].astype(bool)
+        flip = (k_ref != k_got) & real
+        margin = np.abs(ps[li].astype(np.float64) - 0.5)
+        ok = flip & (margin < margins["keep"])
+        st = report.decisions.setdefault(name, DecisionStat())
+        st.count(flip, ok, real)
+        for v in (0, 1):
+            st.values_seen[v] = st.values_seen.get(v, 0) + int(((k_got == bool(v)) & real).sum())
+        for row, col in zip(*np.nonzero(flip & ~ok)):
+            bad[row] = True
+            report.failures.append(
+                f"{name}: unexcused flip at {where} row {row} token {col}: reference keep={bool(k_ref[row, col])} "
+                f"vs artifact {bool(k_got[row, col])}; the reference's |p - 0.5| was {margin[row, col]:.2e} "
+                f"(stated margin {margins['keep']:g})")
+        if ok.any():  # replay the artifact's routing from this router on
+            forced[li] = k_got
+            ref, ps = reference.run_with_routing(feeds, force_masks=forced)
+    return ref, bad
+
+
+def _head_mode_decisions(report, reference, feeds, got, margins, where, P, real):
+    """Elastic decoder: each layer's (B, H) head modes. At prefill a flip is excused within the
+    FA/SA logit gap; at a decode step the modes are the step's inputs, so any flip fails."""
+    L = reference.model.cfg.num_layers
+    ref, gaps = reference.run_with_routing(feeds)
+    bad = np.zeros(real.shape[0], dtype=bool)
+    forced: list = [None] * L
+    for li in range(L):
+        name = f"decisions.layer{li}.sa"
+        flip = ref[name] != got[name]
+        ok = (gaps[li] < margins["sa"]) if P == 0 else np.zeros_like(flip)
+        st = report.decisions.setdefault(name, DecisionStat())
+        st.count(flip, ok)
+        for row, head in zip(*np.nonzero(flip & ~ok)):
+            bad[row] = True
+            why = (f"the FA/SA logit gap was {gaps[li][row, head]:.2e} (stated margin {margins['sa']:g})" if P == 0
+                   else "a decode step must pass its head_modes input through")
+            report.failures.append(f"{name}: unexcused flip at {where} row {row} head {head}: reference "
+                                   f"SA={bool(ref[name][row, head])}; {why}")
+        _count_modes(st, got[name])
+        if (flip & ok).any():
+            forced[li] = got[name].astype(bool)
+            ref, gaps = reference.run_with_routing(feeds, force_masks=forced)
+    return ref, bad
+
+
+def _count_modes(st: DecisionStat, sa: np.ndarray) -> None:
+    n = int(sa.sum())
+    st.values_seen["SA"] = st.values_seen.get("SA", 0) + n
+    st.values_seen["FA"] = st.values_seen.get("FA", 0) + sa.size - n
 
 
 # --- Elastic Attention: head modes first (margin: the FA/SA logit gap), then the embedding ---------
@@ -437,9 +496,7 @@ def check_elastic(artifact_runner: Runner, reference: TorchRunner, *, samples: i
                     f"{name}: unexcused flip at {where} row {row} head {head}: reference SA={bool(ref[name][row, head])}, "
                     f"the FA/SA logit gap was {gaps[li][row, head]:.2e}; a margin of {gaps[li][row, head]:.2e} "
                     f"would excuse it (stated margin {margins['sa']:g})")
-            sa_count = int(got[name].sum())
-            report.decisions[name].values_seen["SA"] = report.decisions[name].values_seen.get("SA", 0) + sa_count
-            report.decisions[name].values_seen["FA"] = report.decisions[name].values_seen.get("FA", 0) + flip.size - sa_count
+            _count_modes(report.decisions[name], got[name])
             if (flip & ok).any():  # replay the artifact's modes so the values compare like with like
                 forced[li] = got[name].astype(bool)
                 ref, gaps = reference.run_with_routing(feeds, force_masks=forced)
