@@ -136,6 +136,11 @@ def _train_tsa(args, out: Path) -> int:
                      ("lambda_depth", "lambda_depth"), ("max_len", "max_len")):
         if getattr(args, arg, None) is not None:
             p[key] = getattr(args, arg)
+    if args.dense:
+        if task_name != "charlm":
+            _err("--dense trains the dense charlm decoder (the elastic decoder's backbone); use --task charlm")
+            return EXIT_ERROR
+        return _train_dense_decoder(args, out, p)
     task = get_lm_task(task_name)
     try:
         cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
@@ -175,6 +180,97 @@ def _train_tsa(args, out: Path) -> int:
     return 0
 
 
+# The dense decoder the elastic decoder sits on: the charlm decoder's size, trained at a longer
+# context (SA only matters past the window) with positions to 4096 (benched up to there).
+DENSE_DECODER = dict(context=512, max_len=4096, steps=1400, batch_size=8, lr=2e-3)
+
+
+def _train_dense_decoder(args, out: Path, preset: dict) -> int:
+    """`adaptex train tsa --task charlm --dense`: the dense decoder alone (no routers)."""
+    import torch
+
+    from graphs import checkpoint
+    from graphs.lm_tasks import StdlibChars
+    from graphs.train_tsa import TSATrainConfig, evaluate_tsa, train_tsa
+    from graphs.tsa import TSAConfig
+
+    context = args.max_tokens or DENSE_DECODER["context"]
+    max_len = args.max_len or DENSE_DECODER["max_len"]
+    if context > max_len:
+        _err(f"--max-tokens {context} (the training context) exceeds --max-len {max_len}; raise --max-len")
+        return EXIT_ERROR
+    task = StdlibChars(context=context)
+    try:
+        cfg = TSAConfig(vocab_size=task.vocab_size, d_model=preset["d_model"], num_heads=preset["num_heads"],
+                        num_layers=preset["num_layers"], d_ff=preset["d_ff"], max_len=max_len, adaptive=False)
+    except ValueError as e:
+        _err(f"{e}; adjust --d-model/--heads/--layers")
+        return EXIT_ERROR
+    tc = TSATrainConfig(steps=args.steps or DENSE_DECODER["steps"], batch_size=args.batch_size or DENSE_DECODER["batch_size"],
+                        lr=args.lr or DENSE_DECODER["lr"], seed=args.seed, eval_size=args.eval_size)
+    t0 = time.perf_counter()
+    model = train_tsa(cfg, task, tc, desc="dense   ")
+    checkpoint.round_weights(model, args.save_dtype)
+    ev = evaluate_tsa(model, task, min(tc.eval_size, 200), mode="dense", batch_size=20)
+    print(f"dense decoder: held-out loss {ev['loss']:.4f}, token accuracy {ev['token_accuracy']:.4f} "
+          f"({min(tc.eval_size, 200)} windows of {context} characters)")
+    extra = {
+        "description": args.description or f"dense decoder, character LM on the Python stdlib sources, context {context}",
+        "training": {"task": "charlm", "context": context, "train_config": tc.__dict__,
+                     "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__},
+        "evaluation": {"dense": ev}, "tokenizer": task.tokenizer(),
+    }
+    checkpoint.save(out, model, extra, dtype=args.save_dtype)
+    _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}); train elastic routers on it with "
+         f"'adaptex train elastic --backbone {out} -o DIR'")
+    return 0
+
+
+def _train_elastic_decoder(args, out: Path) -> int:
+    """Routers on a frozen dense decoder (an adaptex checkpoint), distilled from its full attention."""
+    from graphs import checkpoint
+    from graphs.elastic_decoder import (ElasticDecoder, ElasticDecoderTrainConfig, calibrate_decoder,
+                                        evaluate_elastic_decoder, summary_table_decoder, train_elastic_decoder)
+    from graphs.lm_tasks import StdlibChars
+
+    backbone, binfo = checkpoint.load(args.backbone)
+    if getattr(backbone.cfg, "family", "") != "tsa" or backbone.cfg.adaptive:
+        _err(f"{args.backbone}: a {binfo['family']} checkpoint{' with routers' if backbone.cfg.adaptive else ''}; "
+             "an elastic decoder needs a dense decoder (adaptex train tsa --task charlm --dense) and an "
+             "elastic encoder --backbone minilm or a BERT directory")
+        return EXIT_ERROR
+    target = 0.7 if args.target_sparsity is None else args.target_sparsity
+    model = ElasticDecoder.from_backbone(backbone, sha256=binfo["sha256"], sink=args.sink,
+                                         window=args.window or 64, target_sparsity=target)
+    context = args.max_tokens or (binfo.get("training") or {}).get("context") or 512
+    if context > model.cfg.max_len:
+        _err(f"--max-tokens {context} exceeds the backbone's positions ({model.cfg.max_len}); lower --max-tokens")
+        return EXIT_ERROR
+    task = StdlibChars(context=context)
+    tc = ElasticDecoderTrainConfig(steps=args.steps or 300, batch_size=args.batch_size or 8, context=context,
+                                   lr=args.lr or 3e-3, seed=args.seed)
+    bar = _progress(tc.steps, "elastic ")
+    t0 = time.perf_counter()
+    train_elastic_decoder(model, task, tc, progress=bar)
+    cal = calibrate_decoder(model, task, min_sparsity=max(0.0, target - 0.05), context=context)
+    _say(f"calibrated the SA/FA boundary on training text: delta {cal['delta']} (SA {cal['sa_fraction']}, "
+         f"loss {cal['elastic_loss']})")
+    checkpoint.round_weights(model, args.save_dtype)
+    held_out = evaluate_elastic_decoder(model, task, n=min(args.eval_size, 64), context=context)
+    table = summary_table_decoder(held_out, model.cfg)
+    print(table)
+    extra = {
+        "description": args.description or "Elastic Attention routers on the dense charlm decoder (frozen)",
+        "training": {"task": "charlm", "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "backbone": {"path": binfo["path"], "sha256": binfo["sha256"]}},
+        "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
+        "tokenizer": task.tokenizer(),
+    }
+    checkpoint.save(out, model, extra, dtype=args.save_dtype)
+    _say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}: the routers and the frozen backbone)")
+    return 0
+
+
 def _train_elastic(args, out: Path) -> int:
     """Routers on the frozen MiniLM, trained on stdlib text to keep the sentence embedding."""
     from graphs import checkpoint
@@ -183,6 +279,13 @@ def _train_elastic(args, out: Path) -> int:
     from graphs.minilm import load_minilm
 
     path = None
+    if args.backbone != "minilm" and Path(args.backbone, "config.json").is_file() and \
+            '"family"' in Path(args.backbone, "config.json").read_text():  # an adaptex checkpoint: a decoder
+        return _train_elastic_decoder(args, out)
+    if args.target_sparsity is None:
+        args.target_sparsity = 0.6
+    args.window = args.window or 32
+    args.max_tokens = args.max_tokens or 256
     if args.backbone != "minilm":
         if not Path(args.backbone).is_dir():
             _err(f"unknown backbone {args.backbone!r}; use --backbone minilm (all-MiniLM-L6-v2 from the "
@@ -448,11 +551,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "tsa: copy (default), sort or charlm")
     s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     s.add_argument("--backbone", default="minilm",
-                   help="elastic: the frozen pretrained encoder: minilm (the packaged all-MiniLM-L6-v2) or a BERT directory")
-    s.add_argument("--target-sparsity", type=float, default=0.6, help="elastic: target fraction of SA heads")
+                   help="elastic: the frozen backbone: minilm (the packaged all-MiniLM-L6-v2), a BERT directory, "
+                        "or a dense decoder checkpoint (adaptex train tsa --task charlm --dense)")
+    s.add_argument("--target-sparsity", type=float, default=None,
+                   help="elastic: target fraction of SA heads (default 0.6 encoder, 0.7 decoder)")
     s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
-    s.add_argument("--window", type=int, default=32, help="elastic: SA heads' local window (keys)")
-    s.add_argument("--max-tokens", type=int, default=256, help="elastic: training text length in tokens")
+    s.add_argument("--window", type=int, default=None, help="elastic: SA heads' local window (default 32 encoder, 64 decoder)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 characters")
+    s.add_argument("--dense", action="store_true",
+                   help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
     s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
     s.add_argument("--batch-size", type=int, default=None)
     s.add_argument("--lr", type=float, default=None)

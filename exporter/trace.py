@@ -152,15 +152,25 @@ def dynamic_shapes(cfg, mode: str = "hard"):
     return {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
 
 
-def trace(model: torch.nn.Module, mode: str = "hard") -> torch.export.ExportedProgram:
-    """torch.export the model in inference mode with dynamic batch and sequence axes."""
+def float_mode_inputs(example: tuple, cfg) -> tuple:
+    """An elastic decoder's example head_modes as float32 0/1 (Core ML has no bool features: its
+    package takes back its own float32 decisions_layer{i}_sa outputs)."""
+    n = 2 + 2 * cfg.num_layers
+    return (*example[:n], *[m.float() for m in example[n:]]) if cfg.family == "elastic_decoder" else example
+
+
+def trace(model: torch.nn.Module, mode: str = "hard", float_modes: bool = False) -> torch.export.ExportedProgram:
+    """torch.export the model in inference mode with dynamic batch and sequence axes. float_modes:
+    an elastic decoder's head_modes inputs as float32 0/1 (Core ML has no bool inputs)."""
     model.eval()
     wrapper = export_wrapper(model, mode)
+    example = example_inputs(model.cfg, mode=mode)
+    if float_modes:
+        example = float_mode_inputs(example, model.cfg)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.export.export(wrapper, example_inputs(model.cfg, mode=mode),
-                                       dynamic_shapes=dynamic_shapes(model.cfg, mode))
+            return torch.export.export(wrapper, example, dynamic_shapes=dynamic_shapes(model.cfg, mode))
     except Exception as e:  # torch.export raises many types; the first line is the useful one
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.export failed in mode {mode!r}: {first}") from e

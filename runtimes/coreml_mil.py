@@ -146,6 +146,7 @@ EVAL = {
     "transpose": lambda x, perm: np.transpose(x, perm),
     "reshape": lambda x, shape: np.reshape(x, [int(v) for v in shape]),
     "identity": lambda x: x,
+    "fill_like": lambda ref_tensor, value=0.0: np.full(ref_tensor.shape, value, dtype=np.asarray(value).dtype),
     "fill": lambda shape, value=0.0: np.full([int(v) for v in shape], value, dtype=np.asarray(value).dtype),
 }
 
@@ -185,7 +186,7 @@ def canonical_outputs(meta: dict, outputs: dict) -> dict:
 
 
 def _is_decoder(meta: dict) -> bool:
-    return meta["config"].get("family") == "tsa"
+    return meta["config"].get("family") in ("tsa", "elastic_decoder")
 
 
 def input_specs(meta: dict) -> dict[str, IOSpec]:

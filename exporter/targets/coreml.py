@@ -66,7 +66,7 @@ def default_precision(cfg) -> str:
     passes the fp16 tolerance with no decision flips, on the tiny test encoder (max abs error
     1.1e-3, 40 inputs, sparse and dense) and on all-MiniLM-L6-v2 with untrained routers (3.3e-4,
     40 texts up to 512 tokens), both by MIL reference evaluation."""
-    return "fp32" if cfg.family == "tsa" else DEFAULT_PRECISION
+    return "fp32" if cfg.family in ("tsa", "elastic_decoder") else DEFAULT_PRECISION
 MIN_TARGETS = {"iOS16": "iOS16", "iOS17": "iOS17", "iOS18": "iOS18",
                "macOS13": "macOS13", "macOS14": "macOS14", "macOS15": "macOS15"}
 DEFAULT_MIN_TARGET = "iOS17"
@@ -668,17 +668,17 @@ def export_stock(model, out, mode: str, *, precision: str = "fp16", min_target: 
     tokens' updates zeroed); its package has the adaptive package's inputs and flexible shapes."""
     import torch
 
-    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, io_names
+    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, float_mode_inputs, io_names
 
     cfg = model.cfg
-    decoder = cfg.family == "tsa"
+    decoder = cfg.family in ("tsa", "elastic_decoder")
     if decoder and mode == "naive":
         mode = "hard_dense"
     wrapper = export_wrapper(model, mode)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(wrapper, example_inputs(cfg),
-                                 dynamic_shapes=dynamic_shapes(cfg)).run_decompositions({})
+        ep = torch.export.export(wrapper, float_mode_inputs(example_inputs(cfg, mode=mode), cfg),
+                                 dynamic_shapes=dynamic_shapes(cfg, mode)).run_decompositions({})
     names = io_names(cfg, mode)[1]
     if decoder:
         _bool_ops_as_logical(ep)
@@ -710,6 +710,8 @@ def decoder_io(cfg) -> tuple[dict, dict]:
             inputs[n] = {"dtype": "int32", "shape": ["batch", "sequence"]}
         elif n == "attention_mask":
             inputs[n] = {"dtype": "int32", "shape": ["batch", "past_sequence + sequence"]}
+        elif n.startswith("head_modes."):  # float32 0/1: the prefill's decisions_layer{i}_sa fed back
+            inputs[n] = {"dtype": "float32", "shape": ["batch", H]}
         else:
             inputs[n] = {"dtype": "float32", "shape": kv_in}
     outputs = {}
@@ -718,6 +720,10 @@ def decoder_io(cfg) -> tuple[dict, dict]:
             outputs[n] = {"dtype": "float32", "shape": ["batch", "sequence", V]}
         elif n.startswith("present."):
             outputs[n] = {"dtype": "float32", "shape": kv_out}
+        elif n.endswith(".sa"):  # 1 = streaming attention (Core ML has no bool outputs)
+            outputs[n] = {"dtype": "float32", "shape": ["batch", H]}
+        elif n.endswith(".logits"):
+            outputs[n] = {"dtype": "float32", "shape": ["batch", H, 2]}
         else:  # decisions.layer{l}.keep (0/1: Core ML has no bool outputs) and .p
             outputs[n] = {"dtype": "float32", "shape": ["batch", "sequence"]}
     for d in (inputs, outputs):
@@ -739,7 +745,8 @@ def _decoder_input_types(cfg) -> list:
     total = ct.RangeDim(1, cfg.max_len, default=2, symbol="past_plus_sequence")
     types = []
     for n, spec in decoder_io(cfg)[0].items():
-        shape = {"input_ids": (batch, seq), "attention_mask": (batch, total)}.get(n, (batch, H, past, dh))
+        shape = {"input_ids": (batch, seq), "attention_mask": (batch, total)}.get(
+            n, (batch, H) if n.startswith("head_modes.") else (batch, H, past, dh))
         types.append(ct.TensorType(name=spec["coreml_name"], shape=shape,
                                    dtype=np.int32 if spec["dtype"] == "int32" else np.float32))
     return types
@@ -770,8 +777,9 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
         raise ExportError("the coreml target needs coremltools; install it with pip install 'adaptex[coreml]'") from e
 
     cfg = model.cfg
-    decoder, elastic = cfg.family == "tsa", cfg.family == "elastic"
-    ep = trace(model, mode="hard").run_decompositions({})
+    elastic_decoder = cfg.family == "elastic_decoder"
+    decoder, elastic = cfg.family == "tsa" or elastic_decoder, cfg.family == "elastic"
+    ep = trace(model, mode="hard", float_modes=elastic_decoder).run_decompositions({})
     notes = {}
     for node in adaptex_nodes(ep):
         op = node.target.name()
@@ -780,7 +788,12 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
         _VARIANT[op] = entry.fn(None, node)
     _register_translation()
     names = io_names(cfg)[1]
-    if decoder:
+    if elastic_decoder:
+        # the routers and their sa decisions stay fp32; the flexible shapes are the TSA decoder's
+        _bool_ops_as_logical(ep)
+        keep = _prefix_routing_nodes(ep, elastic_routing_node_names(ep))
+        inputs = _decoder_input_types(cfg)
+    elif decoder:
         _bool_ops_as_logical(ep)
         # routing stays fp32; the LM head follows the body's precision (see the module doc)
         keep = _prefix_routing_nodes(ep, decoder_routing_node_names(ep))
@@ -901,6 +914,15 @@ def _decoder_descriptions(cfg) -> dict:
                 + (" (a prefill passes past_sequence 0)" if MIN_PAST == 0 else ""))
             describe[f"present_{i}_{kv}"] = (f"block {i} attention {kv}s of past and new tokens, float32 "
                                              f"[batch, {H}, past_sequence + sequence, {dh}]: the next step's past")
+    if cfg.family == "elastic_decoder":
+        for i in range(cfg.num_layers):
+            describe[f"head_modes_{i}"] = (f"layer {i}: the head modes a decode step uses, float32 0/1 [batch, {H}]: "
+                                           f"the prefill's decisions_layer{i}_sa (ignored at prefill: pass zeros)")
+            describe[f"decisions_layer{i}_sa"] = (
+                f"layer {i}: 1 where the head ran streaming attention (sink {cfg.sink}, window {cfg.window}), "
+                f"0 full attention; routed at prefill, echoed at decode steps; float32 0/1 [batch, {H}]")
+            describe[f"decisions_layer{i}_logits"] = f"layer {i}: the router's [FA, SA] logits, float32 [batch, {H}, 2]"
+        return describe
     for li in range(1, cfg.num_layers):
         describe[f"decisions_layer{li}_keep"] = (f"block {li}: 1 where the token ran the FFN (p <= {cfg.threshold}), "
                                                  "0 where it skipped; float32 0/1 [batch, sequence]")

@@ -170,7 +170,9 @@ def parse_shapes(text: str | None, flag: str) -> dict[str, int]:
 def profile(cfg, min_s: dict, opt_s: dict, max_s: dict) -> dict[str, dict[str, int]]:
     """The optimization profile over the dynamic axes: {'min'|'opt'|'max': {axis: size}}, with
     defaults (batch 1/1/64, sequence 1/min(128, max_len)/max_len, a decoder's past 0/0/max_len-1)."""
-    decoder = cfg.family == "tsa"
+    from exporter.trace import is_decoder
+
+    decoder = is_decoder(cfg)
     L = cfg.max_len
     prof = {"min": {"batch": 1, "sequence": 1}, "opt": {"batch": 1, "sequence": min(128, L)},
             "max": {"batch": 64, "sequence": L}}
@@ -179,7 +181,7 @@ def profile(cfg, min_s: dict, opt_s: dict, max_s: dict) -> dict[str, dict[str, i
     for key, given in (("min", min_s), ("opt", opt_s), ("max", max_s)):
         for axis, v in given.items():
             if axis == "past_sequence" and not decoder:
-                raise ExportError(f"past_sequence applies to decoders (tsa) only; drop it from --{key}-shapes")
+                raise ExportError(f"past_sequence applies to decoders (tsa, elastic_decoder) only; drop it from --{key}-shapes")
             prof[key][axis] = v
     for axis in prof["min"]:
         lo, mid, hi = prof["min"][axis], prof["opt"][axis], prof["max"][axis]
