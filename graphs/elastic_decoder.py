@@ -34,7 +34,7 @@ from torch import Tensor
 
 import graphs.ops.elastic_attention as ea
 from graphs.elastic import HeadRouter, sparsity
-from graphs.errors import AdaptexError, CheckpointError
+from graphs.errors import AdaptexError, CheckpointError, InputError
 from graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -148,6 +148,9 @@ class ElasticDecoder(nn.Module):
         B, T = input_ids.shape
         past = past if past is not None else self.empty_past(B, input_ids.device)
         P = past[0][0].shape[2]
+        if not torch.compiler.is_exporting() and P + T > cfg.max_len:
+            raise InputError(f"{P} cached + {T} new tokens = {P + T} exceed the decoder's {cfg.max_len} positions; "
+                             f"keep prompt plus generated tokens within {cfg.max_len}")
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
         key_ok = attention_mask.bool()

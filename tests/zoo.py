@@ -67,3 +67,23 @@ def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int
             gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]  # (B, H)
             r.router[2].bias[1] -= gap.median()
     return model.eval()
+
+
+def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 8):
+    """A tiny random dense decoder (max_len 128) with elastic routers centred and spread like
+    tiny_elastic's, so that head modes vary across inputs."""
+    from graphs.elastic_decoder import ElasticDecoder
+    from graphs.tsa import TSAConfig, TSADecoder
+
+    torch.manual_seed(seed)
+    bb = TSADecoder(TSAConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=128,
+                              adaptive=False))
+    model = ElasticDecoder.from_backbone(bb, sink=sink, window=window, pool_tokens=8, router_hidden=16)
+    ids = torch.randint(1, 40, (64, 24))
+    with torch.no_grad():
+        for li, r in enumerate(model.routers):
+            r.router[2].weight.mul_(spread)
+            _, dec, _ = model(ids, mode="hard_dense")
+            gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]
+            r.router[2].bias[1] -= gap.median()
+    return model.eval()

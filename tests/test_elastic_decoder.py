@@ -1,0 +1,180 @@
+"""Elastic Attention on the dense decoder (backbone (a)): head modes routed once at prefill and
+reused by decode steps, one graph for both, training that leaves the backbone untouched, export to
+every target with parity, the CLI path from a dense checkpoint, bench, and bad input."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from exporter.cli import main
+from exporter.trace import adaptex_nodes, io_names, trace
+from graphs import checkpoint
+from graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
+from graphs.errors import InputError
+from tests import zoo
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.tiny_elastic_decoder()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model):
+    path = tmp_path_factory.mktemp("eldec") / "tiny"
+    checkpoint.save(path, model, {"description": "test elastic decoder"})
+    return path
+
+
+def _ids(B=3, T=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 40, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :9] = 0  # left padding
+    return ids * mask, mask
+
+
+@torch.no_grad()
+def test_full_mode_is_the_backbone_and_all_fa_matches_it(model):
+    ids, mask = _ids()
+    full, dec, _ = model(ids, mask, mode="full")
+    dense, _, _ = model.backbone(ids, mask, mode="dense")
+    assert dec == [] and torch.equal(full, dense)
+    fa = [torch.zeros(3, 4, dtype=torch.bool)] * 2
+    hard, _, _ = model(ids, mask, mode="hard", force_sa=fa)
+    assert (hard - full)[mask.bool()].abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_modes_vary_and_the_op_matches_the_dense_reference(model):
+    ids, mask = _ids(B=16, T=60, seed=1)
+    hard, dec, _ = model(ids, mask, mode="hard")
+    ref, _, _ = model(ids, mask, mode="hard_dense")
+    sa = torch.stack([d["sa"] for d in dec])
+    assert 0 < sa.float().mean() < 1
+    assert (hard - ref)[mask.bool()].abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_decode_steps_reuse_the_prefill_modes(model):
+    ids, mask = _ids(B=3, T=50, seed=2)
+    logits, dec, past = model(ids[:, :40], mask[:, :40])
+    modes = [d["sa"] for d in dec]
+    steps = []
+    for t in range(40, 50):
+        # a decode step takes the modes as given, whatever its own routers would say
+        lt, dt, past = model(ids[:, t:t + 1], mask[:, :t + 1], past=past, head_modes=modes)
+        assert all(torch.equal(a["sa"], m) for a, m in zip(dt, modes))
+        steps.append(lt[:, -1])
+    whole, _, _ = model(ids, mask, force_sa=modes)
+    assert (torch.stack(steps, 1) - whole[:, 40:]).abs().max() < 1e-5
+    # at prefill the head_modes input is ignored
+    flipped = [~m for m in modes]
+    again, dec2, _ = model(ids[:, :40], mask[:, :40], head_modes=flipped)
+    assert torch.equal(again, logits) and all(torch.equal(a["sa"], m) for a, m in zip(dec2, modes))
+
+
+def test_training_moves_only_the_routers():
+    model = zoo.tiny_elastic_decoder(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Task:
+        def sample(self, n, rng):
+            from graphs.lm_tasks import LMBatch
+
+            ids = torch.from_numpy(rng.integers(1, 40, size=(n, 33)))
+            return LMBatch(ids[:, :-1], ids[:, 1:], torch.ones(n, 32, dtype=torch.bool), torch.ones(n, 32, dtype=torch.long))
+
+    train_elastic_decoder(model, Task(), ElasticDecoderTrainConfig(steps=4, batch_size=4, context=32, lr=1e-2))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("backbone."))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("routers."))
+
+
+def test_one_traced_graph_serves_prefill_and_decode(model):
+    ep = trace(model)
+    assert len(adaptex_nodes(ep)) == model.cfg.num_layers  # one elastic_attention node per layer
+    ins, outs = io_names(model.cfg)
+    assert ins[-2:] == ["head_modes.0", "head_modes.1"] and "past_key_values.1.value" in ins
+    assert outs[-4:] == ["decisions.layer0.sa", "decisions.layer0.logits", "decisions.layer1.sa", "decisions.layer1.logits"]
+
+
+@pytest.mark.parametrize("target,variant,suffix", [("onnx", "sparse", ".onnx"), ("onnx", "dense", ".onnx"),
+                                                   ("tensorrt", "sparse", ".trt.onnx"), ("coreml", "sparse", ".mlpackage"),
+                                                   ("coreml", "dense", ".mlpackage")])
+def test_export_and_parity_on_every_target(ckpt, tmp_path, capsys, target, variant, suffix):
+    out = tmp_path / f"ed.{variant}{suffix}"
+    extra = ["--onnx-only"] if target == "tensorrt" else []
+    assert main(["export", str(ckpt), "--target", target, "--variant", variant, "-o", str(out), *extra]) == 0
+    capsys.readouterr()
+    assert main(["check", str(out), "--samples", "24", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    seen = r["decisions"]["decisions.layer0.sa"]["values_seen"]
+    assert seen["SA"] > 0 and seen["FA"] > 0
+    if target == "tensorrt":
+        import onnx
+
+        from exporter.targets import tensorrt_rules
+
+        assert tensorrt_rules.lint(onnx.load(str(out))) == []
+
+
+def test_bench_times_elastic_against_full_attention(ckpt, tmp_path, capsys):
+    out = tmp_path / "ed.onnx"
+    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["bench", str(out), "--seq", "96", "--runs", "3", "--warmup", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert 0 < r["sa_fraction"] < 1 and r["dense_p50_ms"] > 0 and 0 < r["flop_ratio"] < 1
+    assert main(["bench", str(out), "--seq", "1", "--past", "64", "--runs", "3", "--warmup", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["past"] == 64 and r["p50_ms"] > 0
+
+
+def test_attention_flops_count_sa_heads_at_sink_plus_window(model):
+    cfg = model.cfg
+    L, H = cfg.num_layers, cfg.num_heads
+    el, full = attention_flops(cfg, np.zeros((L, H), bool), 100)
+    assert el == full
+    el, full = attention_flops(cfg, np.ones((L, H), bool), 100)
+    ctx = np.arange(1, 101)
+    saved = L * H * 2 * cfg.head_dim * (ctx.sum() - np.minimum(ctx, cfg.sink + cfg.window).sum())
+    assert full - el == pytest.approx(saved)
+
+
+def test_bad_input(model, ckpt, tmp_path, capsys):
+    with pytest.raises(InputError, match="exceed the decoder's 128 positions"):
+        model(torch.ones(1, 129, dtype=torch.long))
+    from runtimes.onnxruntime import open_artifact
+
+    out = tmp_path / "ed.onnx"
+    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
+    runner = open_artifact(out)
+    H, dh = model.cfg.num_heads, model.cfg.head_dim
+    feeds = {"input_ids": np.ones((1, 130), np.int64), "attention_mask": np.ones((1, 130), np.int64),
+             **{f"past_key_values.{i}.{kv}": np.zeros((1, H, 0, dh), np.float32) for i in range(2) for kv in ("key", "value")},
+             **{f"head_modes.{i}": np.zeros((1, H), bool) for i in range(2)}}
+    with pytest.raises(InputError, match="exceeds the KV cache bound 128"):
+        runner.infer(feeds)
+
+
+def test_cli_trains_a_dense_backbone_then_its_routers(tmp_path, capsys):
+    dense, el = tmp_path / "dense", tmp_path / "el"
+    assert main(["train", "tsa", "--task", "charlm", "--dense", "--d-model", "32", "--heads", "4", "--layers", "2",
+                 "--d-ff", "64", "--steps", "3", "--max-tokens", "96", "--max-len", "256", "--eval-size", "4",
+                 "-o", str(dense)]) == 0
+    assert main(["train", "elastic", "--backbone", str(dense), "--steps", "2", "--batch-size", "2",
+                 "--eval-size", "4", "--window", "16", "-o", str(el)]) == 0
+    out = capsys.readouterr().out
+    assert "SA heads:" in out and "next-character loss" in out
+    m, info = checkpoint.load(el)
+    assert info["family"] == "elastic_decoder" and m.cfg.window == 16 and m.cfg.max_len == 256
+    # a TSA checkpoint (routers of its own) is not a backbone
+    tsa = tmp_path / "tsa"
+    checkpoint.save(tsa, zoo.tiny_tsa(), {"training": {"task": "copy"}})
+    assert main(["train", "elastic", "--backbone", str(tsa), "-o", str(tmp_path / "x")]) == 2
+    assert "needs a dense decoder" in capsys.readouterr().err and not (tmp_path / "x").exists()
