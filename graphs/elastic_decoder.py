@@ -209,6 +209,24 @@ def attention_flops(cfg: ElasticDecoderConfig, sa: np.ndarray, seq: int, past: i
     return linear + float(per_head.sum()), linear + cfg.num_layers * cfg.num_heads * fa * 2 * cfg.head_dim
 
 
+@torch.no_grad()
+def generate(model: ElasticDecoder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding: prefill routes the heads, each step reuses those modes (the parity reference
+    for the exported generator, examples/tsa_generate.py)."""
+    if not prompt:
+        raise ValueError("empty prompt: pass at least one token")
+    model.eval()
+    logits, dec, past = model(torch.tensor([prompt]))
+    modes = [d["sa"] for d in dec]
+    out = []
+    for _ in range(max_new_tokens):
+        out.append(int(logits[0, -1].argmax()))
+        if len(out) == max_new_tokens:
+            break
+        logits, _, past = model(torch.tensor([[out[-1]]]), past=past, head_modes=modes)
+    return out
+
+
 # --- training ---------------------------------------------------------------------------------------
 
 @dataclass

@@ -178,3 +178,17 @@ def test_cli_trains_a_dense_backbone_then_its_routers(tmp_path, capsys):
     checkpoint.save(tsa, zoo.tiny_tsa(), {"training": {"task": "copy"}})
     assert main(["train", "elastic", "--backbone", str(tsa), "-o", str(tmp_path / "x")]) == 2
     assert "needs a dense decoder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_generation_example_matches_eager_greedy_decoding(ckpt, model, tmp_path):
+    from examples.tsa_generate import Generator
+    from graphs.elastic_decoder import generate
+
+    out = tmp_path / "ed.onnx"
+    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
+    loaded, _ = checkpoint.load(ckpt)
+    gen = Generator(str(out))
+    for prompt in ([1, 5, 9, 4, 2] * 8, [3] * 50, [7]):
+        ids, sa = gen.generate(prompt, 20)
+        assert ids == generate(loaded, prompt, 20)
+        assert len(set(sa)) == 1  # the modes are fixed at prefill
