@@ -208,8 +208,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
     visible key; SA pairs attend block-local, each block of Bq = min(window, T) queries against its
     own run of keys (Gather with a (blocks, L) index), plus the sinks; ScatterND (no reduction)
     puts both groups back. dense: the full score matrix for every head, SA heads through a band
-    mask (static shapes). causal_known=False (every call site is an encoder's) lets the sparse FA
-    group skip the T x S causal mask: its keys are masked by padding only."""
+    mask (static shapes). The sparse FA group masks by addition: a (BH, 1, S) padding bias, and for a
+    causal call a (T, S) bias of NEG above the diagonal made by one Trilu (no T x S comparisons);
+    causal_known=False (every call site is an encoder's) drops that causal bias altogether."""
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
@@ -218,11 +219,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
     T1, dh1, S1 = b("Shape", q, start=2, end=3), b("Shape", q, start=3, end=4), b("Shape", k, start=2, end=3)
     T, S = b("Squeeze", T1, b.const([0])), b("Squeeze", S1, b.const([0]))
     scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))  # (1,)
-    if variant == "dense" or causal_known is not False:
-        fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
-    else:
-        fa_vis = b.const([[True]], np.bool_)  # (1, 1): every key, padding aside
     if variant == "dense":
+        fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
         scores = b("Mul", b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2])), scale)  # (B, H, T, S)
         vis = _pick(b, b("Unsqueeze", sa, b.const([2, 3])), sa_vis, fa_vis)  # (B, H, T, S)
         vis = b("And", vis, b("Unsqueeze", key_mask, b.const([1, 2])))
@@ -240,9 +238,17 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
         idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
         rows = b("Squeeze", idx, b.const([1]))
         qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-        scores = b("Mul", b("MatMul", qa, b("Transpose", ka, perm=[0, 2, 1])), scale)  # (Nf, T, S)
-        vis = b("And", b("Unsqueeze", ma, b.const([1])), fa_vis)
-        out = b("ScatterND", out, idx, _masked_softmax_av(b, scores, vis, va))
+        scores = b("MatMul", b("Mul", qa, scale), b("Transpose", ka, perm=[0, 2, 1]))  # (Nf, T, S)
+        zero, neg = b.const(0.0, np.float32), b.const(NEG, np.float32)
+        scores = b("Add", scores, b("Where", b("Unsqueeze", ma, b.const([1])), zero, neg))  # padded keys
+        if causal_known is not False:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
+            is_causal_fa = b("Equal", causal, c1)
+            kdiag = b("Where", is_causal_fa, b("Add", b("Sub", S, T), c1), S)
+            full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
+                     value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
+            scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
+        fa_o = b("MatMul", b("Softmax", scores, axis=-1), va)
+        out = b("ScatterND", out, idx, fa_o)
         # SA pairs: block-local windows plus sinks
         idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
         rows = b("Squeeze", idx, b.const([1]))
