@@ -40,10 +40,12 @@ def main(plan_path: str) -> None:
     feeds = {"input_ids": rng.integers(1, meta["config"]["vocab_size"], size=(1, T)).astype(np.int64),
              "attention_mask": np.ones((1, T), np.int64)}
     cfg = meta["config"]
-    if meta["family"] == "tsa":  # a decoder's prefill: empty caches (past_sequence = 0)
+    if meta["family"] in ("tsa", "elastic_decoder"):  # a decoder's prefill: empty caches (past_sequence = 0)
         dh = cfg["d_model"] // cfg["num_heads"]
         feeds.update({f"past_key_values.{i}.{kv}": np.zeros((1, cfg["num_heads"], 0, dh), np.float32)
                       for i in range(cfg["num_layers"]) for kv in ("key", "value")})
+    if meta["family"] == "elastic_decoder":  # ignored at prefill; decode steps feed back decisions.layer{i}.sa
+        feeds.update({f"head_modes.{i}": np.zeros((1, cfg["num_heads"]), bool) for i in range(cfg["num_layers"])})
     buffers = []
     for name, array in feeds.items():
         context.set_input_shape(name, array.shape)

@@ -70,10 +70,13 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
-    """A tiny BudgetFormer ("bf") and a tiny TSA decoder ("tsa") saved as checkpoints: {name: path}'s parent."""
+    """Tiny checkpoints of every family: BudgetFormer ("bf"), TSA decoder ("tsa"), elastic encoder
+    ("el") and elastic decoder ("eldec"), in one directory (returned)."""
     from graphs import checkpoint
 
     d = tmp_path_factory.mktemp("families")
     zoo.save_tiny(d / "bf")
     checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    checkpoint.save(d / "el", zoo.tiny_elastic(), {"description": "test elastic encoder"})
+    checkpoint.save(d / "eldec", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     return d

@@ -19,7 +19,7 @@ def checkpoints(family_checkpoints):
     return family_checkpoints
 
 
-@pytest.mark.parametrize("family", ["bf", "tsa"])
+@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_engine_parity(checkpoints, tmp_path, capsys, family, variant, precision):
