@@ -206,17 +206,27 @@ def _train_dense_decoder(args, out: Path, preset: dict) -> int:
     except ValueError as e:
         _err(f"{e}; adjust --d-model/--heads/--layers")
         return EXIT_ERROR
+    init = None
+    if args.init:  # start from a trained decoder's weights (a TSA checkpoint's routers are dropped)
+        src, src_info = checkpoint.load(args.init)
+        if getattr(src.cfg, "family", "") != "tsa" or (src.cfg.d_model, src.cfg.num_layers, src.cfg.d_ff) != \
+                (cfg.d_model, cfg.num_layers, cfg.d_ff):
+            _err(f"--init {args.init}: a {src_info['family']} checkpoint of another shape; pass a tsa checkpoint "
+                 f"with d_model {cfg.d_model}, {cfg.num_layers} layers, d_ff {cfg.d_ff}")
+            return EXIT_ERROR
+        init = {k: v for k, v in src.state_dict().items() if not k.startswith("routers.")}
     tc = TSATrainConfig(steps=args.steps or DENSE_DECODER["steps"], batch_size=args.batch_size or DENSE_DECODER["batch_size"],
-                        lr=args.lr or DENSE_DECODER["lr"], seed=args.seed, eval_size=args.eval_size)
+                        lr=args.lr or DENSE_DECODER["lr"], seed=args.seed, eval_size=args.eval_size,
+                        warmup=50 if init else 100)
     t0 = time.perf_counter()
-    model = train_tsa(cfg, task, tc, desc="dense   ")
+    model = train_tsa(cfg, task, tc, desc="dense   ", init=init)
     checkpoint.round_weights(model, args.save_dtype)
     ev = evaluate_tsa(model, task, min(tc.eval_size, 200), mode="dense", batch_size=20)
     print(f"dense decoder: held-out loss {ev['loss']:.4f}, token accuracy {ev['token_accuracy']:.4f} "
           f"({min(tc.eval_size, 200)} windows of {context} characters)")
     extra = {
         "description": args.description or f"dense decoder, character LM on the Python stdlib sources, context {context}",
-        "training": {"task": "charlm", "context": context, "train_config": tc.__dict__,
+        "training": {"task": "charlm", "context": context, "train_config": tc.__dict__, "init": args.init,
                      "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__},
         "evaluation": {"dense": ev}, "tokenizer": task.tokenizer(),
     }
@@ -262,7 +272,7 @@ def _train_elastic_decoder(args, out: Path) -> int:
     extra = {
         "description": args.description or "Elastic Attention routers on the dense charlm decoder (frozen)",
         "training": {"task": "charlm", "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
-                     "backbone": {"path": binfo["path"], "sha256": binfo["sha256"]}},
+                     "backbone": {"checkpoint": args.backbone, "sha256": binfo["sha256"]}},
         "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
         "tokenizer": task.tokenizer(),
     }
@@ -279,8 +289,9 @@ def _train_elastic(args, out: Path) -> int:
     from graphs.minilm import load_minilm
 
     path = None
-    if args.backbone != "minilm" and Path(args.backbone, "config.json").is_file() and \
-            '"family"' in Path(args.backbone, "config.json").read_text():  # an adaptex checkpoint: a decoder
+    ckpt = checkpoint.shipped_models().get(args.backbone, Path(args.backbone))
+    if args.backbone != "minilm" and Path(ckpt, "config.json").is_file() and \
+            '"family"' in Path(ckpt, "config.json").read_text():  # an adaptex checkpoint: a decoder
         return _train_elastic_decoder(args, out)
     if args.target_sparsity is None:
         args.target_sparsity = 0.6
@@ -561,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 characters")
     s.add_argument("--dense", action="store_true",
                    help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
+    s.add_argument("--init", default=None,
+                   help="tsa --dense: start from a trained decoder's weights (e.g. tsa-charlm; its routers are dropped)")
     s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
     s.add_argument("--batch-size", type=int, default=None)
     s.add_argument("--lr", type=float, default=None)

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from graphs import checkpoint
 from graphs.tasks import GradedCues
@@ -73,3 +74,22 @@ def test_shipped_elastic_minilm_meets_its_bar_and_reproduces():
     again = evaluate_elastic(model, tok, StdlibText(), n=32, max_tokens=256, split="val")
     assert abs(again["sa_fraction"] - held["sa_fraction"]) < 0.05
     assert again["mean_cosine"] > 0.975
+
+
+def test_shipped_elastic_charlm_reproduces():
+    """elastic-charlm: routers on the frozen charlm-dense decoder; a fresh evaluation on 8 of the
+    recorded held-out windows agrees with the recorded SA fraction and loss increase, and the
+    backbone inside it is charlm-dense's, untouched."""
+    from graphs.elastic_decoder import evaluate_elastic_decoder
+    from graphs.lm_tasks import StdlibChars
+
+    model, info = checkpoint.load("elastic-charlm")
+    held = info["evaluation"]["held_out"]
+    assert held["sa_fraction"] >= 0.5 and held["n"] >= 64 and model.cfg.max_len >= 4096
+    again = evaluate_elastic_decoder(model, StdlibChars(context=held["context"]), n=8, context=held["context"])
+    assert abs(again["sa_fraction"] - held["sa_fraction"]) < 0.1
+    assert again["loss_increase"] < held["loss_increase"] + 0.02
+    dense, dinfo = checkpoint.load("charlm-dense")
+    assert model.cfg.backbone_sha256 == dinfo["sha256"]
+    mine = model.backbone.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in dense.state_dict().items())
