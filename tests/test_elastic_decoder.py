@@ -167,6 +167,12 @@ def test_cli_trains_a_dense_backbone_then_its_routers(tmp_path, capsys):
     assert main(["train", "tsa", "--task", "charlm", "--dense", "--d-model", "32", "--heads", "4", "--layers", "2",
                  "--d-ff", "64", "--steps", "3", "--max-tokens", "96", "--max-len", "256", "--eval-size", "4",
                  "-o", str(dense)]) == 0
+    # a dense decoder can start from a trained decoder's weights (here the one just written)
+    again = tmp_path / "again"
+    assert main(["train", "tsa", "--task", "charlm", "--dense", "--init", str(dense), "--d-model", "32", "--heads", "4",
+                 "--layers", "2", "--d-ff", "64", "--steps", "2", "--max-tokens", "96", "--max-len", "256",
+                 "--eval-size", "4", "-o", str(again)]) == 0
+    assert json.loads((again / "config.json").read_text())["training"]["init"] == str(dense)
     assert main(["train", "elastic", "--backbone", str(dense), "--steps", "2", "--batch-size", "2",
                  "--eval-size", "4", "--window", "16", "-o", str(el)]) == 0
     out = capsys.readouterr().out
