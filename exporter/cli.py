@@ -39,14 +39,14 @@ def cmd_models(args) -> int:
     if not models:
         print("no shipped models")
         return 0
-    print(f"{'name':<28} {'family':<14} {'task':<13} {'layers x heads':<15} {'d_model':<8} description")
+    print(f"{'name':<28} {'family':<16} {'task':<13} {'layers x heads':<15} {'d_model':<8} description")
     for name, path in models.items():
         info = json.loads((path / checkpoint.CONFIG).read_text())
         cfg = info["config"]
         default = " (default)" if name == checkpoint.DEFAULT_MODEL else ""
         task = (info.get("training") or {}).get("task", "?")
         d_model = cfg.get("d_model") or cfg["num_heads"] * cfg["head_dim"]  # elastic: the backbone's width
-        print(f"{name:<28} {info['family']:<14} {task:<13} {cfg['num_layers']} x {cfg['num_heads']:<11} "
+        print(f"{name:<28} {info['family']:<16} {task:<13} {cfg['num_layers']} x {cfg['num_heads']:<11} "
               f"{d_model:<8} {info.get('description', '')}{default}")
     return 0
 
@@ -670,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: the reader left, not an error
+        sys.stderr.close()
+        return 0
     except Exception as e:  # a bug or an environment failure: still one line, never a traceback
         first = (str(e).strip().splitlines() or [""])[0]
         _err(f"unexpected {type(e).__name__}: {first} (set ADAPTEX_DEBUG=1 for the traceback)")
