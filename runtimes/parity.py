@@ -404,8 +404,10 @@ def _keep_decisions(report, reference, feeds, got, margins, where, P, real):
 
 
 def _head_mode_decisions(report, reference, feeds, got, margins, where, P, real):
-    """Elastic decoder: each layer's (B, H) head modes. At prefill a flip is excused within the
-    FA/SA logit gap; at a decode step the modes are the step's inputs, so any flip fails."""
+    """Elastic encoders and decoders: each layer's (B, H) head modes. At prefill (P = 0; an encoder's
+    only pass) a flip is excused within the FA/SA logit gap; at a decode step the modes are the
+    step's inputs, so any flip fails. Returns the reference outputs (the artifact's modes replayed
+    from an excused flip on) and the rows with an unexcused flip."""
     L = reference.model.cfg.num_layers
     ref, gaps = reference.run_with_routing(feeds)
     bad = np.zeros(real.shape[0], dtype=bool)
@@ -418,10 +420,11 @@ def _head_mode_decisions(report, reference, feeds, got, margins, where, P, real)
         st.count(flip, ok)
         for row, head in zip(*np.nonzero(flip & ~ok)):
             bad[row] = True
-            why = (f"the FA/SA logit gap was {gaps[li][row, head]:.2e} (stated margin {margins['sa']:g})" if P == 0
-                   else "a decode step must pass its head_modes input through")
+            gap = gaps[li][row, head]
+            why = (f"the FA/SA logit gap was {gap:.2e}; a margin of {gap:.2e} would excuse it (stated margin "
+                   f"{margins['sa']:g})" if P == 0 else "a decode step must pass its head_modes input through")
             report.failures.append(f"{name}: unexcused flip at {where} row {row} head {head}: reference "
-                                   f"SA={bool(ref[name][row, head])}; {why}")
+                                   f"SA={bool(ref[name][row, head])}, {why}")
         _count_modes(st, got[name])
         if (flip & ok).any():
             forced[li] = got[name].astype(bool)
@@ -479,27 +482,9 @@ def check_elastic(artifact_runner: Runner, reference: TorchRunner, *, samples: i
         where = f"batch {bi} (B={B}, T={T})"
         specs = artifact_runner.input_metadata()
         got = artifact_runner.infer({n: a.astype(specs[n].dtype) for n, a in feeds.items()})
-        ref, gaps = reference.run_with_routing(feeds)
         report.samples += B
         report.batches += 1
-        bad_rows = np.zeros(B, dtype=bool)
-        forced: list = [None] * cfg.num_layers
-        for li in range(cfg.num_layers):
-            name = f"decisions.layer{li}.sa"
-            flip = ref[name] != got[name]  # (B, H)
-            ok = gaps[li] < margins["sa"]
-            st = report.decisions.setdefault(name, DecisionStat())
-            st.count(flip, ok)
-            for row, head in zip(*np.nonzero(flip & ~ok)):
-                bad_rows[row] = True
-                report.failures.append(
-                    f"{name}: unexcused flip at {where} row {row} head {head}: reference SA={bool(ref[name][row, head])}, "
-                    f"the FA/SA logit gap was {gaps[li][row, head]:.2e}; a margin of {gaps[li][row, head]:.2e} "
-                    f"would excuse it (stated margin {margins['sa']:g})")
-            _count_modes(report.decisions[name], got[name])
-            if (flip & ok).any():  # replay the artifact's modes so the values compare like with like
-                forced[li] = got[name].astype(bool)
-                ref, gaps = reference.run_with_routing(feeds, force_masks=forced)
+        ref, bad_rows = _head_mode_decisions(report, reference, feeds, got, margins, where, 0, np.ones((B, 1), bool))
         for name in ref:
             if name.endswith(".sa"):
                 continue
