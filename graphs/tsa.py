@@ -5,9 +5,11 @@ Blocks f_0..f_{L-1}; f_0 always runs. A router after block l (l = 0..L-2) gives,
 and block l+1's attention and FFN residual updates are scaled by (1 - p_l).
 - soft (training): every token computed, updates scaled by 1 - p.
 - hard (inference): keep = p <= 0.5. Tokens with keep = False skip block l+1's FFN for real (the
-  `adaptex::conditional_ffn` op gathers the kept tokens, runs the FFN, scatters back); attention
-  stays dense (every token's keys and values are computed, so later tokens can attend to it), its
-  update gated by keep * (1 - p).
+  `adaptex::conditional_ffn` op gathers the kept tokens, runs the FFN, scatters back). Attention
+  stays dense over keys: every token's keys and values are computed, so later tokens can attend to
+  it; its update is gated by keep * (1 - p), so a skipped token's query side (Q projection, its
+  row of scores, AV, output projection) is dead work, and `adaptex::conditional_attention` skips
+  it too (queries of the kept tokens only, against every key).
 - st (late training): hard decisions forward, soft gradients backward (straight-through), so the
   deployed hard model is the one that is trained.
 - dense: no routers, every block ungated: the latency counterpart with the same weights.
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from graphs.budgetformer import sinusoids
+from graphs.ops import conditional_attention as ca
 from graphs.ops import conditional_ffn as cf
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")
@@ -97,6 +100,18 @@ class CausalSelfAttention(nn.Module):
         att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.dh)) + bias).softmax(-1)  # (B, H, T, P+T)
         y = (att @ v).transpose(1, 2).reshape(B, T, d)  # (B, T, d)
         return self.proj(y), k, v
+
+    def kv(self, x: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of every token (past + these T), each (B, H, P+T, dh): the rows of the
+        fused projection after the query's, so a gated block projects queries for kept tokens only."""
+        B, T, d = x.shape
+        k, v = F.linear(x, self.qkv.weight[d:], self.qkv.bias[d:]).view(B, T, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+    def query_args(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(wq, bq, wo, bo) for adaptex::conditional_attention."""
+        d = self.proj.weight.shape[0]
+        return self.qkv.weight[:d], self.qkv.bias[:d], self.proj.weight, self.proj.bias
 
 
 class Block(nn.Module):
@@ -183,18 +198,26 @@ class TSADecoder(nn.Module):
         gate = None  # (B, T) scale of this block's updates; None: ungated
         keep = None
         for li, blk in enumerate(self.blocks):
-            a, k, v = blk.attn(blk.ln1(h), bias, *past[li])
-            presents.append((k, v))
-            if gate is None:
-                h = h + a
-                h = h + blk.ffn(blk.ln2(h))
-            elif mode in ("soft", "st"):
-                h = h + a * gate[..., None]
-                h = h + blk.ffn(blk.ln2(h)) * gate[..., None]
-            else:  # hard, hard_dense: gate = keep * (1 - p), zero for the skipping tokens
-                h = h + a * gate[..., None].to(a.dtype)
-                ffn = cf.conditional_ffn if mode == "hard" else cf.conditional_ffn_dense_reference
+            if gate is not None and mode in ("hard", "hard_dense"):
+                # gate = keep * (1 - p), zero for the skipping tokens: every token's keys and values,
+                # but queries, attention rows and FFN for the kept tokens only
+                hn = blk.ln1(h)
+                k, v = blk.attn.kv(hn, *past[li])
+                presents.append((k, v))
+                sparse = mode == "hard"
+                attn = ca.conditional_attention if sparse else ca.conditional_attention_dense_reference
+                h = attn(h, hn, keep, gate, k, v, bias, *blk.attn.query_args(), cfg.num_heads)
+                ffn = cf.conditional_ffn if sparse else cf.conditional_ffn_dense_reference
                 h = ffn(h, keep, gate, *blk.ffn_args())
+            else:
+                a, k, v = blk.attn(blk.ln1(h), bias, *past[li])
+                presents.append((k, v))
+                if gate is None:
+                    h = h + a
+                    h = h + blk.ffn(blk.ln2(h))
+                else:  # soft, st
+                    h = h + a * gate[..., None]
+                    h = h + blk.ffn(blk.ln2(h)) * gate[..., None]
             if adaptive and li < cfg.num_layers - 1:
                 p = self.routers[li](h)  # (B, T) fp32
                 keep = p <= cfg.threshold
@@ -226,15 +249,22 @@ def ops_saved(a: float, num_layers: int) -> float:
     return 1.0 - (1.0 + (num_layers - 1) * a) / num_layers
 
 
-def flops_per_token(cfg: TSAConfig, context: int, keep_rates: list[float] | None) -> float:
+def flops_per_token(cfg: TSAConfig, context: int, keep_rates: list[float] | None,
+                    query_rates: list[float] | None = None) -> float:
     """Multiply-adds per token at a given attention context, with each of blocks 1..L-1 running its
-    FFN for a fraction keep_rates[l-1] of tokens (None: every token). Attention is always dense."""
+    query side of attention (Q projection, scores, AV, output projection) for a fraction
+    query_rates[l-1] of tokens (default: keep_rates) and its FFN for a fraction keep_rates[l-1]
+    (None: every token). Keys and values are computed for every token."""
     d, f = cfg.d_model, cfg.d_ff
-    attn = 3 * d * d + 2 * context * d + d * d
+    kv = 2 * d * d
+    query = 2 * d * d + 2 * context * d
     ffn = 2 * d * f
-    rates = [1.0] + (list(keep_rates) if keep_rates is not None else [1.0] * (cfg.num_layers - 1))
-    router = (d * cfg.router_hidden + cfg.router_hidden) if keep_rates is not None else 0
-    return sum(attn + r * ffn for r in rates) + router * (cfg.num_layers - 1) + d * cfg.vocab_size
+    gated = keep_rates is not None
+    rates = [1.0] + (list(keep_rates) if gated else [1.0] * (cfg.num_layers - 1))
+    qrates = [1.0] + list(query_rates) if query_rates is not None else rates
+    router = (d * cfg.router_hidden + cfg.router_hidden) if gated else 0
+    return sum(kv + q * query + r * ffn for r, q in zip(rates, qrates)) + router * (cfg.num_layers - 1) \
+        + d * cfg.vocab_size
 
 
 @torch.no_grad()

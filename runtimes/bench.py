@@ -153,16 +153,22 @@ def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past:
 
 
 def _decoder_flops(cfg, out: dict, meta: dict, seq: int, past: int) -> tuple[float, float, dict]:
-    """TSA: FFN work per gated block scales with its keep rate; attention is always dense. The mean
-    attention context of a step is past + (seq + 1) / 2 (causal)."""
+    """TSA: the FFN and the query side of attention of each gated block scale with its keep rate
+    (keys and values are computed for every token). The mean attention context of a step is
+    past + (seq + 1) / 2 (causal). The sparse graph runs each block's FFN on exactly its kept tokens
+    but its queries on the batch's largest per-sample kept count in every sample."""
     from graphs.tsa import flops_per_token
 
-    rates = [float(out[f"decisions.layer{li}.keep"].mean()) for li in range(1, cfg.num_layers)]
+    keeps = [np.asarray(out[f"decisions.layer{li}.keep"]).reshape(-1, seq) for li in range(1, cfg.num_layers)]
+    rates = [float(k.mean()) for k in keeps]
     ctx = past + (seq + 1) / 2
     dense = flops_per_token(cfg, ctx, None)
     flop_ratio = flops_per_token(cfg, ctx, rates) / dense
-    executed = [1.0] * len(rates) if meta.get("variant") == "dense" else rates
-    return flop_ratio, flops_per_token(cfg, ctx, executed) / dense, {"keep_rate_per_block": rates}
+    if meta.get("variant") == "dense":
+        executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
+    else:
+        executed = flops_per_token(cfg, ctx, rates, [float(k.sum(1).max()) / seq for k in keeps])
+    return flop_ratio, executed / dense, {"keep_rate_per_block": rates}
 
 
 def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
@@ -424,7 +430,7 @@ def format_bench(r: dict) -> str:
     elif "keep_rate_per_block" in r:
         rates = ", ".join(f"{k:.2f}" for k in r["keep_rate_per_block"])
         step = f"decode step: {r['seq']} new tokens after {r['past']} cached" if r.get("past") else "prefill"
-        lines.append(f"  {step}; tokens running each gated block's FFN: {rates}")
+        lines.append(f"  {step}; tokens running each gated block's queries and FFN: {rates}")
     else:
         lines.append(f"  mean k per layer: {', '.join(f'{k:.2f}' for k in r['mean_k_per_layer'])}")
     lines.append(f"  FLOP ratio implied by the decisions: {r['flop_ratio']:.3f}   (executed by this "

@@ -174,22 +174,25 @@ def _ops(path):
     return list(MilReferenceRunner(path).program.functions["main"].operations)
 
 
-def _cffn_ops(path):
-    """The ops the conditional_ffn translation emitted (and coremltools' rewrites of them)."""
-    return [op for op in _ops(path) if op.op_type != "const"
-            and (op.name.startswith("conditional_ffn") or op.name.startswith("route_conditional_ffn"))]
+def _cffn_ops(path, op="conditional_ffn"):
+    """The ops the `op` translation emitted (and coremltools' rewrites of them)."""
+    return [o for o in _ops(path) if o.op_type != "const" and (o.name.startswith(op) or o.name.startswith(f"route_{op}"))]
 
 
 def test_sparse_program_gathers_and_scatters_the_kept_tokens(packages):
     types = [op.op_type for op in _ops(packages["sparse", "fp32"][0])]
     gated = CFG["num_layers"] - 1
-    assert types.count("non_zero") == gated and types.count("scatter_nd") == gated
-    assert types.count("gather_nd") == 2 * gated  # the kept rows and their gates
+    assert types.count("non_zero") == gated and types.count("argsort") == gated
+    assert types.count("scatter_nd") == 2 * gated  # the FFN's and the attention's kept rows
+    # the FFN's kept rows and their gates; the attention's query rows, bias rows, gates and residual rows
+    assert types.count("gather_nd") == 2 * gated + 4 * gated
     cffn = _cffn_ops(packages["sparse", "fp32"][0])
-    scatter = [op for op in cffn if op.op_type == "scatter_nd"]
-    assert all(op.inputs["mode"].val == "update" for op in scatter)
+    cattn = _cffn_ops(packages["sparse", "fp32"][0], "conditional_attention")
+    scatter = [op for op in cffn + cattn if op.op_type == "scatter_nd"]
+    assert len(scatter) == 2 * gated and all(op.inputs["mode"].val == "update" for op in scatter)
     assert [op.op_type for op in cffn if op.op_type in ("layer_norm", "linear", "gelu")] == \
         ["layer_norm", "linear", "gelu", "linear"] * gated
+    assert [op.op_type for op in cattn if op.op_type in ("linear", "softmax")] == ["linear", "softmax", "linear"] * gated
 
 
 def test_dense_program_has_static_shapes(packages):
@@ -202,6 +205,8 @@ def test_dense_program_has_static_shapes(packages):
     assert cffn and {op.op_type for op in cffn} <= {"layer_norm", "linear", "gelu", "cast", "mul", "expand_dims", "add"}
     assert [op.op_type for op in cffn if op.op_type in ("layer_norm", "linear", "gelu")] == \
         ["layer_norm", "linear", "gelu", "linear"] * (CFG["num_layers"] - 1)
+    cattn = _cffn_ops(path, "conditional_attention")
+    assert cattn and not {"argsort", "slice_by_index", "gather_nd", "range_1d"} & {op.op_type for op in cattn}
 
 
 def test_fp16_package_keeps_routing_in_fp32(packages):
@@ -243,11 +248,12 @@ def test_fp16_package_keeps_residual_stream_and_layer_norms_in_fp32(packages):
     L, gated = CFG["num_layers"], CFG["num_layers"] - 1
     ln = [op for op in ops if op.op_type == "layer_norm"]
     assert len(ln) == 2 * L + 1 and {dtype[op.name] for op in ln} == {"fp32"}  # ln1, ln2 (in the op), ln_f
-    # the embedding add and the 2 residual adds of block 0 and 1 of each gated block, then the
-    # conditional_ffn's residual add on the kept rows and its scatter back
+    # the embedding add and the 2 residual adds of block 0, then in each gated block the residual
+    # add on the kept rows and the scatter back of conditional_attention and of conditional_ffn
     resid_add = [op for op in ops if op.op_type == "add" and op.name.startswith("resid_")]
-    cffn_resid = [op for op in _cffn_ops(path) if op.op_type in ("add", "scatter_nd")]
-    assert len(resid_add) == 1 + 2 + gated and len(cffn_resid) == 2 * gated
+    cffn_resid = [op for op in _cffn_ops(path) + _cffn_ops(path, "conditional_attention")
+                  if op.op_type == "scatter_nd" or (op.op_type == "add" and op.name.endswith("_new"))]
+    assert len(resid_add) == 1 + 2 and len(cffn_resid) == 4 * gated
     assert {dtype[op.name] for op in resid_add + cffn_resid} == {"fp32"}
     assert {dtype[op.name] for op in ops if op.op_type in ("matmul", "softmax", "gelu")} == {"fp16"}
 
@@ -260,7 +266,8 @@ def test_decoder_package_interface_and_metadata(packages):
     assert meta["family"] == "tsa" and meta["target"] == "coreml" and meta["variant"] == "sparse"
     assert meta["keep_threshold"] == 0.5 and meta["kv_cache_bound"] == CFG["max_len"]
     assert "budget_range" not in meta and meta["min_past_sequence"] == target.MIN_PAST == 0
-    assert meta["lowerings"] == {"adaptex::conditional_ffn": "conditional_ffn_coreml_sparse"}
+    assert meta["lowerings"] == {"adaptex::conditional_attention": "conditional_attention_coreml_sparse",
+                                 "adaptex::conditional_ffn": "conditional_ffn_coreml_sparse"}
     runner = MilReferenceRunner(path)
     specs = runner.input_metadata()
     assert list(specs) == ["input_ids", "attention_mask"] + [

@@ -62,10 +62,14 @@ def test_bound_onnx_keeps_one_node_per_op_and_runtime_k(bound):
     producers = {o: n.op_type for n in m.functions[0].node for o in n.output}
     assert producers[topk.input[1]] == "ReduceMax"  # K is the batch's largest k, computed at run time
     m = onnx.load(str(bound[("tsa", "sparse")]))
-    ops = {n.op_type for n in m.functions[0].node}
-    assert {"NonZero", "ScatterND"} <= ops
-    scatter = next(n for n in m.functions[0].node if n.op_type == "ScatterND")
-    assert not scatter.attribute  # TensorRT <= 10.8 refuses even reduction='none'
+    fns = {f.name: f for f in m.functions}
+    assert [n.op_type for n in m.graph.node if n.domain == "adaptex"] == ["ConditionalAttention", "ConditionalFFN"] * 2
+    assert {"NonZero", "ScatterND"} <= {n.op_type for n in fns["ConditionalFFN"].node}
+    # the attention's kept rows come from a CumSum partition, not a TopK over the sequence axis
+    ops = {n.op_type for n in fns["ConditionalAttention"].node}
+    assert {"CumSum", "ScatterElements", "Slice", "ScatterND"} <= ops and "TopK" not in ops
+    scatter = [n for f in fns.values() for n in f.node if n.op_type == "ScatterND"]
+    assert len(scatter) == 2 and not any(n.attribute for n in scatter)  # TensorRT <= 10.8 refuses even reduction='none'
 
 
 def test_routing_nodes_are_marked_and_only_routing(bound):
@@ -73,8 +77,11 @@ def test_routing_nodes_are_marked_and_only_routing(bound):
     marked = [n for n in m.graph.node if n.name.startswith(tensorrt.ROUTE_MARK)]
     assert marked and all("routers." in str(n.metadata_props) or n.op_type in ("LessOrEqual", "Cast", "Sub", "Mul")
                           for n in marked)
-    body = {n.op_type for n in m.functions[0].node if n.name.startswith(tensorrt.ROUTE_MARK)}
+    fns = {f.name: f for f in m.functions}
+    body = {n.op_type for n in fns["ConditionalFFN"].node if n.name.startswith(tensorrt.ROUTE_MARK)}
     assert "NonZero" in body and not body & {"Gemm", "LayerNormalization", "Gelu", "Add"}
+    body = {n.op_type for n in fns["ConditionalAttention"].node if n.name.startswith(tensorrt.ROUTE_MARK)}
+    assert "CumSum" in body and not body & {"MatMul", "Softmax", "Gather", "ScatterND"}
     m = onnx.load(str(bound[("bf", "sparse")]))
     body = {n.op_type for n in m.functions[0].node if n.name.startswith(tensorrt.ROUTE_MARK)}
     assert {"Floor", "TopK", "ScatterElements"} <= body and not body & {"Softmax", "MatMul", "Gather"}

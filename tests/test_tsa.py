@@ -1,4 +1,4 @@
-"""TSA: the conditional_ffn op, the decoder (soft/hard, KV cache), its ONNX export and parity,
+"""TSA: the conditional_ffn and conditional_attention ops, the decoder (soft/hard, KV cache), its ONNX export and parity,
 generation from the artifact, bad input, and training."""
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ import torch
 
 from graphs import checkpoint
 from graphs.errors import InputError
+from graphs.ops import conditional_attention as ca
 from graphs.ops import conditional_ffn as cf
 from tests import zoo
 
@@ -37,6 +38,47 @@ def test_conditional_ffn_runs_the_ffn_on_kept_tokens_only(monkeypatch):
     assert seen == [(3, 16)]  # 3 of 18 tokens went through the FFN
 
 
+def _attention_case(B=3, T=7, P=3, d=16, H=4, seed=0):
+    """x, hn, keep, gate, k, v, causal bias over P cached + T new positions (row 1 left-padded), weights."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, hn = r(B, T, d), r(B, T, d)
+    keep = torch.rand(B, T, generator=g) > 0.4
+    keep[0] = False  # a row with nothing kept
+    gate = torch.rand(B, T, generator=g) * keep
+    k, v = r(B, H, P + T, d // H), r(B, H, P + T, d // H)
+    from graphs.tsa import attention_mask_4d
+
+    key_ok = torch.ones(B, P + T, dtype=torch.bool)
+    key_ok[1, :4] = False
+    bias = torch.zeros(B, 1, T, P + T).masked_fill(~attention_mask_4d(key_ok, P, T)[:, None], float("-inf"))
+    w = (r(d, d) * 0.3, r(d) * 0.1, r(d, d) * 0.3, r(d) * 0.1)
+    return x, hn, keep, gate, k, v, bias, w, H
+
+
+def test_conditional_attention_matches_the_dense_reference_and_leaves_skipped_tokens_alone():
+    x, hn, keep, gate, k, v, bias, w, H = _attention_case()
+    y = ca.conditional_attention(x, hn, keep, gate, k, v, bias, *w, H)
+    ref = ca.conditional_attention_dense_reference(x, hn, keep, gate, k, v, bias, *w, H)
+    assert torch.allclose(y, ref, atol=1e-5)
+    assert torch.equal(y[~keep], x[~keep])
+    assert not torch.allclose(y[keep], x[keep])
+    none = torch.zeros_like(keep)
+    assert torch.equal(ca.conditional_attention(x, hn, none, gate, k, v, bias, *w, H), x)
+
+
+def test_conditional_attention_projects_and_attends_kept_query_rows_only(monkeypatch):
+    seen = []
+    real = ca._attend_rows
+    monkeypatch.setattr(ca, "_attend_rows", lambda hq, *a: seen.append(tuple(hq.shape)) or real(hq, *a))
+    x, hn, keep, gate, k, v, bias, w, H = _attention_case()
+    keep = torch.zeros_like(keep)
+    keep[1, 2], keep[2, 0], keep[2, 5] = True, True, True
+    ca.conditional_attention_eager(x, hn, keep, gate, k, v, bias, *w, H)
+    assert seen == [(3, 2, 16)]  # 2 query rows per sample (the batch's largest kept count), not 7
+    assert ca.kept_rows(keep).tolist() == [[0, 1], [2, 0], [0, 5]]  # kept positions first, in order
+
+
 def test_hard_mode_equals_the_dense_reference_and_the_cache_equals_a_full_pass():
     m = zoo.tiny_tsa()
     ids = torch.randint(3, 32, (2, 12))
@@ -55,12 +97,12 @@ def test_hard_mode_equals_the_dense_reference_and_the_cache_equals_a_full_pass()
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
 
-def test_trace_keeps_one_conditional_ffn_node_per_gated_block():
+def test_trace_keeps_one_node_per_op_per_gated_block():
     from exporter.trace import adaptex_nodes, trace
 
     ep = trace(zoo.tiny_tsa(), mode="hard")
     ops = [n.target.name() for n in adaptex_nodes(ep)]
-    assert ops == ["adaptex::conditional_ffn"] * 2  # blocks 1 and 2 of 3
+    assert ops == ["adaptex::conditional_attention", "adaptex::conditional_ffn"] * 2  # blocks 1 and 2 of 3
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +144,14 @@ def test_onnx_graph_shape_names_and_lowerings(tsa_onnx):
     for variant, want, unwanted in (("sparse", {"NonZero", "ScatterND"}, set()), ("dense", set(), {"NonZero", "ScatterND"})):
         proto = onnx.load(str(tsa_onnx[variant]))
         nodes = [n for n in proto.graph.node if n.domain == "adaptex"]
-        assert [n.op_type for n in nodes] == ["ConditionalFFN"] * 2
+        assert [n.op_type for n in nodes] == ["ConditionalAttention", "ConditionalFFN"] * 2
         body = {n.op_type for f in proto.functions if f.name == "ConditionalFFN" for n in f.node}
         assert want <= body and not (unwanted & body)
+        attn = {n.op_type for f in proto.functions if f.name == "ConditionalAttention" for n in f.node}
+        if variant == "sparse":
+            assert {"TopK", "Gather", "ScatterND"} <= attn
+        else:
+            assert not {"TopK", "ScatterND"} & attn
         names = [i.name for i in proto.graph.input]
         assert names[:4] == ["input_ids", "attention_mask", "past_key_values.0.key", "past_key_values.0.value"]
         outs = [o.name for o in proto.graph.output]

@@ -5,6 +5,10 @@ slice_by_index with a runtime end + gather (`sparse`); `dense` keeps static shap
 heads, every head computed, the unselected ones weighted by zero), the variant that can stay on the
 Neural Engine.
 
+conditional_attention (TSA decoder): `sparse` is argsort over the (B, T) keep mask sliced at the
+batch's largest kept count, gather_nd of those query rows, attention on them only,
+scatter_nd back; `dense` attends every query row and scales the update by keep * gate.
+
 conditional_ffn (TSA decoder): `sparse` is non_zero over the (B, T) keep mask, gather_nd of the
 kept tokens' rows, layer_norm + linear + gelu + linear on them only, scatter_nd (mode update) back:
 the row count is known at run time only, so it runs off the Neural Engine; `dense` computes every token and
@@ -75,7 +79,7 @@ DEFAULT_MIN_TARGET = "iOS17"
 FP32_PREFIXES = ("route_", "resid_")
 # the variant each registered MIL translation emits during a convert, set from the registry per export
 _VARIANT = {"adaptex::budgeted_attention": "sparse", "adaptex::conditional_ffn": "sparse",
-            "adaptex::elastic_attention": "sparse"}
+            "adaptex::conditional_attention": "sparse", "adaptex::elastic_attention": "sparse"}
 
 
 def _budgeted_attention_mil(context, node, variant: str):
@@ -171,6 +175,69 @@ def _conditional_ffn_mil(context, node, variant: str):
         scale = mb.mul(x=mb.cast(x=keep, dtype="fp32", name=r + "keep_f"), y=gate, name=r + "scale")  # (B, T)
         y = mb.add(x=x, y=mb.mul(x=u, y=mb.expand_dims(x=scale, axes=[-1], name=r + "scale_col"),
                                  name=f"{node.name}_gated"), name=node.name)
+    context.add(y, node.name)
+
+
+def _conditional_attention_mil(context, node, variant: str):
+    """Emit MIL for one adaptex::conditional_attention node:
+    y = x + keep * gate * (softmax(q k^T / sqrt(dh) + bias) v wo^T + bo), q = hn wq^T + bq.
+
+    sparse: per batch row the kept positions first (argsort of keep, descending) sliced at
+    max(1, the batch's largest kept count) n with a runtime end; gather_nd by (batch, token) pairs
+    of those rows of hn, bias, gate and x; queries, scores, softmax, AV and the output projection on them only;
+    scatter_nd (mode update) back. Routing (keep, gate, the order) carries the route_ prefix; the
+    residual part (_kept, _new and the scatter) is kept fp32 in an fp16 package like the decoder's
+    residual stream."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+
+    x, hn, keep, gate, k, v, bias, wq, bq, wo, bo, H = _get_inputs(context, node, expected=12)
+    H = int(H.val)
+    r = f"route_{node.name}_"
+    wq, bq, wo, bo = (np.asarray(t.val, dtype=np.float32) for t in (wq, bq, wo, bo))
+    d = wq.shape[0]
+    dh = d // H
+    scale = dh ** -0.5
+    g = mb.mul(x=gate, y=mb.cast(x=keep, dtype="fp32", name=r + "keep_f"), name=r + "gate_kept")  # (B, T)
+    if variant == "sparse":
+        keep_i = mb.cast(x=keep, dtype="int32", name=r + "keep_i")
+        n = mb.maximum(x=mb.reduce_max(x=mb.reduce_sum(x=keep_i, axes=[1], name=r + "count"), axes=[0],
+                                       keep_dims=True, name=r + "nmax"), y=np.int32(1), name=r + "n")  # (1,)
+        order = mb.argsort(x=mb.cast(x=keep_i, dtype="fp32", name=r + "keep_rank"), axis=1, ascending=False,
+                           name=r + "order_all")  # (B, T): kept positions first
+        batch = mb.slice_by_index(x=mb.shape(x=keep, name=r + "shape"), begin=[0], end=[1], name=r + "batch")
+        order = mb.slice_by_index(x=order, begin=[0, 0], end=mb.concat(values=[batch, n], axis=0, name=r + "end"),
+                                  name=r + "order")  # (B, n)
+        # (batch, token) index pairs, as conditional_ffn's (gather with batch_dims does not evaluate
+        # in coremltools 9's MIL reference)
+        b_idx = mb.add(x=mb.mul(x=order, y=np.int32(0), name=r + "zeros"),
+                       y=mb.expand_dims(x=mb.range_1d(start=np.int32(0), end=mb.squeeze(x=batch, name=r + "B"),
+                                                      step=np.int32(1), name=r + "b_range"), axes=[1],
+                                        name=r + "b_col"), name=r + "batch_idx")  # (B, n)
+        idx = mb.concat(values=[mb.expand_dims(x=b_idx, axes=[2], name=r + "b_idx3"),
+                                mb.expand_dims(x=order, axes=[2], name=r + "t_idx3")], axis=2, name=r + "idx")  # (B, n, 2)
+        hq = mb.gather_nd(x=hn, indices=idx, name=f"{node.name}_hq")  # (B, n, d)
+        bias_rows = mb.expand_dims(x=mb.gather_nd(x=mb.squeeze(x=bias, axes=[1]), indices=idx),
+                                   axes=[1], name=f"{node.name}_bias_rows")  # (B, 1, n, S)
+        gs = mb.gather_nd(x=g, indices=idx, name=r + "gate_rows")  # (B, n)
+        xs = mb.gather_nd(x=x, indices=idx, name=f"{node.name}_kept")  # (B, n, d)
+    else:
+        hq, bias_rows, gs, xs = hn, bias, g, x
+    q = mb.linear(x=hq, weight=wq * np.float32(scale), bias=bq * np.float32(scale), name=f"{node.name}_q")
+    lead = mb.slice_by_index(x=mb.shape(x=q), begin=[0], end=[2])  # [B, n] (n is known at run time only)
+    q = mb.reshape(x=q, shape=mb.concat(values=[lead, _i32([H, dh])], axis=0), name=f"{node.name}_q_heads")
+    q = mb.transpose(x=q, perm=[0, 2, 1, 3])  # (B, H, n, dh)
+    scores = mb.add(x=mb.matmul(x=q, y=k, transpose_y=True), y=bias_rows, name=f"{node.name}_scores")
+    o = mb.matmul(x=mb.softmax(x=scores, axis=-1, name=f"{node.name}_softmax"), y=v)  # (B, H, n, dh)
+    o = mb.reshape(x=mb.transpose(x=o, perm=[0, 2, 1, 3]), shape=mb.concat(values=[lead, _i32([d])], axis=0),
+                   name=f"{node.name}_o")  # (B, n, d)
+    u = mb.linear(x=o, weight=wo, bias=bo, name=f"{node.name}_out")
+    upd = mb.mul(x=u, y=mb.expand_dims(x=gs, axes=[-1], name=r + "gate_col"), name=f"{node.name}_gated")
+    if variant == "sparse":
+        new = mb.add(x=xs, y=upd, name=f"{node.name}_new")  # (B, n, d)
+        y = mb.scatter_nd(data=x, indices=idx, updates=new, mode="update", name=node.name)
+    else:
+        y = mb.add(x=x, y=upd, name=node.name)
     context.add(y, node.name)
 
 
@@ -370,6 +437,10 @@ def _register_translation() -> None:
     def conditional_ffn(context, node):
         _conditional_ffn_mil(context, node, _VARIANT["adaptex::conditional_ffn"])
 
+    @register_torch_op(torch_alias=["adaptex::conditional_attention"], override=True)
+    def conditional_attention(context, node):
+        _conditional_attention_mil(context, node, _VARIANT["adaptex::conditional_attention"])
+
     @register_torch_op(torch_alias=["adaptex::elastic_attention"], override=True)
     def elastic_attention(context, node):
         _elastic_attention_mil(context, node, _VARIANT["adaptex::elastic_attention"])
@@ -401,6 +472,22 @@ def conditional_ffn_coreml_dense(ctx, node):
     """Static shapes: every token through layer_norm + FFN, the update multiplied by keep * gate
     (fp32 routing), so skipped tokens pass through unchanged; the variant that can stay on the
     Neural Engine."""
+    return "dense"
+
+
+@lowering("adaptex::conditional_attention", target="coreml", variant="sparse")
+def conditional_attention_coreml_sparse(ctx, node):
+    """argsort of the (B, T) keep mask sliced at the batch's largest kept count (a runtime end),
+    gather_nd of those query rows and their bias rows, queries + scores + softmax + AV +
+    output projection on them only, scatter_nd (mode update) back: dynamic shapes, a skipped token's
+    query side costs nothing (runs off the Neural Engine)."""
+    return "sparse"
+
+
+@lowering("adaptex::conditional_attention", target="coreml", variant="dense")
+def conditional_attention_coreml_dense(ctx, node):
+    """Static shapes: every query row attended, the update multiplied by keep * gate (fp32 routing);
+    the variant that can stay on the Neural Engine."""
     return "dense"
 
 
@@ -480,6 +567,7 @@ def decoder_routing_node_names(ep) -> set[str]:
     router = {n.name for n in ep.graph.nodes if n.op == "call_function" and path(n).startswith("model.routers.")}
     names = set(router)
     todo = [a for node in adaptex_nodes(ep) if "conditional_ffn" in str(node.target) for a in node.args[1:3]]
+    todo += [a for node in adaptex_nodes(ep) if "conditional_attention" in str(node.target) for a in node.args[2:4]]
     while todo:
         n = todo.pop()
         if not hasattr(n, "op") or n.op != "call_function" or n.name in names or not per_token(n):
@@ -587,7 +675,9 @@ def _conditional_ffn_fp32_ops(ep) -> set[str]:
     from exporter.trace import adaptex_nodes
 
     return {f"{n.name}{s}" for n in adaptex_nodes(ep) if "conditional_ffn" in str(n.target)
-            for s in ("", "_kept", "_ln", "_new")}
+            for s in ("", "_kept", "_ln", "_new")} | \
+        {f"{n.name}{s}" for n in adaptex_nodes(ep) if "conditional_attention" in str(n.target)
+         for s in ("", "_kept", "_new")}
 
 
 def _prefix_nodes(ep, names: set[str], prefix: str) -> set[str]:

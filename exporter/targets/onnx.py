@@ -82,6 +82,27 @@ def conditional_ffn_onnx_dense(ctx, node):
     return OnnxLowering(_conditional_ffn_node, [fx.conditional_ffn_function("dense")])
 
 
+def _conditional_attention_node(x, hn, keep, gate, k, v, bias, wq, bq, wo, bo, num_heads: int):
+    from onnxscript.values import Opset
+
+    return Opset(fx.DOMAIN, fx.OPSET_VERSION).ConditionalAttention(x, hn, keep, gate, k, v, bias, wq, bq, wo, bo,
+                                                                   num_heads=num_heads)
+
+
+@lowering("adaptex::conditional_attention", target="onnx", variant="sparse")
+def conditional_attention_onnx_sparse(ctx, node):
+    """TopK over the keep mask (K = the batch's largest kept count), Gather of those query rows, Q
+    projection, scores, Softmax, AV and output projection on them only, ScatterND back: a skipped
+    token's query side costs nothing (its keys and values are computed outside the op)."""
+    return OnnxLowering(_conditional_attention_node, [fx.conditional_attention_function("sparse")])
+
+
+@lowering("adaptex::conditional_attention", target="onnx", variant="dense")
+def conditional_attention_onnx_dense(ctx, node):
+    """Every query row attended, the update multiplied by keep * gate: static shapes."""
+    return OnnxLowering(_conditional_attention_node, [fx.conditional_attention_function("dense")])
+
+
 def _elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
     from onnxscript.values import Opset
 

@@ -144,7 +144,7 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
     b = _Body("cf_")
     x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
     shape = b("Shape", x)  # (3,) = [B, T, d]
-    flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", x, start=2), axis=0))  # (B*T, d)
+    flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", ln_w), axis=0))  # (B*T, d); folds at load
     gate_flat = b("Reshape", gate, b.const([-1]))  # (B*T,)
     def ffn(h_in: str) -> str:  # (N, d) -> (N, d)
         node = helper.make_node("LayerNormalization", [h_in, ln_w, ln_b], [f"cf_ln_{b.n + 1}"], axis=-1)
@@ -171,6 +171,87 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["eps"],
         doc_string=f"adaptex::conditional_ffn, {variant} lowering (see docs/ops.md)",
+    )
+
+
+CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"]
+
+
+def conditional_attention_function(variant: str, partition: str = "topk") -> onnx.FunctionProto:
+    """The body of adaptex.ConditionalAttention: y = x + keep * gate * Attn(q(hn) over k, v + bias).
+
+    sparse: per batch row the kept positions first, n = max(1, the batch's largest kept count) of
+    them: `partition` "topk" takes a TopK over the keep mask with K = n (ONNX Runtime), "cumsum" a
+    stable partition from CumSum slots scattered into a permutation and sliced to n (TensorRT,
+    whose TopK wants K bounded over an axis of known size). Gather of those rows of hn, bias, gate
+    and x; Q projection, scores, Softmax, AV and output projection on them only; ScatterND (no
+    reduction; the rows are distinct) of the updated rows back. Rows past a sample's own count are
+    not kept: their gate is zero and they are written back unchanged. n >= 1 keeps every tensor
+    non-empty (a decode step whose token skips attends one ungated row). dense: every query row
+    attended, the update multiplied by keep * gate (static shapes)."""
+    if partition not in ("topk", "cumsum"):
+        raise ValueError(f"unknown partition {partition!r}")
+    b = _Body("ca_")
+    x, hn, keep, gate, k, v, bias, wq, bq, wo, bo = CA_INPUTS
+    c0, c1, cm1, one = b.const([0]), b.const([1]), b.const([-1]), b.const(1)
+    # sizes from the weights (initializers), so these chains fold to constants at load
+    H1 = b("Unsqueeze", b.attr_int("num_heads"), c0)  # (1,)
+    d1 = b("Shape", wq, start=0, end=1)  # (1,)
+    dh1 = b("Div", d1, H1)
+    scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))
+    # the score scale folded into the query weights: no Mul over the (B, H, n, S) scores
+    wq_s = b("Mul", b("Transpose", wq, perm=[1, 0]), scale)  # (d, d)
+    bq_s = b("Mul", bq, scale)
+    wo_t = b("Transpose", wo, perm=[1, 0])
+    head_split = b("Concat", c0, c0, H1, dh1, axis=0)  # [0, 0, H, dh]
+    head_merge = b("Concat", c0, c0, d1, axis=0)  # [0, 0, d]
+    g = b("Mul", gate, b("Cast", keep, to=TensorProto.FLOAT))  # (B, T): zero for the skipped tokens
+
+    def attend(hq: str, bias_rows: str) -> str:  # (B, n, d), (B, 1, n, S) -> (B, n, d)
+        q = b("Add", b("MatMul", hq, wq_s), bq_s)  # (B, n, d)
+        q = b("Transpose", b("Reshape", q, head_split), perm=[0, 2, 1, 3])  # (B, H, n, dh)
+        scores = b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2]))  # (B, H, n, S)
+        att = b("Softmax", b("Add", scores, bias_rows), axis=-1)
+        o = b("Transpose", b("MatMul", att, v), perm=[0, 2, 1, 3])  # (B, n, H, dh)
+        return b("Add", b("MatMul", b("Reshape", o, head_merge), wo_t), bo)  # (B, n, d)
+
+    if variant == "sparse":
+        T = b("Squeeze", b("Shape", x, start=1, end=2), c0)  # scalar
+        ki = b("Cast", keep, to=TensorProto.INT64)  # (B, T)
+        cnt = b("ReduceSum", ki, c1, keepdims=1)  # (B, 1)
+        n = b("Max", b("ReduceMax", cnt, keepdims=0), one)  # scalar: max(1, the largest kept count)
+        n1 = b("Unsqueeze", n, c0)  # (1,)
+        if partition == "topk":
+            _, order = b("TopK", b("Cast", keep, to=TensorProto.FLOAT), n1, axis=1, largest=1, sorted=1,
+                         outputs=2)  # (B, n): kept positions first
+        else:
+            # kept token t goes to slot (kept before t), skipped token t to (count + skipped before t)
+            slot_kept = b("Sub", b("CumSum", ki, one), one)
+            slot_skip = b("Add", cnt, b("Sub", b("CumSum", b("Sub", one, ki), one), one))
+            slot = b("Where", keep, slot_kept, slot_skip)  # (B, T): a permutation of 0..T-1 per row
+            pos = b("Add", b("Mul", ki, b.const(0)), b("Range", b.const(0), T, one))  # (B, T)
+            perm = b("ScatterElements", pos, slot, pos, axis=1)  # (B, T): perm[b, slot] = t
+            order = b("Slice", perm, c0, n1, c1)  # (B, n): kept positions first
+        B = b("Squeeze", b("Shape", x, start=0, end=1), c0)
+        base = b("Range", b.const(0), b("Mul", B, T), T)  # (B,): the first flat row of each sample
+        rows = b("Add", order, b("Unsqueeze", base, c1))  # (B, n) rows of the flat (B*T, .) tensors
+        rows_d = b("Concat", cm1, d1, axis=0)  # [-1, d]
+        flat = b("Reshape", x, rows_d)  # (B*T, d)
+        hq = b("Gather", b("Reshape", hn, rows_d), rows, axis=0)  # (B, n, d)
+        bias_flat = b("Reshape", bias, b("Concat", cm1, b("Shape", bias, start=3, end=4), axis=0))  # (B*T, S)
+        upd = attend(hq, b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1))  # (B, n, d)
+        gs = b("Unsqueeze", b("Gather", b("Reshape", g, cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
+        new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
+        y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
+        b.nodes.append(helper.make_node("Reshape", [y, b("Shape", x)], ["y"]))
+    else:
+        upd = attend(hn, bias)  # (B, T, d)
+        b.nodes.append(helper.make_node("Add", [x, b("Mul", upd, b("Unsqueeze", g, b.const([2])))], ["y"]))
+    return helper.make_function(
+        DOMAIN, "ConditionalAttention", CA_INPUTS, ["y"], b.nodes,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["num_heads"],
+        doc_string=f"adaptex::conditional_attention, {variant} lowering (see docs/ops.md)",
     )
 
 
@@ -312,7 +393,8 @@ def register_schema() -> None:
     Models never depend on it: the body ships as a function, which is what runtimes read."""
     from onnx import defs
 
-    if all(defs.has(n, DOMAIN) for n in ("BudgetedAttention", "ConditionalFFN", "ElasticAttention")):
+    if all(defs.has(n, DOMAIN) for n in ("BudgetedAttention", "ConditionalFFN", "ConditionalAttention",
+                                         "ElasticAttention")):
         return
     FP = defs.OpSchema.FormalParameter
     float_in = {"x", "w_qkv", "b_qkv", "w_o", "b_o"}
@@ -326,7 +408,7 @@ def register_schema() -> None:
                           ("B", ["tensor(bool)"], ""), ("I", ["tensor(int64)"], "")],
         attributes=[defs.OpSchema.Attribute("num_heads", defs.OpSchema.AttrType.INT, "H")],
     )
-    for new in (schema, _cffn_schema(FP), _ea_schema(FP)):
+    for new in (schema, _cffn_schema(FP), _ca_schema(FP), _ea_schema(FP)):
         if not defs.has(new.name, DOMAIN):
             defs.register_schema(new)
 
@@ -342,6 +424,20 @@ def _cffn_schema(FP):
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"),
                           ("F", ["tensor(float)"], "routing stays fp32"), ("B", ["tensor(bool)"], "")],
         attributes=[defs.OpSchema.Attribute("eps", defs.OpSchema.AttrType.FLOAT, "LayerNorm epsilon")],
+    ))
+
+
+def _ca_schema(FP):
+    from onnx import defs
+
+    return (defs.OpSchema(
+        "ConditionalAttention", DOMAIN, OPSET_VERSION,
+        doc="Self-attention update for the kept tokens' queries only (every token's keys); see docs/ops.md.",
+        inputs=[FP(n, "B" if n == "keep" else ("F" if n in ("gate", "bias") else "T")) for n in CA_INPUTS],
+        outputs=[FP("y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"),
+                          ("F", ["tensor(float)"], "routing and mask stay fp32"), ("B", ["tensor(bool)"], "")],
+        attributes=[defs.OpSchema.Attribute("num_heads", defs.OpSchema.AttrType.INT, "H")],
     ))
 
 

@@ -68,6 +68,22 @@ def conditional_ffn_tensorrt_dense(ctx, node):
     return onnx_target.OnnxLowering(onnx_target._conditional_ffn_node, [fx.conditional_ffn_function("dense")])
 
 
+@lowering("adaptex::conditional_attention", target="tensorrt", variant="sparse")
+def conditional_attention_tensorrt_sparse(ctx, node):
+    """The kept positions first by a CumSum partition sliced at the batch's largest kept count (no
+    TopK: its runtime K would run over the sequence axis, unbounded by 3840), Gather of the kept query
+    rows, attention on them only, ScatterND without a reduction attribute."""
+    return onnx_target.OnnxLowering(onnx_target._conditional_attention_node,
+                                    [fx.conditional_attention_function("sparse", partition="cumsum")])
+
+
+@lowering("adaptex::conditional_attention", target="tensorrt", variant="dense")
+def conditional_attention_tensorrt_dense(ctx, node):
+    """Every query row attended, the update scaled by keep * gate: static shapes."""
+    return onnx_target.OnnxLowering(onnx_target._conditional_attention_node,
+                                    [fx.conditional_attention_function("dense")])
+
+
 @lowering("adaptex::elastic_attention", target="tensorrt", variant="sparse")
 def elastic_attention_tensorrt_sparse(ctx, node):
     """The ONNX body: NonZero over the head modes (internal data-dependent shapes), Gather of each
@@ -84,7 +100,8 @@ def elastic_attention_tensorrt_dense(ctx, node):
 
 # --- routing nodes ---------------------------------------------------------------------------------
 
-ROUTING_INPUTS = {"BudgetedAttention": ("s", "p"), "ConditionalFFN": ("keep", "gate"), "ElasticAttention": ("sa",)}
+ROUTING_INPUTS = {"BudgetedAttention": ("s", "p"), "ConditionalFFN": ("keep", "gate"),
+                  "ConditionalAttention": ("keep", "gate"), "ElasticAttention": ("sa",)}
 
 
 def _scopes(node: onnx.NodeProto) -> str:
@@ -133,7 +150,7 @@ def mark_routing(proto: onnx.ModelProto) -> list[str]:
     sinks = {o.name for o in g.output if o.name.startswith("decisions.")}
     for n in nodes:
         names = {"BudgetedAttention": fx.INPUTS, "ConditionalFFN": fx.CFFN_INPUTS,
-                 "ElasticAttention": fx.EA_INPUTS}.get(n.op_type, [])
+                 "ConditionalAttention": fx.CA_INPUTS, "ElasticAttention": fx.EA_INPUTS}.get(n.op_type, [])
         sinks.update(n.input[pos] for pos, name in enumerate(names)
                      if name in ROUTING_INPUTS[n.op_type] and pos < len(n.input))
     marked = {i for i, r in enumerate(is_router) if r} | _graph_routing(g, router_outs, sinks)
