@@ -5,7 +5,10 @@
 
 Each task trains a TSA decoder and the dense decoder of the same size with the presets in
 graphs/train_tsa.py (PRESETS), evaluates both on held-out data in hard (deployed) mode, and prints
-our figures next to the paper's. The figures kept in README.md come from this script.
+our figures next to the paper's. It also trains the paper's comparison, an early-exit decoder of the
+same size (graphs/early_exit.py), calibrates its exit threshold to TSA's ops saved, and reports its
+quality at that matched compute (--no-early-exit skips it). The figures kept in README.md come
+from this script.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from graphs.train_tsa import PAPER, PRESETS, TSATrainConfig, evaluate_tsa, train
 from graphs.tsa import TSAConfig
 
 
-def run(task_name: str, steps: int | None, baseline: bool, save: str | None) -> dict:
+def run(task_name: str, steps: int | None, baseline: bool, save: str | None, early: bool = True) -> dict:
     p = dict(PRESETS[task_name])
     task = get_lm_task(task_name)
     cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
@@ -34,6 +37,12 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None) -> 
     if baseline:
         base = train_tsa(TSAConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc, desc=f"{task_name:<6} base")
         row["dense"] = evaluate_tsa(base, task, n, mode="hard")
+    if early:
+        from graphs.early_exit import calibrate_threshold, evaluate_early_exit, train_early_exit
+
+        ee = train_early_exit(cfg, task, tc, desc=f"{task_name:<6} exit")
+        thr = calibrate_threshold(ee, task, row["tsa"]["ops_saved"])
+        row["early_exit"] = evaluate_early_exit(ee, task, thr, n)
     row["seconds"] = time.perf_counter() - t0
     if save:
         from pathlib import Path
@@ -49,21 +58,25 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None) -> 
     return row
 
 
+def _quality(r: dict | None, lm: bool, ref: dict | None = None) -> str:
+    if r is None:
+        return "-"
+    if not lm:
+        return f"token acc {100 * r['token_accuracy']:.2f}%"
+    q = f"val loss {r['loss']:.4f}"
+    return q + (f" ({100 * (r['loss'] / ref['loss'] - 1):+.2f}%)" if ref else "")
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'task':<7} {'ops saved':>9} {'quality (TSA, hard)':>28} {'dense decoder':>22} "
-            f"{'steps':>6}  paper")
+            f"{'early exit, same ops saved':>38} {'steps':>6}  paper")
     out = [head, "-" * len(head)]
     for r in rows:
-        t, d = r["tsa"], r.get("dense")
-        if r["task"] == "charlm":
-            q = f"val loss {t['loss']:.4f}"
-            dq = f"val loss {d['loss']:.4f}" if d else "-"
-            if d:
-                q += f" ({100 * (t['loss'] / d['loss'] - 1):+.2f}%)"
-        else:
-            q = f"token acc {100 * t['token_accuracy']:.2f}%"
-            dq = f"token acc {100 * d['token_accuracy']:.2f}%" if d else "-"
-        out.append(f"{r['task']:<7} {100 * t['ops_saved']:8.1f}% {q:>28} {dq:>22} {r['steps']:>6}  {PAPER[r['task']]}")
+        lm = r["task"] == "charlm"
+        t, d, e = r["tsa"], r.get("dense"), r.get("early_exit")
+        ee = f"{_quality(e, lm, d)} at {100 * e['ops_saved']:.1f}%" if e else "-"
+        out.append(f"{r['task']:<7} {100 * t['ops_saved']:8.1f}% {_quality(t, lm, d):>28} {_quality(d, lm):>22} "
+                   f"{ee:>38} {r['steps']:>6}  {PAPER[r['task']]}")
     return "\n".join(out)
 
 
@@ -72,11 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(LM_TASKS), choices=LM_TASKS)
     ap.add_argument("--steps", type=int, default=None, help="override every task's preset step count")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dense decoders")
+    ap.add_argument("--no-early-exit", action="store_true", help="skip the early-exit decoders")
     ap.add_argument("--save", default=None, help="directory to write the trained TSA checkpoints to")
     args = ap.parse_args(argv)
     rows = []
     for t in args.tasks:
-        rows.append(run(t, args.steps, not args.no_baseline, args.save))
+        rows.append(run(t, args.steps, not args.no_baseline, args.save, not args.no_early_exit))
         print(table(rows[-1:]).splitlines()[-1], flush=True)  # each task's row as soon as it is done
     print(table(rows))
     return 0

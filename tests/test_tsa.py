@@ -236,3 +236,4 @@ def test_reproduction_script_prints_the_table(capsys):
     assert main(["--tasks", "copy", "sort", "--steps", "3", "--no-baseline"]) == 0
     out = capsys.readouterr().out
     assert "copy" in out and "54.9% saved at full accuracy" in out and "22.5% saved" in out and "ops saved" in out
+    assert "early exit, same ops saved" in out and "token acc" in out.split("early exit")[-1]
