@@ -1,7 +1,8 @@
 """Reproduce the TSA paper's table on our own runs: token-layer ops saved at (near) full quality.
 
-    python examples/tsa_reproduce.py                      # copy, sort, charlm (about 1 h on 2 cores)
-    python examples/tsa_reproduce.py --tasks copy sort    # the generated tasks only (~15 min)
+    python examples/tsa_reproduce.py                      # copy, sort, charlm (about 2.5 h on 2 cores)
+    python examples/tsa_reproduce.py --tasks copy sort    # the generated tasks only (~25 min)
+    python examples/tsa_reproduce.py --tasks charlm --steps 1000 --no-baseline   # ~15 min
 
 Each task trains a TSA decoder and the dense decoder of the same size with the presets in
 graphs/train_tsa.py (PRESETS), evaluates both on held-out data in hard (deployed) mode, and prints
