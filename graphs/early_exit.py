@@ -15,15 +15,13 @@ quality at matched compute. This is an eager reference for the comparison only; 
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from graphs.train import Progress
-from graphs.train_tsa import TSATrainConfig, _lm_loss
+from graphs.train_tsa import TSATrainConfig, _lm_loss, optimizer, optimizer_step
 from graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
 
 
@@ -91,20 +89,14 @@ def train_early_exit(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "earl
     torch.manual_seed(tc.seed)
     rng = np.random.default_rng(tc.seed)
     model = TSADecoder(TSAConfig.from_dict({**cfg.to_dict(), "adaptive": False}))
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tc.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / tc.steps))))
+    opt, sched = optimizer(model, tc)
     bar = Progress(tc.steps, desc)
     model.train()
     for step in range(1, tc.steps + 1):
         b = task.sample(tc.batch_size, rng)
         losses = [_lm_loss(lg, b) for lg in all_exit_logits(model, b.input_ids, b.attention_mask)]
         loss = torch.stack(losses).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         if step % 25 == 0 or step == tc.steps:
             bar.update(step, loss=float(losses[-1].detach()), first_exit=float(losses[0].detach()))
     return model.eval()

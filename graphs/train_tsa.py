@@ -43,6 +43,22 @@ def depth_loss(decisions: list[dict], mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([((1 - d["p"]) * m).sum() / m.sum().clamp(min=1) for d in decisions]).mean()
 
 
+def optimizer(model: torch.nn.Module, tc: TSATrainConfig):
+    """AdamW with a linear warm-up and a cosine decay over tc.steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tc.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / tc.steps))))
+    return opt, sched
+
+
+def optimizer_step(model: torch.nn.Module, opt, sched, loss: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
               init: dict | None = None) -> TSADecoder:
     """Train from scratch, or from `init` (a state dict: e.g. a trained dense decoder's weights, the
@@ -54,9 +70,7 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
         missing, unexpected = model.load_state_dict(init, strict=False)
         if unexpected or any(not k.startswith("routers.") for k in missing):
             raise ValueError(f"init weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tc.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / tc.steps))))
+    opt, sched = optimizer(model, tc)
     bar = Progress(tc.steps, desc)
     st_from = int(tc.steps * (1 - tc.st_frac))
     model.train()
@@ -71,11 +85,7 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
             # costs nothing and the routers would learn to skip everything before the FFNs matter
             ramp = min(1.0, max(0.0, (step / tc.steps - tc.lambda_delay) / tc.lambda_delay)) if tc.lambda_delay else 1.0
             loss = loss + tc.lambda_depth * ramp * depth_loss(decisions, b.attention_mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         if step % 25 == 0 or step == tc.steps:
             fields = {"loss": float(task_loss.detach())}
             if cfg.adaptive:
