@@ -22,18 +22,11 @@ from torch import Tensor
 
 from graphs.train import Progress
 from graphs.train_tsa import TSATrainConfig, _lm_loss, optimizer, optimizer_step
-from graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
+from graphs.tsa import TSAConfig, TSADecoder
 
 
 def _embed(model: TSADecoder, input_ids: Tensor, attention_mask: Tensor | None):
-    B, T = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones(B, T, dtype=torch.int64)
-    allowed = attention_mask_4d(attention_mask.bool(), 0, T)
-    bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[:, None]  # (B, 1, T, T)
-    pos = torch.arange(T)
-    pe = model.pos_emb(pos) if model.cfg.positions == "learned" else model.pos[pos]
-    return model.tok(input_ids) + pe[None], bias
+    return model.embed(input_ids, attention_mask, 0)
 
 
 def _block(blk, h: Tensor, bias: Tensor, empty: tuple[Tensor, Tensor]) -> Tensor:

@@ -169,6 +169,21 @@ class TSADecoder(nn.Module):
         z = torch.zeros(B, H, 0, dh, device=device)
         return [(z, z) for _ in range(self.cfg.num_layers)]
 
+    def embed(self, input_ids: Tensor, attention_mask: Tensor | None, P: int) -> tuple[Tensor, Tensor]:
+        """Token + position embeddings of the T new tokens (positions P..P+T-1), (B, T, d), and the
+        additive attention bias every layer shares, (B, 1, T, P+T): 0 visible, -inf hidden."""
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
+        allowed = attention_mask_4d(attention_mask.bool(), P, T)  # (B, T, P+T)
+        # one additive bias for every layer: an Add per layer, where a masked_fill would be a Where
+        # over (B, H, T, P+T) per layer (16% of prefill time at T=512 in ONNX Runtime)
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+            ~allowed, float("-inf"))[:, None]  # (B, 1, T, P+T)
+        pos = torch.arange(T, device=input_ids.device) + P
+        pe = self.pos_emb(pos) if self.cfg.positions == "learned" else self.pos[pos]  # (T, d)
+        return self.tok(input_ids) + pe[None], bias
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 past: list[tuple[Tensor, Tensor]] | None = None, mode: str = "hard",
                 force_keep: list[Tensor | None] | None = None):
@@ -182,17 +197,7 @@ class TSADecoder(nn.Module):
         B, T = input_ids.shape
         past = past if past is not None else self.empty_past(B, input_ids.device)
         P = past[0][0].shape[2]
-        if attention_mask is None:
-            attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
-        key_ok = attention_mask.bool()  # (B, P+T)
-        allowed = attention_mask_4d(key_ok, P, T)  # (B, T, P+T)
-        # one additive bias for every layer: an Add per layer, where a masked_fill would be a Where
-        # over (B, H, T, P+T) per layer (16% of prefill time at T=512 in ONNX Runtime)
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-            ~allowed, float("-inf"))[:, None]  # (B, 1, T, P+T)
-        pos = torch.arange(T, device=input_ids.device) + P
-        pe = self.pos_emb(pos) if self.cfg.positions == "learned" else self.pos[pos]  # (T, d)
-        h = self.tok(input_ids) + pe[None]  # (B, T, d)
+        h, bias = self.embed(input_ids, attention_mask, P)
         adaptive = cfg.adaptive and mode != "dense"
         decisions, presents = [], []
         gate = None  # (B, T) scale of this block's updates; None: ungated

@@ -167,7 +167,8 @@ def _decoder_flops(cfg, out: dict, meta: dict, seq: int, past: int) -> tuple[flo
     if meta.get("variant") == "dense":
         executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
     else:
-        executed = flops_per_token(cfg, ctx, rates, [float(k.sum(1).max()) / seq for k in keeps])
+        # at least one query row: a step whose every token skips still attends one (ungated) row
+        executed = flops_per_token(cfg, ctx, rates, [max(1.0, float(k.sum(1).max())) / seq for k in keeps])
     return flop_ratio, executed / dense, {"keep_rate_per_block": rates}
 
 
