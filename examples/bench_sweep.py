@@ -8,9 +8,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from exporter.targets import onnx as onnx_target
-from graphs import checkpoint
-from runtimes.bench import run_bench
+from adaptex.exporter.targets import onnx as onnx_target
+from adaptex.graphs import checkpoint
+from adaptex.runtimes.bench import run_bench
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from graphs import checkpoint  # noqa: E402
-from graphs.elastic import StdlibText, evaluate_elastic, summary_table_elastic  # noqa: E402
-from graphs.minilm import MiniLMTokenizer, default_model_dir  # noqa: E402
+from adaptex.graphs import checkpoint  # noqa: E402
+from adaptex.graphs.elastic import StdlibText, evaluate_elastic, summary_table_elastic  # noqa: E402
+from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir  # noqa: E402
 
 
 @torch.no_grad()
@@ -53,8 +53,8 @@ def random_routing_decoder(model, task, n, context, fraction, seed=1):
 
 
 def decoder(model, a):
-    from graphs.elastic_decoder import evaluate_elastic_decoder, summary_table_decoder
-    from graphs.lm_tasks import StdlibChars
+    from adaptex.graphs.elastic_decoder import evaluate_elastic_decoder, summary_table_decoder
+    from adaptex.graphs.lm_tasks import StdlibChars
 
     context = a.max_tokens or 512
     task = StdlibChars(context=context)

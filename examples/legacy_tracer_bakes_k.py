@@ -14,10 +14,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from exporter.targets import onnx as onnx_target
-from exporter.trace import ExportWrapper, output_names
-from graphs import checkpoint
-from graphs.tasks import GradedCues
+from adaptex.exporter.targets import onnx as onnx_target
+from adaptex.exporter.trace import ExportWrapper, output_names
+from adaptex.graphs import checkpoint
+from adaptex.graphs.tasks import GradedCues
 
 warnings.filterwarnings("ignore")
 

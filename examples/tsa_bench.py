@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtimes.bench import run_bench
-from runtimes.onnxruntime import OnnxRuntimeRunner
-from runtimes.source import load_source_model
+from adaptex.runtimes.bench import run_bench
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+from adaptex.runtimes.source import load_source_model
 
 SWEEP = [  # (batch, new tokens, cached tokens)
     (1, 128, 0), (1, 512, 0), (64, 128, 0), (64, 512, 0),  # prefill

@@ -17,9 +17,9 @@ import argparse
 import sys
 import time
 
-from graphs.lm_tasks import LM_TASKS, get_lm_task
-from graphs.train_tsa import PAPER, PRESETS, TSATrainConfig, evaluate_tsa, train_tsa
-from graphs.tsa import TSAConfig
+from adaptex.graphs.lm_tasks import LM_TASKS, get_lm_task
+from adaptex.graphs.recipes.tsa import PAPER, PRESETS, TSATrainConfig, evaluate_tsa, train_tsa
+from adaptex.graphs.tsa import TSAConfig
 
 
 def run(task_name: str, steps: int | None, baseline: bool, save: str | None, early: bool = True) -> dict:
@@ -39,7 +39,7 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None, ear
         base = train_tsa(TSAConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc, desc=f"{task_name:<6} base")
         row["dense"] = evaluate_tsa(base, task, n, mode="hard")
     if early:
-        from graphs.early_exit import calibrate_threshold, evaluate_early_exit, train_early_exit
+        from adaptex.graphs.early_exit import calibrate_threshold, evaluate_early_exit, train_early_exit
 
         ee = train_early_exit(cfg, task, tc, desc=f"{task_name:<6} exit")
         thr = calibrate_threshold(ee, task, row["tsa"]["ops_saved"])
@@ -48,7 +48,7 @@ def run(task_name: str, steps: int | None, baseline: bool, save: str | None, ear
     if save:
         from pathlib import Path
 
-        from graphs import checkpoint
+        from adaptex.graphs import checkpoint
 
         Path(save).mkdir(parents=True, exist_ok=True)
         checkpoint.save(f"{save}/tsa-{task_name}", model, {

@@ -1,5 +1,5 @@
 """Exporter errors. Every message is one line naming the problem and the fix."""
-from graphs.errors import AdaptexError, CheckpointError, InputError  # noqa: F401  (re-exported)
+from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError  # noqa: F401  (re-exported)
 
 
 class UnsupportedLowering(AdaptexError):

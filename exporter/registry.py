@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from exporter.errors import UnsupportedLowering
+from adaptex.exporter.errors import UnsupportedLowering
 
 TARGETS = ("onnx", "coreml", "tensorrt")
 VARIANTS = ("sparse", "dense")
@@ -116,4 +116,4 @@ def _load_targets() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from exporter.targets import coreml, onnx, tensorrt  # noqa: F401
+        from adaptex.exporter.targets import coreml, onnx, tensorrt  # noqa: F401

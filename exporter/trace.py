@@ -7,8 +7,8 @@ import warnings
 import torch
 from torch import Tensor
 
-import graphs  # noqa: F401  (registers the adaptex ops)
-from exporter.errors import ExportError
+import adaptex.graphs  # noqa: F401  (registers the adaptex ops)
+from adaptex.exporter.errors import ExportError
 
 INPUT_NAMES = ["input_ids", "attention_mask"]
 DECISION_FIELDS = ("k", "head_mask", "s")  # per layer, in this order

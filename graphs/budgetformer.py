@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphs.ops import budgeted_attention as ba
+from adaptex.graphs.ops import budgeted_attention as ba
 
 MODES = ("soft", "hard", "naive", "eager", "dense")
 

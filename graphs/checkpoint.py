@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
-from graphs.elastic import ElasticConfig, ElasticEncoder
-from graphs.elastic_decoder import ElasticDecoder, ElasticDecoderConfig
-from graphs.tsa import TSAConfig, TSADecoder
-from graphs.errors import CheckpointError
+from adaptex.graphs.budgetformer import BudgetFormer, BudgetFormerConfig
+from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
+from adaptex.graphs.elastic_decoder import ElasticDecoder, ElasticDecoderConfig
+from adaptex.graphs.tsa import TSAConfig, TSADecoder
+from adaptex.graphs.errors import CheckpointError
 
 ZOO = Path(__file__).parent / "zoo"
 DEFAULT_MODEL = "budgetformer-graded"
@@ -147,3 +147,18 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def describe_shipped() -> list[dict]:
+    """One row per shipped model: name, family, task, layers, heads, width, description, default."""
+    rows = []
+    for name, path in shipped_models().items():
+        info = json.loads((path / CONFIG).read_text())
+        cfg = info["config"]
+        rows.append({"name": name, "family": info["family"], "task": (info.get("training") or {}).get("task", "?"),
+                     "num_layers": cfg["num_layers"], "num_heads": cfg["num_heads"],
+                     # elastic: the backbone's width
+                     "d_model": cfg.get("d_model") or cfg["num_heads"] * cfg["head_dim"],
+                     "description": info.get("description", ""), "default": name == DEFAULT_MODEL,
+                     "path": str(path)})
+    return rows

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphs.train import Progress
-from graphs.train_tsa import TSATrainConfig, _lm_loss, optimizer, optimizer_step
-from graphs.tsa import TSAConfig, TSADecoder
+from adaptex.graphs.recipes.progress import Progress
+from adaptex.graphs.recipes.tsa import TSATrainConfig, _lm_loss, optimizer, optimizer_step
+from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 
 def _embed(model: TSADecoder, input_ids: Tensor, attention_mask: Tensor | None):

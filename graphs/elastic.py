@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import graphs.ops.elastic_attention as ea
-from graphs.errors import AdaptexError
+import adaptex.graphs.ops.elastic_attention as ea
+from adaptex.graphs.errors import AdaptexError
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -100,8 +100,8 @@ class ElasticEncoder(nn.Module):
     def from_config(cls, cfg: ElasticConfig) -> "ElasticEncoder":
         """The pretrained backbone from its package, checked against the sha256 the routers were
         trained on, plus fresh routers (a checkpoint then loads theirs)."""
-        from graphs.errors import CheckpointError
-        from graphs.minilm import MiniLMConfig, MiniLMEncoder, load_minilm
+        from adaptex.graphs.errors import CheckpointError
+        from adaptex.graphs.minilm import MiniLMConfig, MiniLMEncoder, load_minilm
 
         if cfg.backbone == "inline":  # a small encoder whose weights the checkpoint carries (tests)
             return cls(cfg, MiniLMEncoder(MiniLMConfig.from_dict(cfg.backbone_config)).eval())

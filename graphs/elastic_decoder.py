@@ -32,10 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import graphs.ops.elastic_attention as ea
-from graphs.elastic import HeadRouter, sparsity
-from graphs.errors import AdaptexError, CheckpointError, InputError
-from graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
+import adaptex.graphs.ops.elastic_attention as ea
+from adaptex.graphs.elastic import HeadRouter, sparsity
+from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
+from adaptex.graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
 
 MODES = ("soft", "hard", "hard_dense", "full")
 

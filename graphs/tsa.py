@@ -30,9 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphs.budgetformer import sinusoids
-from graphs.ops import conditional_attention as ca
-from graphs.ops import conditional_ffn as cf
+from adaptex.graphs.budgetformer import sinusoids
+from adaptex.graphs.ops import conditional_attention as ca
+from adaptex.graphs.ops import conditional_ffn as cf
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")
 

@@ -23,7 +23,7 @@ def _hwm_mb() -> float:
 def _coreml(path: str, inputs: str, units: str) -> None:
     import coremltools as ct
 
-    from runtimes.coreml import COMPUTE_UNITS
+    from adaptex.runtimes.coreml import COMPUTE_UNITS
 
     base = _hwm_mb()
     m = ct.models.MLModel(path, compute_units=getattr(ct.ComputeUnit, COMPUTE_UNITS[units]))

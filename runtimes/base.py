@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphs.errors import InputError
+from adaptex.graphs.errors import InputError
 
 
 @dataclass(frozen=True)

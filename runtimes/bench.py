@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.budgetformer import flops_per_sample
-from exporter.trace import is_decoder
-from graphs.errors import AdaptexError
-from runtimes.onnxruntime import OnnxRuntimeRunner, session_options
+from adaptex.graphs.budgetformer import flops_per_sample
+from adaptex.exporter.trace import is_decoder
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, session_options
 
 
 @dataclass
@@ -55,7 +55,7 @@ def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str
 
     import torch
 
-    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, io_names
+    from adaptex.exporter.trace import dynamic_shapes, example_inputs, export_wrapper, io_names
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     out = {}
@@ -79,7 +79,7 @@ def export_counterparts(model, workdir: Path) -> dict[str, tuple[str | None, str
 
 def bench_inputs(cfg, task_name: str | None, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Task inputs at the requested length where the task can make them, else random tokens."""
-    from graphs.tasks import get_task
+    from adaptex.graphs.tasks import get_task
 
     rng = np.random.default_rng(seed)
     try:
@@ -98,8 +98,8 @@ def elastic_bench_inputs(cfg, batch: int, seq: int, seed: int = 0) -> dict[str, 
     tokens for an inline (test) backbone."""
     rng = np.random.default_rng(seed)
     if cfg.backbone == "minilm":
-        from graphs.elastic import StdlibText
-        from graphs.minilm import MiniLMTokenizer, default_model_dir
+        from adaptex.graphs.elastic import StdlibText
+        from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
 
         tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
         ids, _ = tok.encode(StdlibText().sample(batch, rng, split="val", join=40), max_length=seq)
@@ -124,7 +124,7 @@ def elastic_flops(cfg, sa: np.ndarray, T: int) -> float:
 def decoder_bench_inputs(cfg, task_name: str | None, batch: int, seq: int, past: int, seed: int = 0) -> dict:
     """Feeds for a decoder step of `seq` new tokens after `past` cached ones; the cache itself is filled
     by a prefill of the preceding text (key "_prefill"), run on the adaptive artifact by run_bench."""
-    from graphs.lm_tasks import get_lm_task
+    from adaptex.graphs.lm_tasks import get_lm_task
 
     rng = np.random.default_rng(seed)
     n = past + seq
@@ -157,7 +157,7 @@ def _decoder_flops(cfg, out: dict, meta: dict, seq: int, past: int) -> tuple[flo
     (keys and values are computed for every token). The mean attention context of a step is
     past + (seq + 1) / 2 (causal). The sparse graph runs each block's FFN on exactly its kept tokens
     but its queries on the batch's largest per-sample kept count in every sample."""
-    from graphs.tsa import flops_per_token
+    from adaptex.graphs.tsa import flops_per_token
 
     keeps = [np.asarray(out[f"decisions.layer{li}.keep"]).reshape(-1, seq) for li in range(1, cfg.num_layers)]
     rates = [float(k.mean()) for k in keeps]
@@ -173,7 +173,7 @@ def _decoder_flops(cfg, out: dict, meta: dict, seq: int, past: int) -> tuple[flo
 
 
 def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
-    r = subprocess.run([sys.executable, "-m", "runtimes._memworker", path, inputs, str(threads), compute_units],
+    r = subprocess.run([sys.executable, "-m", "adaptex.runtimes._memworker", path, inputs, str(threads), compute_units],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         return None
@@ -209,7 +209,7 @@ def _onnx_graphs(artifact, model, tmp: Path, threads: int, say) -> tuple[list[Ti
 
 def export_coreml_counterparts(model, workdir: Path, precision: str, min_target: str) -> dict:
     """Dense counterpart and naive export as Core ML packages by stock coremltools: name -> (path, reason)."""
-    from exporter.targets import coreml as target
+    from adaptex.exporter.targets import coreml as target
 
     out = {}
     for name in ("dense", "naive"):
@@ -225,7 +225,7 @@ def export_coreml_counterparts(model, workdir: Path, precision: str, min_target:
 def _coreml_graphs(artifact, model, meta: dict, tmp: Path, compute_units: str, say) -> tuple[list[Timing], dict, str]:
     import coremltools as ct
 
-    from runtimes import coreml
+    from adaptex.runtimes import coreml
 
     if not coreml.available():
         raise AdaptexError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' "
@@ -249,8 +249,8 @@ def _coreml_graphs(artifact, model, meta: dict, tmp: Path, compute_units: str, s
 def _tensorrt_graphs(artifact, model, info: dict, meta: dict, tmp: Path, say):
     """The engine, against a dense engine built from the same checkpoint with the same profile and
     precision, and the stock export's engine where TensorRT builds one. Timed by CUDA events."""
-    from exporter.targets import tensorrt
-    from runtimes.tensorrt import TensorRTRunner
+    from adaptex.exporter.targets import tensorrt
+    from adaptex.runtimes.tensorrt import TensorRTRunner
 
     prof, precision = meta["tensorrt"]["profile"], meta.get("precision", "fp32")
     say(f"building the dense counterpart engine ({precision}) ...")
@@ -284,12 +284,12 @@ def _tensorrt_graphs(artifact, model, info: dict, meta: dict, tmp: Path, say):
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
               warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
               progress=None, compute_units: str = "all", past: int = 0) -> dict:
-    from runtimes.coreml_mil import read_package_meta
+    from adaptex.runtimes.coreml_mil import read_package_meta
 
     is_coreml = Path(artifact).suffix == ".mlpackage"
     is_trt = Path(artifact).suffix in (".plan", ".engine")
     if is_trt:
-        from runtimes.tensorrt import read_plan_meta
+        from adaptex.runtimes.tensorrt import read_plan_meta
 
         meta = read_plan_meta(artifact)
     else:
@@ -361,7 +361,7 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     # batch's largest k for every sample). Realisation is measured against the decisions (DESIGN §5),
     # so work a lowering wastes counts against it.
     if cfg.family == "elastic_decoder":
-        from graphs.elastic_decoder import attention_flops
+        from adaptex.graphs.elastic_decoder import attention_flops
 
         sa = np.stack([adaptive_out[f"decisions.layer{i}.sa"] for i in range(cfg.num_layers)], axis=1)  # (B, L, H)
         flops = np.array([attention_flops(cfg, row, seq, past) for row in sa])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.errors import AdaptexError
-from runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
 
 COMPUTE_UNITS = {"cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AND_NE", "all": "ALL"}
 
@@ -49,7 +49,7 @@ class CoreMLRunner(Runner):
         self.path, self.compute_units = Path(path), compute_units
         self.name = f"Core ML runtime ({compute_units})"
         self._ct = ct
-        from runtimes.coreml_mil import package_meta
+        from adaptex.runtimes.coreml_mil import package_meta
 
         self.meta = package_meta(ct.models.MLModel(str(self.path), skip_model_load=True).get_spec(), self.path)
         cfg = self.meta["config"]
@@ -64,11 +64,11 @@ class CoreMLRunner(Runner):
         self.model = None
 
     def input_metadata(self) -> dict[str, IOSpec]:
-        from runtimes.coreml_mil import input_specs
+        from adaptex.runtimes.coreml_mil import input_specs
 
         return input_specs(self.meta)
 
     def _infer(self, feeds):
-        from runtimes.coreml_mil import canonical_outputs, coreml_feeds
+        from adaptex.runtimes.coreml_mil import canonical_outputs, coreml_feeds
 
         return canonical_outputs(self.meta, self.model.predict(coreml_feeds(self.meta, _typed(feeds))))

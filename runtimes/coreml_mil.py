@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.errors import AdaptexError
-from runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 DT = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32, "bool": np.bool_, "int64": np.int64,
@@ -173,7 +173,7 @@ def read_package_meta(path: str | Path) -> dict:
 def canonical_outputs(meta: dict, outputs: dict) -> dict:
     """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
     (and a decoder's present_0_key for present.0.key)."""
-    from exporter.trace import elastic_output_names, output_names
+    from adaptex.exporter.trace import elastic_output_names, output_names
 
     cfg = meta["config"]
     if _is_decoder(meta):

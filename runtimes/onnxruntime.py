@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporter.artifact import read_onnx_metadata
-from graphs.errors import AdaptexError
-from runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.exporter.metadata import read_onnx_metadata
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
 
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool)": "bool",
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
@@ -66,30 +66,3 @@ class OnnxRuntimeRunner(Runner):
     def run_raw(self, feeds):
         """Run without validation (for timing loops, after one validated call)."""
         return self.session.run(None, feeds)
-
-
-def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None) -> Runner:
-    """The runner for an artifact, by its kind. A Core ML package runs on the Core ML runtime on macOS,
-    and is checked by MIL reference evaluation elsewhere (or when compute_units is None off macOS)."""
-    path = Path(path)
-    if path.suffix == ".onnx":
-        return OnnxRuntimeRunner(path, threads)
-    if path.suffix == ".mlpackage":
-        if not path.exists():
-            raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
-        from runtimes import coreml
-
-        if coreml.available():
-            return coreml.CoreMLRunner(path, compute_units or "all")
-        if compute_units:
-            raise AdaptexError(f"--compute-units {compute_units} needs the Core ML runtime (macOS); without it "
-                               "'adaptex check' evaluates the package's program in numpy")
-        from runtimes.coreml_mil import MilReferenceRunner
-
-        return MilReferenceRunner(path)
-    if path.suffix in (".plan", ".engine"):
-        from runtimes.tensorrt import TensorRTRunner
-
-        return TensorRTRunner(path)
-    raise AdaptexError(f"{path}: unknown artifact kind {path.suffix or '(no suffix)'!r}; "
-                       "adaptex runs .onnx, .mlpackage and TensorRT .plan/.engine artifacts")

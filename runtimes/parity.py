@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from graphs.tasks import get_task
-from runtimes.base import Runner
-from runtimes.torch_ref import TorchRunner
+from adaptex.graphs.tasks import get_task
+from adaptex.runtimes.base import Runner
+from adaptex.runtimes.torch_ref import TorchRunner
 
 # Tolerances by body precision (DESIGN §4); never loosened silently.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
@@ -280,7 +280,7 @@ def decoder_parity_inputs(cfg, task_name: str | None, samples: int, seed: int = 
 
     Task text where the task can make it (copy, sort, the character LM), random tokens otherwise;
     some batches left-padded; prefill lengths from 1 token to the whole sequence."""
-    from graphs.lm_tasks import get_lm_task
+    from adaptex.graphs.lm_tasks import get_lm_task
 
     rng = np.random.default_rng(seed)
     try:
@@ -448,8 +448,8 @@ def elastic_parity_inputs(cfg, samples: int, seed: int = 0) -> list[dict[str, np
     lengths = sorted({min(n, cfg.max_len) for n in (8, 32, 64, 128, 256, cfg.max_len)})
     text = tok = None
     if cfg.backbone == "minilm":
-        from graphs.elastic import StdlibText
-        from graphs.minilm import MiniLMTokenizer, default_model_dir
+        from adaptex.graphs.elastic import StdlibText
+        from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
 
         tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
         text = StdlibText()

@@ -1,8 +1,8 @@
 """Finding the eager model an artifact was exported from (parity and bench need it)."""
 from __future__ import annotations
 
-from graphs import checkpoint
-from graphs.errors import AdaptexError
+from adaptex.graphs import checkpoint
+from adaptex.graphs.errors import AdaptexError
 
 
 def load_source_model(meta: dict, model_arg: str | None):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.errors import AdaptexError
-from runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
 
 
 def _cudart():
@@ -53,7 +53,7 @@ def _check(result):
 
 
 def read_plan_meta(path: str | Path) -> dict:
-    from exporter.targets.tensorrt import sidecar
+    from adaptex.exporter.targets.tensorrt import sidecar
 
     path = Path(path)
     if not path.is_file():

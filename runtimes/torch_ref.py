@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from exporter.trace import DECISION_FIELDS, INPUT_NAMES, io_names, is_decoder, output_names
-from runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.exporter.trace import DECISION_FIELDS, INPUT_NAMES, io_names, is_decoder, output_names
+from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
 
 
 class TorchRunner(Runner):

@@ -24,7 +24,7 @@ def _tensorrt_reason() -> str | None:
         import tensorrt  # noqa: F401  (the registry's stub packages fail here)
     except Exception as e:
         return f"tensorrt does not import ({type(e).__name__}): a stub or a broken install"
-    from runtimes.tensorrt import cuda_device_count
+    from adaptex.runtimes.tensorrt import cuda_device_count
 
     if cuda_device_count() < 1:
         return "TensorRT needs a CUDA GPU, and cuda-python sees none"
@@ -56,8 +56,8 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_checkpoint, tmp_path_factory):
     """The tiny checkpoint exported to ONNX, both variants: {variant: path}."""
-    from exporter.targets import onnx as target
-    from graphs import checkpoint
+    from adaptex.exporter.targets import onnx as target
+    from adaptex.graphs import checkpoint
 
     model, info = checkpoint.load(tiny_checkpoint)
     out = {}
@@ -72,7 +72,7 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
 def family_checkpoints(tmp_path_factory):
     """Tiny checkpoints of every family: BudgetFormer ("bf"), TSA decoder ("tsa"), elastic encoder
     ("el") and elastic decoder ("eldec"), in one directory (returned)."""
-    from graphs import checkpoint
+    from adaptex.graphs import checkpoint
 
     d = tmp_path_factory.mktemp("families")
     zoo.save_tiny(d / "bf")

@@ -6,7 +6,7 @@ import sys
 import onnx
 import pytest
 
-from exporter.cli import main
+from adaptex.cli import main
 
 
 def run(capsys, *argv):
@@ -64,7 +64,7 @@ def test_models_lists_the_default(capsys):
 
 
 def test_console_script_is_installed():
-    r = subprocess.run([sys.executable, "-m", "exporter.cli", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "adaptex", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "export" in r.stdout and "bench" in r.stdout
 
 
@@ -77,7 +77,7 @@ def test_train_writes_a_loadable_checkpoint_and_a_summary(tmp_path, capsys, task
     assert code == 0, err
     assert "heads used" in text and "standard Transformer, same size" in text and "mean s" in text
     assert "budgetformer 6/6" in err and "baseline" in err  # progress for both runs
-    from graphs import checkpoint
+    from adaptex.graphs import checkpoint
 
     model, info = checkpoint.load(out)
     assert info["training"]["task"] == task and "baseline" in info["evaluation"]

@@ -6,12 +6,12 @@ import pytest
 
 pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
 
-from exporter.cli import main  # noqa: E402
-from exporter.targets import coreml as target  # noqa: E402
-from graphs import checkpoint  # noqa: E402
-from runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
-from runtimes.parity import check  # noqa: E402
-from runtimes.torch_ref import TorchRunner  # noqa: E402
+from adaptex.cli import main  # noqa: E402
+from adaptex.exporter.targets import coreml as target  # noqa: E402
+from adaptex.graphs import checkpoint  # noqa: E402
+from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+from adaptex.runtimes.parity import check  # noqa: E402
+from adaptex.runtimes.torch_ref import TorchRunner  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_package_metadata_seen_in_xcode(packages):
 def test_sequence_above_the_exported_bound_is_refused(packages):
     import numpy as np
 
-    from graphs.errors import InputError
+    from adaptex.graphs.errors import InputError
 
     feeds = {n: np.ones((1, 65), dtype=np.int32) for n in ("input_ids", "attention_mask")}
     with pytest.raises(InputError, match="sequence length 65 exceeds the model's maximum 64"):
@@ -182,7 +182,7 @@ def test_sequence_above_the_exported_bound_is_refused(packages):
 @pytest.mark.parametrize("units", ["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"])
 def test_core_ml_runtime_parity(packages, tiny_checkpoint, units):
     """On macOS: the package run by Core ML itself, per compute-unit choice (skipped elsewhere)."""
-    from runtimes.coreml import CoreMLRunner
+    from adaptex.runtimes.coreml import CoreMLRunner
 
     model, _ = checkpoint.load(tiny_checkpoint)
     report = check(CoreMLRunner(packages["sparse"], units), TorchRunner(model), samples=40, task="graded")
@@ -204,8 +204,8 @@ def test_bench_counterparts_convert_on_linux_and_compute_the_dense_model(tiny_ch
     import numpy as np
     import torch
 
-    from runtimes.bench import export_coreml_counterparts
-    from runtimes.coreml_mil import load_program, run
+    from adaptex.runtimes.bench import export_coreml_counterparts
+    from adaptex.runtimes.coreml_mil import load_program, run
 
     model, _ = checkpoint.load(tiny_checkpoint)
     got = export_coreml_counterparts(model, tmp_path, "fp32", "iOS17")
@@ -225,9 +225,9 @@ def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_che
     proves the plumbing (counterparts, interleaved timing, decisions, report), not any latency."""
     from pathlib import Path
 
-    from runtimes import coreml
-    from runtimes.bench import format_bench, run_bench
-    from runtimes.coreml_mil import load_program, run
+    from adaptex.runtimes import coreml
+    from adaptex.runtimes.bench import format_bench, run_bench
+    from adaptex.runtimes.coreml_mil import load_program, run
 
     def predictor(path, units):
         _, program = load_program(Path(path))

@@ -10,13 +10,13 @@ pytest.importorskip("coremltools", reason="the Core ML target needs coremltools 
 
 import torch  # noqa: E402
 
-import graphs.ops.elastic_attention as ea  # noqa: E402
-from exporter.cli import main  # noqa: E402
-from exporter.targets import coreml as target  # noqa: E402
-from graphs import checkpoint  # noqa: E402
-from runtimes import coreml_mil, parity  # noqa: E402
-from runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
-from runtimes.torch_ref import TorchRunner  # noqa: E402
+import adaptex.graphs.ops.elastic_attention as ea  # noqa: E402
+from adaptex.cli import main  # noqa: E402
+from adaptex.exporter.targets import coreml as target  # noqa: E402
+from adaptex.graphs import checkpoint  # noqa: E402
+from adaptex.runtimes import coreml_mil, parity  # noqa: E402
+from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+from adaptex.runtimes.torch_ref import TorchRunner  # noqa: E402
 from tests import zoo  # noqa: E402
 
 SAMPLES = 40

@@ -12,9 +12,9 @@ pytest.importorskip("coremltools", reason="the Core ML target needs coremltools 
 
 import torch  # noqa: E402
 
-from exporter.targets import coreml as target  # noqa: E402
-from graphs.tsa import TSAConfig, TSADecoder  # noqa: E402
-from runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+from adaptex.exporter.targets import coreml as target  # noqa: E402
+from adaptex.graphs.tsa import TSAConfig, TSADecoder  # noqa: E402
+from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
 
 CFG = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, max_len=32)
 B, T = 4, 10  # prefill of T tokens, then one decode step
@@ -290,7 +290,7 @@ def test_decoder_package_interface_and_metadata(packages):
 
 
 def test_decoder_feeds_are_validated(packages):
-    from graphs.errors import InputError
+    from adaptex.graphs.errors import InputError
 
     runner = MilReferenceRunner(packages["sparse", "fp32"][0])
     ids = np.ones((1, 4), np.int32)
@@ -303,7 +303,7 @@ def test_decoder_feeds_are_validated(packages):
 def test_stock_counterpart_of_a_decoder_converts_and_computes_hard_dense(model, tmp_path):
     """`adaptex bench`'s naive counterpart of a decoder: its hard_dense path (every token through every
     FFN, no adaptex op) converted by stock coremltools, with the adaptive package's inputs."""
-    from runtimes.coreml_mil import load_program, run
+    from adaptex.runtimes.coreml_mil import load_program, run
 
     path = target.export_stock(model, tmp_path / "naive.mlpackage", "naive", precision="fp32")
     _, program = load_program(path)
@@ -320,8 +320,8 @@ def test_stock_counterpart_of_a_decoder_converts_and_computes_hard_dense(model, 
 def test_tsa_packages_default_to_fp32_bodies():
     """fp16 bodies missed the fp16 tolerance on the shipped character LM (README), so a TSA package
     is fp32 unless fp16 is asked for; BudgetFormer keeps the fp16 default."""
-    from graphs.budgetformer import BudgetFormerConfig
-    from graphs.tsa import TSAConfig
+    from adaptex.graphs.budgetformer import BudgetFormerConfig
+    from adaptex.graphs.tsa import TSAConfig
 
     assert target.default_precision(TSAConfig(vocab_size=32)) == "fp32"
     assert target.default_precision(BudgetFormerConfig()) == "fp16"

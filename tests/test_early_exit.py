@@ -1,10 +1,10 @@
 """The early-exit baseline (TSA's comparison at matched compute): exits, frozen states, calibration."""
 import torch
 
-from graphs import early_exit as ee
-from graphs.lm_tasks import get_lm_task
-from graphs.train_tsa import TSATrainConfig
-from graphs.tsa import TSAConfig, TSADecoder
+from adaptex.graphs import early_exit as ee
+from adaptex.graphs.lm_tasks import get_lm_task
+from adaptex.graphs.recipes.tsa import TSATrainConfig
+from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 CFG = TSAConfig(vocab_size=32, d_model=32, num_heads=4, num_layers=4, d_ff=64, max_len=32, positions="learned",
                 adaptive=False)

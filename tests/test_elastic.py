@@ -10,11 +10,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from exporter.cli import main
-from exporter.targets import onnx_functions as fx
-from graphs import checkpoint
-from graphs.errors import AdaptexError, InputError
-from graphs.ops import elastic_attention as ea
+from adaptex.cli import main
+from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.graphs import checkpoint
+from adaptex.graphs.errors import AdaptexError, InputError
+from adaptex.graphs.ops import elastic_attention as ea
 from tests import zoo
 
 CASES = [(2, 4, 16, 16), (2, 4, 1, 20), (1, 3, 5, 30), (3, 2, 40, 40)]  # (B, H, T new, S keys)
@@ -78,7 +78,7 @@ def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, causal):
 # --- the model ------------------------------------------------------------------------------------
 
 def test_router_pools_first_and_last_real_tokens():
-    r = ea_router = __import__("graphs.elastic", fromlist=["HeadRouter"]).HeadRouter(2, 4, 8, pool_tokens=2)
+    r = ea_router = __import__("adaptex.graphs.elastic", fromlist=["HeadRouter"]).HeadRouter(2, 4, 8, pool_tokens=2)
     k = torch.arange(6, dtype=torch.float32)[None, None, :, None].expand(1, 2, 6, 4)  # key j = j
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # 5 real tokens
     pooled = r.pool(k, mask)  # first 2 real: mean 0.5; last 2 real (3, 4): mean 3.5; padding ignored
@@ -87,7 +87,7 @@ def test_router_pools_first_and_last_real_tokens():
 
 
 def test_training_moves_only_the_routers():
-    from graphs.elastic import ElasticTrainConfig, train_elastic
+    from adaptex.graphs.elastic import ElasticTrainConfig, train_elastic
 
     model = zoo.tiny_elastic()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -130,7 +130,7 @@ def test_export_and_parity(elastic_ckpt, tmp_path, capsys, variant):
 def test_tensorrt_bound_onnx_lints_and_passes(elastic_ckpt, tmp_path, capsys):
     import onnx
 
-    from exporter.targets import tensorrt_rules
+    from adaptex.exporter.targets import tensorrt_rules
 
     out = tmp_path / "el.trt.onnx"
     assert main(["export", str(elastic_ckpt), "--target", "tensorrt", "--onnx-only", "-o", str(out)]) == 0

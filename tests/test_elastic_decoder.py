@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from exporter.cli import main
-from exporter.trace import adaptex_nodes, io_names, trace
-from graphs import checkpoint
-from graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
-from graphs.errors import InputError
+from adaptex.cli import main
+from adaptex.exporter.trace import adaptex_nodes, io_names, trace
+from adaptex.graphs import checkpoint
+from adaptex.graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
+from adaptex.graphs.errors import InputError
 from tests import zoo
 
 
@@ -83,7 +83,7 @@ def test_training_moves_only_the_routers():
 
     class Task:
         def sample(self, n, rng):
-            from graphs.lm_tasks import LMBatch
+            from adaptex.graphs.lm_tasks import LMBatch
 
             ids = torch.from_numpy(rng.integers(1, 40, size=(n, 33)))
             return LMBatch(ids[:, :-1], ids[:, 1:], torch.ones(n, 32, dtype=torch.bool), torch.ones(n, 32, dtype=torch.long))
@@ -118,7 +118,7 @@ def test_export_and_parity_on_every_target(ckpt, tmp_path, capsys, target, varia
     if target == "tensorrt":
         import onnx
 
-        from exporter.targets import tensorrt_rules
+        from adaptex.exporter.targets import tensorrt_rules
 
         assert tensorrt_rules.lint(onnx.load(str(out))) == []
 
@@ -149,7 +149,7 @@ def test_attention_flops_count_sa_heads_at_sink_plus_window(model):
 def test_bad_input(model, ckpt, tmp_path, capsys):
     with pytest.raises(InputError, match="exceed the decoder's 128 positions"):
         model(torch.ones(1, 129, dtype=torch.long))
-    from runtimes.onnxruntime import open_artifact
+    from adaptex.runtimes.open import open_artifact
 
     out = tmp_path / "ed.onnx"
     assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
@@ -188,7 +188,7 @@ def test_cli_trains_a_dense_backbone_then_its_routers(tmp_path, capsys):
 
 def test_generation_example_matches_eager_greedy_decoding(ckpt, model, tmp_path):
     from examples.tsa_generate import Generator
-    from graphs.elastic_decoder import generate
+    from adaptex.graphs.elastic_decoder import generate
 
     out = tmp_path / "ed.onnx"
     assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from exporter.cli import main
-from graphs.errors import InputError
-from runtimes.onnxruntime import OnnxRuntimeRunner
+from adaptex.cli import main
+from adaptex.graphs.errors import InputError
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
 
 def fails(capsys, *argv, match):
@@ -121,11 +121,11 @@ def test_train_rejects_bad_settings(tmp_path, capsys, argv, match):
 
 
 def test_bench_rejects_bad_runs(tiny_onnx, capsys):
-    fails(capsys, "bench", tiny_onnx["sparse"], "--runs", "0", match="--runs must be at least 1")
+    fails(capsys, "bench", tiny_onnx["sparse"], "--runs", "0", match="--runs 0: must be at least 1")
 
 
 def test_unexpected_failures_are_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from exporter.targets import onnx as target
+    from adaptex.exporter.targets import onnx as target
 
     def boom(*a, **k):
         raise ZeroDivisionError("a bug")

@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from graphs.errors import AdaptexError, CheckpointError, InputError
-from graphs.minilm import MiniLMConfig, MiniLMEncoder, full_attention, load_minilm
+from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
+from adaptex.graphs.minilm import MiniLMConfig, MiniLMEncoder, full_attention, load_minilm
 
 HANDWRITTEN = [
     "Hello world!",
@@ -165,7 +165,7 @@ ALL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 def model_dir(tmp_path, config_edit=None, tokenizer=None, files=ALL_FILES):
     """A model directory in tmp_path: the packaged files linked in, config.json edited, tokenizer replaced."""
-    from graphs.minilm import default_model_dir
+    from adaptex.graphs.minilm import default_model_dir
 
     src, d = default_model_dir(), tmp_path / "model"
     d.mkdir()

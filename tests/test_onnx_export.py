@@ -6,11 +6,11 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.artifact import read_onnx_metadata
-from graphs import checkpoint
-from runtimes.onnxruntime import OnnxRuntimeRunner
-from runtimes.parity import check
-from runtimes.torch_ref import TorchRunner
+from adaptex.exporter.metadata import read_onnx_metadata
+from adaptex.graphs import checkpoint
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+from adaptex.runtimes.parity import check
+from adaptex.runtimes.torch_ref import TorchRunner
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphs.ops import budgeted_attention as ba
+from adaptex.graphs.ops import budgeted_attention as ba
 
 
 def _inputs(B, T, H, dh, seed, pad=True):

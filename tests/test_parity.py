@@ -1,13 +1,13 @@
 """Parity catches what a one-input comparison misses, and excuses only boundary cases."""
 import numpy as np
 
-from exporter import registry
-from exporter.targets import onnx as onnx_target
-from exporter.targets import onnx_functions as fx
-from graphs import checkpoint
-from runtimes.onnxruntime import OnnxRuntimeRunner
-from runtimes.parity import _k_margin, _mask_margin, check, parity_inputs
-from runtimes.torch_ref import TorchRunner
+from adaptex.exporter import registry
+from adaptex.exporter.targets import onnx as onnx_target
+from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.graphs import checkpoint
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+from adaptex.runtimes.parity import _k_margin, _mask_margin, check, parity_inputs
+from adaptex.runtimes.torch_ref import TorchRunner
 from tests import zoo
 
 

@@ -1,9 +1,9 @@
 """The lowering registry: every op x target x variant cell works or refuses with a reason."""
 import pytest
 
-from exporter import registry
-from exporter.errors import UnsupportedLowering
-from graphs.ops import OPS
+from adaptex.exporter import registry
+from adaptex.exporter.errors import UnsupportedLowering
+from adaptex.graphs.ops import OPS
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

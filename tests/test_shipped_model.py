@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from graphs import checkpoint
-from graphs.tasks import GradedCues
-from graphs.train import evaluate
+from adaptex.graphs import checkpoint
+from adaptex.graphs.tasks import GradedCues
+from adaptex.graphs.recipes.budgetformer import evaluate
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +47,10 @@ def test_recorded_summary_reproduces(shipped):
 
 
 def test_shipped_model_exports_and_passes_parity(shipped, tmp_path):
-    from exporter.targets import onnx as target
-    from runtimes.onnxruntime import OnnxRuntimeRunner
-    from runtimes.parity import check
-    from runtimes.torch_ref import TorchRunner
+    from adaptex.exporter.targets import onnx as target
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.parity import check
+    from adaptex.runtimes.torch_ref import TorchRunner
 
     (model, info), _ = shipped
     info = {**info, "name": checkpoint.DEFAULT_MODEL}
@@ -63,8 +63,8 @@ def test_shipped_model_exports_and_passes_parity(shipped, tmp_path):
 def test_shipped_elastic_minilm_meets_its_bar_and_reproduces():
     """elastic-minilm: the recorded held-out figures meet issue 5's bar (>= 50% SA heads at mean
     cosine >= 0.98), and a fresh evaluation on 32 of the same passages agrees with them."""
-    from graphs.elastic import StdlibText, evaluate_elastic
-    from graphs.minilm import MiniLMTokenizer, default_model_dir
+    from adaptex.graphs.elastic import StdlibText, evaluate_elastic
+    from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
 
     model, info = checkpoint.load("elastic-minilm")
     held = info["evaluation"]["held_out"]
@@ -80,8 +80,8 @@ def test_shipped_elastic_charlm_reproduces():
     """elastic-charlm: routers on the frozen charlm-dense decoder; a fresh evaluation on 8 of the
     recorded held-out windows agrees with the recorded SA fraction and loss increase, and the
     backbone inside it is charlm-dense's, untouched."""
-    from graphs.elastic_decoder import evaluate_elastic_decoder
-    from graphs.lm_tasks import StdlibChars
+    from adaptex.graphs.elastic_decoder import evaluate_elastic_decoder
+    from adaptex.graphs.lm_tasks import StdlibChars
 
     model, info = checkpoint.load("elastic-charlm")
     held = info["evaluation"]["held_out"]

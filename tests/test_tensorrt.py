@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from exporter.cli import main
-from exporter.errors import ExportError
-from exporter.targets import tensorrt, tensorrt_rules
-from graphs import checkpoint
+from adaptex.cli import main
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.targets import tensorrt, tensorrt_rules
+from adaptex.graphs import checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from exporter.cli import main
+from adaptex.cli import main
 
 pytestmark = pytest.mark.tensorrt
 

@@ -1,7 +1,7 @@
 """torch.export keeps each adaptive op as one node, with dynamic batch and sequence axes."""
 import torch
 
-from exporter.trace import adaptex_nodes, output_names, trace
+from adaptex.exporter.trace import adaptex_nodes, output_names, trace
 from tests import zoo
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphs import checkpoint, losses
-from graphs.budgetformer import BudgetFormerConfig, RoutingSchedule
-from graphs.tasks import GradedCues, StdlibSource, get_task
-from graphs.train import TrainConfig, evaluate, train_model
+from adaptex.graphs import checkpoint, losses
+from adaptex.graphs.budgetformer import BudgetFormerConfig, RoutingSchedule
+from adaptex.graphs.tasks import GradedCues, StdlibSource, get_task
+from adaptex.graphs.recipes.budgetformer import TrainConfig, evaluate, train_model
 from tests import zoo
 
 
@@ -67,7 +67,7 @@ def test_stdlib_task_reads_the_local_standard_library():
 
 
 def test_unknown_task_is_a_clear_error():
-    from graphs.errors import AdaptexError
+    from adaptex.graphs.errors import AdaptexError
 
     with pytest.raises(AdaptexError, match="unknown task 'nope'; choose one of graded, stdlib"):
         get_task("nope")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from exporter.cli import main
-from graphs import checkpoint
+from adaptex.cli import main
+from adaptex.graphs import checkpoint
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphs import checkpoint
-from graphs.errors import InputError
-from graphs.ops import conditional_attention as ca
-from graphs.ops import conditional_ffn as cf
+from adaptex.graphs import checkpoint
+from adaptex.graphs.errors import InputError
+from adaptex.graphs.ops import conditional_attention as ca
+from adaptex.graphs.ops import conditional_ffn as cf
 from tests import zoo
 
 
@@ -47,7 +47,7 @@ def _attention_case(B=3, T=7, P=3, d=16, H=4, seed=0):
     keep[0] = False  # a row with nothing kept
     gate = torch.rand(B, T, generator=g) * keep
     k, v = r(B, H, P + T, d // H), r(B, H, P + T, d // H)
-    from graphs.tsa import attention_mask_4d
+    from adaptex.graphs.tsa import attention_mask_4d
 
     key_ok = torch.ones(B, P + T, dtype=torch.bool)
     key_ok[1, :4] = False
@@ -98,7 +98,7 @@ def test_hard_mode_equals_the_dense_reference_and_the_cache_equals_a_full_pass()
 
 
 def test_trace_keeps_one_node_per_op_per_gated_block():
-    from exporter.trace import adaptex_nodes, trace
+    from adaptex.exporter.trace import adaptex_nodes, trace
 
     ep = trace(zoo.tiny_tsa(), mode="hard")
     ops = [n.target.name() for n in adaptex_nodes(ep)]
@@ -115,7 +115,7 @@ def tsa_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tsa_onnx(tsa_checkpoint, tmp_path_factory):
-    from exporter.targets import onnx as target
+    from adaptex.exporter.targets import onnx as target
 
     model, info = checkpoint.load(tsa_checkpoint)
     out = {}
@@ -127,9 +127,9 @@ def tsa_onnx(tsa_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
 def test_onnx_artifact_passes_parity_on_prefill_and_decode_steps(tsa_onnx, tsa_checkpoint, variant):
-    from runtimes.onnxruntime import OnnxRuntimeRunner
-    from runtimes.parity import check
-    from runtimes.torch_ref import TorchRunner
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.parity import check
+    from adaptex.runtimes.torch_ref import TorchRunner
 
     model, _ = checkpoint.load(tsa_checkpoint)
     report = check(OnnxRuntimeRunner(tsa_onnx[variant]), TorchRunner(model), samples=40, task="copy")
@@ -162,7 +162,7 @@ def test_onnx_graph_shape_names_and_lowerings(tsa_onnx):
 
 def test_generation_example_matches_eager_greedy_decoding(tsa_onnx, tsa_checkpoint):
     from examples.tsa_generate import Generator
-    from graphs.tsa import generate
+    from adaptex.graphs.tsa import generate
 
     model, _ = checkpoint.load(tsa_checkpoint)
     gen = Generator(str(tsa_onnx["sparse"]))
@@ -184,7 +184,7 @@ def test_generation_example_matches_eager_greedy_decoding(tsa_onnx, tsa_checkpoi
      "attention_mask: shape \\[1, 3\\], expected \\[1, 5\\]"),
 ])
 def test_bad_decoder_input_is_refused_with_the_fix(tsa_onnx, feeds_fn, match):
-    from runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
     def z(P):
         return {f"past_key_values.{i}.{kv}": np.zeros((1, 4, P, 8), np.float32) for i in range(3) for kv in ("key", "value")}
@@ -204,9 +204,9 @@ def test_generation_example_refuses_bad_prompts(tsa_onnx, capsys):
 
 @pytest.mark.parametrize("lam", [0.0, 0.1])
 def test_training_runs_with_and_without_the_depth_loss(lam):
-    from graphs.lm_tasks import get_lm_task
-    from graphs.train_tsa import TSATrainConfig, evaluate_tsa, train_tsa
-    from graphs.tsa import TSAConfig
+    from adaptex.graphs.lm_tasks import get_lm_task
+    from adaptex.graphs.recipes.tsa import TSATrainConfig, evaluate_tsa, train_tsa
+    from adaptex.graphs.tsa import TSAConfig
 
     task = get_lm_task("copy")
     cfg = TSAConfig(**{**zoo.TINY_TSA, "vocab_size": task.vocab_size})
@@ -217,7 +217,7 @@ def test_training_runs_with_and_without_the_depth_loss(lam):
 
 
 def test_cli_trains_a_tsa_checkpoint(tmp_path, capsys):
-    from exporter.cli import main
+    from adaptex.cli import main
 
     out = tmp_path / "ck"
     assert main(["train", "tsa", "--task", "sort", "-o", str(out), "--steps", "6", "--batch-size", "8",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from graphs import checkpoint
-from graphs.budgetformer import BudgetFormer, BudgetFormerConfig
+from adaptex.graphs import checkpoint
+from adaptex.graphs.budgetformer import BudgetFormer, BudgetFormerConfig
 
 TINY = dict(vocab_size=64, num_classes=4, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=64,
             router_hidden=16)
@@ -31,7 +31,7 @@ TINY_TSA = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, m
 
 def tiny_tsa(seed: int = 0, spread: float = 20.0, **overrides):
     """An untrained tiny TSA decoder whose routers are scaled so keep decisions vary across tokens."""
-    from graphs.tsa import TSAConfig, TSADecoder
+    from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
     torch.manual_seed(seed)
     model = TSADecoder(TSAConfig(**{**TINY_TSA, **overrides}))
@@ -48,8 +48,8 @@ TINY_ELASTIC = dict(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_ff=6
 def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 6):
     """A tiny random encoder (an inline backbone: the checkpoint carries its weights) with routers
     scaled so that head modes vary across inputs."""
-    from graphs.elastic import ElasticConfig, ElasticEncoder
-    from graphs.minilm import MiniLMConfig, MiniLMEncoder
+    from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
+    from adaptex.graphs.minilm import MiniLMConfig, MiniLMEncoder
 
     torch.manual_seed(seed)
     bcfg = MiniLMConfig(**TINY_ELASTIC)
@@ -72,8 +72,8 @@ def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int
 def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 8):
     """A tiny random dense decoder (max_len 128) with elastic routers centred and spread like
     tiny_elastic's, so that head modes vary across inputs."""
-    from graphs.elastic_decoder import ElasticDecoder
-    from graphs.tsa import TSAConfig, TSADecoder
+    from adaptex.graphs.elastic_decoder import ElasticDecoder
+    from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
     torch.manual_seed(seed)
     bb = TSADecoder(TSAConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=128,

@@ -54,9 +54,9 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter import artifact
-from exporter.errors import ExportError
-from exporter.registry import lowering
+from adaptex.exporter import metadata as artifact
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.registry import lowering
 
 PRECISIONS = ("fp16", "fp32")
 DEFAULT_PRECISION = "fp16"
@@ -554,7 +554,7 @@ def decoder_routing_node_names(ep) -> set[str]:
     They stay fp32 in an fp16 package: an fp16 p <= 0.5 would flip keep for every p within 2^-12 of
     the threshold. The walk back from keep and gate stops at the router nodes, so it never enters the
     body (the residual stream that feeds the routers)."""
-    from exporter.trace import adaptex_nodes
+    from adaptex.exporter.trace import adaptex_nodes
 
     def path(n):
         stack = n.meta.get("nn_module_stack") or {}
@@ -583,7 +583,7 @@ def elastic_routing_node_names(ep) -> set[str]:
     logit slices and their comparison). They stay fp32 in an fp16 package: an fp16 logit gap would
     flip every head whose gap is within fp16 rounding of zero. The walk back from sa stops at the
     router nodes, so it never enters the body."""
-    from exporter.trace import adaptex_nodes
+    from adaptex.exporter.trace import adaptex_nodes
 
     def path(n):
         stack = n.meta.get("nn_module_stack") or {}
@@ -672,7 +672,7 @@ def _conditional_ffn_fp32_ops(ep) -> set[str]:
     """The MIL op names the conditional_ffn translation gives its residual part (the kept rows, the
     layer_norm, the residual add and the scatter back): kept fp32 alongside the decoder's residual
     stream, while the FFN's linears and gelu run in the body's precision."""
-    from exporter.trace import adaptex_nodes
+    from adaptex.exporter.trace import adaptex_nodes
 
     return {f"{n.name}{s}" for n in adaptex_nodes(ep) if "conditional_ffn" in str(n.target)
             for s in ("", "_kept", "_ln", "_new")} | \
@@ -758,7 +758,7 @@ def export_stock(model, out, mode: str, *, precision: str = "fp16", min_target: 
     tokens' updates zeroed); its package has the adaptive package's inputs and flexible shapes."""
     import torch
 
-    from exporter.trace import dynamic_shapes, example_inputs, export_wrapper, float_mode_inputs, io_names
+    from adaptex.exporter.trace import dynamic_shapes, example_inputs, export_wrapper, float_mode_inputs, io_names
 
     cfg = model.cfg
     decoder = cfg.family in ("tsa", "elastic_decoder")
@@ -788,7 +788,7 @@ def decoder_io(cfg) -> tuple[dict, dict]:
     """A TSA decoder package's (inputs, outputs) by their canonical (Optimum, dotted) names: dtype,
     shape (ints, or the names of the flexible axes) and the Core ML feature name (dots cannot appear
     in one, so they become underscores)."""
-    from exporter.trace import io_names
+    from adaptex.exporter.trace import io_names
 
     H, dh, V = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.vocab_size
     ins, outs = io_names(cfg)
@@ -845,8 +845,8 @@ def _decoder_input_types(cfg) -> list:
 def export(model, info: dict, out, *, variant: str = "sparse", precision: str | None = None,
            min_target: str = DEFAULT_MIN_TARGET) -> dict:
     """Convert to an ML program package at `out` (a directory, written atomically)."""
-    from exporter.registry import lookup
-    from exporter.trace import adaptex_nodes, io_names, trace
+    from adaptex.exporter.registry import lookup
+    from adaptex.exporter.trace import adaptex_nodes, io_names, trace
 
     precision = precision or default_precision(model.cfg)
     if precision not in PRECISIONS:

@@ -15,12 +15,12 @@ from typing import Callable
 
 import onnx
 
-import graphs  # noqa: F401
-from exporter import artifact
-from exporter.errors import ExportError
-from exporter.registry import lowering
-from exporter.targets import onnx_functions as fx
-from exporter.trace import adaptex_nodes, io_names, trace
+import adaptex.graphs  # noqa: F401
+from adaptex.exporter import metadata as artifact
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.registry import lowering
+from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.exporter.trace import adaptex_nodes, io_names, trace
 
 PRECISIONS = ("fp32",)
 DEFAULT_PRECISION = "fp32"
@@ -162,7 +162,7 @@ def lower(model, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx") -> tuple[onnx.ModelProto, dict]:
     """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
     target hands its engine builder ONNX too); returns (proto, lowering notes)."""
-    from exporter.registry import lookup
+    from adaptex.exporter.registry import lookup
 
     ep = trace(model, mode="hard")
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import onnx
 
-from exporter import artifact
-from exporter.errors import ExportError
-from exporter.registry import lowering
-from exporter.targets import onnx as onnx_target
-from exporter.targets import onnx_functions as fx
-from exporter.targets import tensorrt_rules
+from adaptex.exporter import metadata as artifact
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.registry import lowering
+from adaptex.exporter.targets import onnx as onnx_target
+from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.exporter.targets import tensorrt_rules
 
 PRECISIONS = ("fp32", "fp16")
 DEFAULT_PRECISION = "fp32"
@@ -187,7 +187,7 @@ def parse_shapes(text: str | None, flag: str) -> dict[str, int]:
 def profile(cfg, min_s: dict, opt_s: dict, max_s: dict) -> dict[str, dict[str, int]]:
     """The optimization profile over the dynamic axes: {'min'|'opt'|'max': {axis: size}}, with
     defaults (batch 1/1/64, sequence 1/min(128, max_len)/max_len, a decoder's past 0/0/max_len-1)."""
-    from exporter.trace import is_decoder
+    from adaptex.exporter.trace import is_decoder
 
     decoder = is_decoder(cfg)
     L = cfg.max_len
@@ -302,8 +302,8 @@ def export(model, info: dict, out, *, variant: str = "sparse", precision: str | 
 def export_from_onnx(path, out, *, precision: str | None = None, timing_cache: str | None = None,
                      shapes: tuple = (None, None, None), say=None) -> dict:
     """Build an engine from a TensorRT-bound ONNX written earlier with --onnx-only (its exact bytes)."""
-    from graphs import checkpoint
-    from graphs.budgetformer import BudgetFormerConfig
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.budgetformer import BudgetFormerConfig
 
     precision = precision or DEFAULT_PRECISION
     if precision not in PRECISIONS:
@@ -338,7 +338,7 @@ def require_tensorrt():
         import tensorrt as trt
     except Exception:  # the registry's stub packages raise on import too
         raise ExportError(NO_TENSORRT.format(why="TensorRT is not installed here")) from None
-    from runtimes.tensorrt import cuda_device_count
+    from adaptex.runtimes.tensorrt import cuda_device_count
 
     if cuda_device_count() < 1:
         raise ExportError(NO_TENSORRT.format(why="no CUDA device is visible"))

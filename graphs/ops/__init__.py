@@ -1,5 +1,5 @@
 """The adaptive op set (namespace `adaptex`). Importing this package registers every op."""
-from graphs.ops import (  # noqa: F401  (registers the ops)
+from adaptex.graphs.ops import (  # noqa: F401  (registers the ops)
     budgeted_attention, conditional_attention, conditional_ffn, elastic_attention)
 
 OPS = {

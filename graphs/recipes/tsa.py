@@ -7,14 +7,15 @@ forward, soft gradients back) so that the deployed hard model is the trained one
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphs.train import Progress
-from graphs.tsa import TSAConfig, TSADecoder, alpha, ops_saved
+from adaptex.graphs.recipes.progress import Progress
+from adaptex.graphs.tsa import TSAConfig, TSADecoder, alpha, ops_saved
 
 
 @dataclass
@@ -147,3 +148,108 @@ def summary_table_tsa(task_name: str, hard: dict, soft: dict, baseline: dict | N
                     f"{100 * (hard['loss'] / baseline['loss'] - 1):+.2f}%")
     rows.append(f"paper (TSA, {task_name}): {PAPER[task_name]}")
     return "\n".join(rows)
+
+
+# The dense decoder the elastic decoder sits on: the charlm decoder's size, trained at a longer
+# context (SA only matters past the window) with positions to 4096 (benched up to there).
+DENSE_DECODER = dict(context=512, max_len=4096, steps=1400, batch_size=8, lr=2e-3)
+
+
+def run(opts, say):
+    """`adaptex train tsa`: a TSA decoder on copy, sort or the character LM (and its dense baseline),
+    or with opts.dense the dense charlm decoder alone (the elastic decoder's backbone)."""
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.lm_tasks import LM_TASKS, get_lm_task
+    from adaptex.graphs.recipes import TrainError, TrainResult
+
+    task_name = opts.task or "copy"
+    if task_name not in LM_TASKS:
+        raise TrainError(f"unknown task {task_name!r} for tsa; choose one of {', '.join(LM_TASKS)}")
+    p = dict(PRESETS[task_name])
+    for arg, key in (("d_model", "d_model"), ("heads", "num_heads"), ("layers", "num_layers"), ("d_ff", "d_ff"),
+                     ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
+                     ("lambda_depth", "lambda_depth"), ("max_len", "max_len")):
+        if getattr(opts, arg, None) is not None:
+            p[key] = getattr(opts, arg)
+    if opts.dense:
+        if task_name != "charlm":
+            raise TrainError("--dense trains the dense charlm decoder (the elastic decoder's backbone); "
+                             "use --task charlm")
+        return _run_dense(opts, p)
+    task = get_lm_task(task_name)
+    try:
+        cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
+                        num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"], positions=p["positions"])
+    except ValueError as e:
+        raise TrainError(f"{e}; adjust --d-model/--heads/--layers") from None
+    if cfg.max_len < task.seq_len:
+        raise TrainError(f"--max-len {cfg.max_len} is shorter than the task's sequences ({task.seq_len}); "
+                         "raise --max-len")
+    tc = TSATrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"], lambda_depth=p["lambda_depth"],
+                        lambda_delay=p["lambda_delay"], seed=opts.seed, eval_size=opts.eval_size)
+    t0 = time.perf_counter()
+    model = train_tsa(cfg, task, tc, desc="tsa     ")
+    checkpoint.round_weights(model, opts.save_dtype)  # evaluate exactly what gets stored
+    n_eval = min(tc.eval_size, 400) if task_name == "charlm" else tc.eval_size
+    hard = evaluate_tsa(model, task, n_eval, mode="hard")
+    soft = evaluate_tsa(model, task, n_eval, mode="soft")
+    baseline = None
+    if not opts.no_baseline:
+        base = train_tsa(TSAConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc, desc="baseline")
+        checkpoint.round_weights(base, opts.save_dtype)
+        baseline = evaluate_tsa(base, task, n_eval, mode="hard")
+    table = summary_table_tsa(task_name, hard, soft, baseline)
+    extra = {
+        "description": opts.description or f"TSA decoder trained on the {task_name} task",
+        "training": {"task": task_name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "torch": torch.__version__},
+        "evaluation": {"tsa_hard": hard, "tsa_soft": soft, "baseline": baseline},
+        "tokenizer": task.tokenizer(),
+        "summary_table": table,
+    }
+    return TrainResult(model, extra, table)
+
+
+def _run_dense(opts, preset: dict):
+    """The dense decoder alone (no routers), optionally from a trained decoder's weights (--init)."""
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.lm_tasks import StdlibChars
+    from adaptex.graphs.recipes import TrainError, TrainResult
+
+    context = opts.max_tokens or DENSE_DECODER["context"]
+    max_len = opts.max_len or DENSE_DECODER["max_len"]
+    if context > max_len:
+        raise TrainError(f"--max-tokens {context} (the training context) exceeds --max-len {max_len}; raise --max-len")
+    task = StdlibChars(context=context)
+    try:
+        cfg = TSAConfig(vocab_size=task.vocab_size, d_model=preset["d_model"], num_heads=preset["num_heads"],
+                        num_layers=preset["num_layers"], d_ff=preset["d_ff"], max_len=max_len, adaptive=False)
+    except ValueError as e:
+        raise TrainError(f"{e}; adjust --d-model/--heads/--layers") from None
+    init = None
+    if opts.init:  # start from a trained decoder's weights (a TSA checkpoint's routers are dropped)
+        src, src_info = checkpoint.load(opts.init)
+        if getattr(src.cfg, "family", "") != "tsa" or (src.cfg.d_model, src.cfg.num_layers, src.cfg.d_ff) != \
+                (cfg.d_model, cfg.num_layers, cfg.d_ff):
+            raise TrainError(f"--init {opts.init}: a {src_info['family']} checkpoint of another shape; pass a tsa "
+                             f"checkpoint with d_model {cfg.d_model}, {cfg.num_layers} layers, d_ff {cfg.d_ff}")
+        init = {k: v for k, v in src.state_dict().items() if not k.startswith("routers.")}
+    tc = TSATrainConfig(steps=opts.steps or DENSE_DECODER["steps"],
+                        batch_size=opts.batch_size or DENSE_DECODER["batch_size"],
+                        lr=opts.lr or DENSE_DECODER["lr"], seed=opts.seed, eval_size=opts.eval_size,
+                        warmup=50 if init else 100)
+    t0 = time.perf_counter()
+    model = train_tsa(cfg, task, tc, desc="dense   ", init=init)
+    checkpoint.round_weights(model, opts.save_dtype)
+    n = min(tc.eval_size, 200)
+    ev = evaluate_tsa(model, task, n, mode="dense", batch_size=20)
+    table = (f"dense decoder: held-out loss {ev['loss']:.4f}, token accuracy {ev['token_accuracy']:.4f} "
+             f"({n} windows of {context} characters)")
+    extra = {
+        "description": opts.description or f"dense decoder, character LM on the Python stdlib sources, context {context}",
+        "training": {"task": "charlm", "context": context, "train_config": tc.__dict__, "init": opts.init,
+                     "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__},
+        "evaluation": {"dense": ev}, "tokenizer": task.tokenizer(),
+    }
+    return TrainResult(model, extra, table, note="train elastic routers on it with "
+                                                 "'adaptex train elastic --backbone {out} -o DIR'")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
 
@@ -10,8 +9,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graphs import losses
-from graphs.budgetformer import BudgetFormer, BudgetFormerConfig, RoutingSchedule, flops_per_sample
+from adaptex.graphs import losses
+from adaptex.graphs.budgetformer import BudgetFormer, BudgetFormerConfig, RoutingSchedule, flops_per_sample
+from adaptex.graphs.recipes.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -32,32 +32,6 @@ class TrainConfig:
     rank_sharpness_start: float = 1.0  # budget-aware rank mask, sharpening to rank_sharpness_end
     rank_sharpness_end: float = 10.0
     eval_size: int = 2000
-
-
-class Progress:
-    """A one-line progress bar on stderr (a plain log line every 10% when stderr is not a tty)."""
-
-    def __init__(self, total: int, desc: str, stream=None):
-        self.total, self.desc, self.stream = total, desc, stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.t0 = time.perf_counter()
-        self.last_decile = -1
-
-    def update(self, step: int, **fields):
-        frac = step / self.total
-        extra = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(frac, 1e-9) - elapsed
-        line = f"{self.desc} {step}/{self.total} [{elapsed:5.0f}s<{eta:4.0f}s] {extra}"
-        if self.tty:
-            bar = "#" * int(20 * frac)
-            self.stream.write(f"\r{self.desc} [{bar:<20}] {line[len(self.desc) + 1:]}\033[K")
-            if step == self.total:
-                self.stream.write("\n")
-        elif int(frac * 10) > self.last_decile:
-            self.last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-        self.stream.flush()
 
 
 def schedule(tc: TrainConfig, cfg: BudgetFormerConfig, t: float) -> RoutingSchedule:
@@ -157,3 +131,53 @@ def summary_table(task, adaptive: dict, soft: dict, baseline: dict | None) -> st
             line += f"     {baseline['accuracy_by_level'][lv]:.4f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def soft_eval(model: BudgetFormer, task, tc: TrainConfig) -> dict:
+    """Accuracy in training mode at the end of the schedule: the soft/hard gap is a quality figure."""
+    rng = np.random.default_rng(12345)
+    sched = RoutingSchedule(tau=model.cfg.tau_infer, noise_std=0.0, rank_sharpness=tc.rank_sharpness_end)
+    correct = []
+    with torch.no_grad():
+        for start in range(0, tc.eval_size, 256):
+            b = task.sample(min(256, tc.eval_size - start), rng)
+            logits, _ = model(b.input_ids, b.attention_mask, mode="soft", sched=sched)
+            correct.append((logits.argmax(-1) == b.labels).float())
+    return {"accuracy": float(torch.cat(correct).mean())}
+
+
+def run(opts, say):
+    """`adaptex train budgetformer`: the adaptive model and (unless no_baseline) its same-size baseline."""
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.recipes import TrainError, TrainResult
+    from adaptex.graphs.tasks import get_task
+
+    defaults = dict(steps=3000, batch_size=64, lr=2e-3, d_model=256, heads=8, layers=2, d_ff=1024, task="graded")
+    o = {k: getattr(opts, k) if getattr(opts, k) is not None else v for k, v in defaults.items()}
+    task = get_task(o["task"])
+    try:
+        cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=o["d_model"],
+                                 num_heads=o["heads"], num_layers=o["layers"], d_ff=o["d_ff"],
+                                 s_min=opts.s_min, s_max=opts.s_max)
+    except ValueError as e:
+        raise TrainError(f"{e}; adjust --d-model/--heads or --s-min/--s-max") from None
+    tc = TrainConfig(steps=o["steps"], batch_size=o["batch_size"], lr=o["lr"], seed=opts.seed, eval_size=opts.eval_size)
+    t0 = time.perf_counter()
+    model = train_model(cfg, task, tc, desc="budgetformer")
+    checkpoint.round_weights(model, opts.save_dtype)  # evaluate exactly what gets stored
+    adaptive = evaluate(model, task, tc.eval_size)
+    soft = soft_eval(model, task, tc)
+    baseline = None
+    if not opts.no_baseline:
+        base = train_model(BudgetFormerConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc,
+                           desc="baseline    ")
+        baseline = evaluate(base, task, tc.eval_size)
+    table = summary_table(task, adaptive, soft, baseline)
+    extra = {
+        "description": opts.description or f"BudgetFormer trained on the {task.name} task",
+        "training": {"task": task.name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+                     "torch": torch.__version__},
+        "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
+        "summary_table": table,
+    }
+    return TrainResult(model, extra, table)

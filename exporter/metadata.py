@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from exporter.errors import ExportError
+from adaptex.exporter.errors import ExportError
 
 META_KEY = "adaptex"
 FORMAT_VERSION = 1
@@ -56,7 +56,7 @@ def read_onnx_metadata(path: str | os.PathLike) -> dict:
     """The adaptex metadata of an ONNX artifact (without loading its weights)."""
     import onnx
 
-    from exporter.errors import AdaptexError
+    from adaptex.exporter.errors import AdaptexError
 
     path = Path(path)
     if not path.is_file():

@@ -1,0 +1,44 @@
+"""`adaptex lint`: the static check of an ONNX model against TensorRT's parser rules (no GPU needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from adaptex.cli._util import EXIT_FAILED, UsageError
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("lint", help="check an ONNX model against TensorRT's parser rules (no GPU needed)")
+    s.add_argument("model", help="an .onnx file (e.g. from 'adaptex export --target tensorrt --onnx-only')")
+    s.add_argument("--trt-version", default="10.0", help="TensorRT version whose rules apply (default 10.0)")
+    s.add_argument("--plugin", action="append", help="a custom op served by a registered plugin (repeatable)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import onnx
+
+    from adaptex.exporter.targets import tensorrt_rules
+
+    path = Path(args.model)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file; export one with 'adaptex export --target tensorrt --onnx-only -o {path}'")
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:
+        raise UsageError(f"{path}: not a readable ONNX model ({type(e).__name__}); pass an .onnx file") from None
+    try:
+        violations = tensorrt_rules.lint(model, args.trt_version, tuple(args.plugin or ()))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    active = [r for r in tensorrt_rules.RULES if r.holds_for(tensorrt_rules._version(args.trt_version))]
+    if args.json:
+        print(json.dumps({"model": str(path), "tensorrt": args.trt_version, "rules": [r.name for r in active],
+                          "violations": [v.__dict__ for v in violations]}, indent=2))
+    else:
+        for v in violations:
+            print(v)
+        verdict = f"{len(violations)} violation(s)" if violations else "passes"
+        print(f"{path}: {verdict} of {len(active)} TensorRT {args.trt_version} parser rules")
+    return EXIT_FAILED if violations else 0

@@ -1,0 +1,70 @@
+"""`adaptex train FAMILY`: train an adaptive model (and its same-size baseline) into a checkpoint."""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from adaptex.cli._util import UsageError, say, set_threads
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("train", help="train an adaptive model and its same-size baseline")
+    s.add_argument("family", help="model family: budgetformer, tsa or elastic")
+    s.add_argument("--task", default=None, help="budgetformer: graded (default) or stdlib; "
+                                                "tsa: copy (default), sort or charlm")
+    s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
+    s.add_argument("--backbone", default="minilm",
+                   help="elastic: the frozen backbone: minilm (the packaged all-MiniLM-L6-v2), a BERT directory, "
+                        "or a dense decoder checkpoint (adaptex train tsa --task charlm --dense)")
+    s.add_argument("--target-sparsity", type=float, default=None,
+                   help="elastic: target fraction of SA heads (default 0.6 encoder, 0.7 decoder)")
+    s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
+    s.add_argument("--window", type=int, default=None, help="elastic: SA heads' local window (default 32 encoder, 64 decoder)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 characters")
+    s.add_argument("--dense", action="store_true",
+                   help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
+    s.add_argument("--init", default=None,
+                   help="tsa --dense: start from a trained decoder's weights (e.g. tsa-charlm; its routers are dropped)")
+    s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
+    s.add_argument("--batch-size", type=int, default=None)
+    s.add_argument("--lr", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--eval-size", type=int, default=2000, help="held-out examples for the summary")
+    s.add_argument("--d-model", type=int, default=None, help="default: 256 (budgetformer), 128 (tsa)")
+    s.add_argument("--heads", type=int, default=None)
+    s.add_argument("--layers", type=int, default=None)
+    s.add_argument("--d-ff", type=int, default=None)
+    s.add_argument("--lambda-depth", type=float, default=None, help="tsa: weight of the depth loss (0 works)")
+    s.add_argument("--max-len", type=int, default=None, help="tsa: positions and KV cache bound")
+    s.add_argument("--s-min", type=float, default=0.25, help="budget target interval, lower end")
+    s.add_argument("--s-max", type=float, default=0.375, help="budget target interval, upper end")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--no-baseline", action="store_true", help="skip training the standard Transformer")
+    s.add_argument("--save-dtype", default="float16", choices=["float16", "float32"],
+                   help="weights storage; float16 halves the checkpoint, the model still computes in fp32")
+    s.add_argument("--description", default=None)
+    s.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.recipes import RECIPES, TrainError, TrainOptions, train
+
+    if args.family not in RECIPES:
+        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    out = Path(args.output)
+    if out.exists() and not checkpoint.is_checkpoint_dir(out):
+        raise UsageError(f"{out}: exists and is not a checkpoint directory; choose a new -o "
+                         "(adaptex only replaces a directory holding config.json and model.safetensors)")
+    parent = out.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+    set_threads(args.threads)
+    opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
+    result = train(args.family, opts, say)
+    print(result.table)
+    checkpoint.save(out, result.model, result.extra, dtype=args.save_dtype)
+    say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})" + (f"; {result.note.format(out=out)}" if result.note else ""))
+    return 0

@@ -1,0 +1,74 @@
+"""Training recipes: what `adaptex train FAMILY` runs, callable from Python too.
+
+A recipe takes `TrainOptions` (every field None means the recipe's default), trains, evaluates and
+returns a `TrainResult`: the model (weights rounded to what the checkpoint stores), the extra fields
+its checkpoint's config.json records (description, training, evaluation, tokenizer), and the
+summary table. Bad options raise `TrainError` naming the option and the fix; nothing is written
+(the caller saves the checkpoint).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from adaptex.graphs.errors import AdaptexError
+
+
+class TrainError(AdaptexError):
+    """Training options that cannot work, named with the fix."""
+
+
+@dataclass
+class TrainOptions:
+    task: str | None = None
+    backbone: str = "minilm"
+    target_sparsity: float | None = None
+    sink: int = 4
+    window: int | None = None
+    max_tokens: int | None = None
+    dense: bool = False
+    init: str | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    eval_size: int = 2000
+    d_model: int | None = None
+    heads: int | None = None
+    layers: int | None = None
+    d_ff: int | None = None
+    lambda_depth: float | None = None
+    max_len: int | None = None
+    s_min: float = 0.25
+    s_max: float = 0.375
+    no_baseline: bool = False
+    save_dtype: str = "float16"
+    description: str | None = None
+
+    def check(self) -> None:
+        if (self.steps is not None and self.steps < 1) or (self.batch_size is not None and self.batch_size < 1) \
+                or self.eval_size < 1:
+            raise TrainError("--steps, --batch-size and --eval-size must be at least 1")
+
+
+@dataclass
+class TrainResult:
+    model: object
+    extra: dict = field(default_factory=dict)
+    table: str = ""
+    note: str = ""  # one line for the user after the checkpoint is written
+
+
+# family -> the recipe module (imported when used: each pulls in its own model code)
+RECIPES = {"budgetformer": "adaptex.graphs.recipes.budgetformer",
+           "tsa": "adaptex.graphs.recipes.tsa",
+           "elastic": "adaptex.graphs.recipes.elastic"}
+
+
+def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda msg: None) -> TrainResult:
+    """Run the recipe of `family` (budgetformer, tsa or elastic)."""
+    if family not in RECIPES:
+        raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    opts.check()
+    return importlib.import_module(RECIPES[family]).run(opts, say)

@@ -1,0 +1,68 @@
+"""Opening an artifact: its kind by suffix (decided here, once), its metadata, and its runner.
+
+A Core ML package runs on the Core ML runtime on macOS and is checked by MIL reference evaluation
+elsewhere; a TensorRT engine needs TensorRT and a GPU; an ONNX file runs in ONNX Runtime.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from adaptex.graphs.errors import AdaptexError
+
+KINDS = {".onnx": "onnx", ".mlpackage": "coreml", ".plan": "tensorrt", ".engine": "tensorrt"}
+
+
+def artifact_kind(path: str | Path) -> str:
+    """'onnx', 'coreml' or 'tensorrt' by the artifact's suffix; a one-line error for anything else."""
+    path = Path(str(path).rstrip("/"))
+    kind = KINDS.get(path.suffix)
+    if kind is None:
+        what = "a directory" if path.is_dir() else "a file" if path.exists() else "no such artifact"
+        raise AdaptexError(f"{path}: {what} with suffix {path.suffix or '(none)'!r} is not an adaptex artifact; "
+                           "adaptex reads .onnx, .mlpackage and TensorRT .plan/.engine artifacts")
+    return kind
+
+
+def read_metadata(path: str | Path) -> dict:
+    """An artifact's adaptex metadata, without loading its weights or program."""
+    kind = artifact_kind(path)
+    if kind == "coreml":
+        from adaptex.runtimes.coreml_mil import read_package_meta
+
+        return read_package_meta(path)
+    if kind == "tensorrt":
+        from adaptex.runtimes.tensorrt import read_plan_meta
+
+        return read_plan_meta(path)
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    return read_onnx_metadata(path)
+
+
+def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None):
+    """The runner for an artifact, by its kind. compute_units (Core ML on macOS only) is refused
+    anywhere it would be ignored."""
+    path = Path(path)
+    kind = artifact_kind(path)
+    if compute_units and kind != "coreml":
+        raise AdaptexError("--compute-units applies to Core ML packages (.mlpackage) only")
+    if kind == "onnx":
+        from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        return OnnxRuntimeRunner(path, threads)
+    if kind == "coreml":
+        if not path.exists():
+            raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
+        from adaptex.runtimes import coreml
+
+        if coreml.available():
+            return coreml.CoreMLRunner(path, compute_units or "all")
+        if compute_units:
+            raise AdaptexError(f"--compute-units {compute_units} needs the Core ML runtime (macOS); without it "
+                               "'adaptex check' evaluates the package's program in numpy")
+        from adaptex.runtimes.coreml_mil import MilReferenceRunner
+
+        return MilReferenceRunner(path)
+    from adaptex.runtimes.tensorrt import TensorRTRunner
+
+    return TensorRTRunner(path)
