@@ -8,8 +8,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.graphs import checkpoint
+import adaptex
 from adaptex.runtimes.bench import run_bench
 
 
@@ -21,8 +20,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--runs", type=int, default=None)
     args = ap.parse_args()
-    model, info = checkpoint.load(args.model)
-    info["name"] = args.model or checkpoint.DEFAULT_MODEL
+    model = adaptex.load(args.model)
+    info = model.adaptex_source
     seqs = [min(int(s), model.cfg.max_len) for s in args.seqs.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{'variant':<7} {'batch':>5} {'seq':>4} {'p50 ms':>8} {'dense ms':>9} {'naive ms':>9} "
@@ -30,7 +29,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("sparse", "dense"):
             path = Path(tmp) / f"{variant}.onnx"
-            onnx_target.export(model, info, path, variant=variant)
+            adaptex.export(model, None, path, variant=variant)
             for batch in batches:
                 for seq in seqs:
                     r = run_bench(path, model, info, batch=batch, seq=seq, threads=args.threads, runs=args.runs,

@@ -14,17 +14,16 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.trace import ExportWrapper, output_names
-from adaptex.graphs import checkpoint
+import adaptex
+from adaptex.graphs.family import family_contract
 from adaptex.graphs.tasks import GradedCues
 
 warnings.filterwarnings("ignore")
 
 
 def main() -> None:
-    model, info = checkpoint.load(None)
-    info["name"] = checkpoint.DEFAULT_MODEL
+    model = adaptex.load()  # the shipped default, budgetformer-graded
+    contract = family_contract(model)
     task = GradedCues()
     rng = np.random.default_rng(0)
     T = 20  # one length throughout: the legacy trace also bakes the sequence length
@@ -32,11 +31,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         legacy, ours = Path(tmp) / "legacy.onnx", Path(tmp) / "adaptex.onnx"
         with torch.no_grad():
-            torch.onnx.export(ExportWrapper(model, "eager"), (trace_batch.input_ids, trace_batch.attention_mask),
-                              str(legacy), dynamo=False, input_names=["input_ids", "attention_mask"],
-                              output_names=output_names(model.cfg.num_layers),
+            torch.onnx.export(contract.wrapper(model, "eager"), (trace_batch.input_ids, trace_batch.attention_mask),
+                              str(legacy), dynamo=False, input_names=contract.input_names(),
+                              output_names=contract.output_names(),
                               dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}})
-        onnx_target.export(model, info, ours)
+        adaptex.export(model, None, ours)
         so = ort.SessionOptions()
         so.log_severity_level = 3  # the legacy graph's failure is reported below, once
         s_legacy, s_ours = ort.InferenceSession(str(legacy), so), ort.InferenceSession(str(ours), so)

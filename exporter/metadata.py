@@ -1,81 +1,156 @@
-"""Artifact metadata and atomic writes.
+"""Artifact metadata, built and validated in one place, and atomic writes.
 
-Every artifact carries its own metadata (family, config, op-set version, inputs and outputs with
-their dynamic axes, budget range, lowering variant, precision, source checkpoint hash) under the
-key `adaptex` of the ONNX model's metadata_props, as one JSON object.
+Every artifact carries its own metadata under the key `adaptex` (ONNX metadata_props, Core ML
+user-defined metadata, a TensorRT engine's `<plan>.json`), as one JSON object: the adaptex
+version, family (or `custom` for a model of your own), target, variant, precision, op-set, the
+lowering of each op, the routing parameters, the config, the source's hashes, every input and
+output (dtype, named dynamic axes, description), and every decision (its kind and the layer that
+takes it). Metadata is data: it is parsed and checked against `SCHEMA`, never evaluated.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import shutil
 import tempfile
+from importlib import metadata as _pkg
 from pathlib import Path
 from typing import Iterator
 
 from adaptex.exporter.errors import ExportError
+from adaptex.graphs.errors import AdaptexError
 
 META_KEY = "adaptex"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-def check_writable(out: str | os.PathLike) -> Path:
-    """Fail before any work if `out` cannot be written, naming the fix."""
-    out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    if out.is_dir():
-        raise ExportError(f"{out}: is a directory; pass a file path such as {out / 'model.onnx'}")
-    if not parent.is_dir():
-        raise ExportError(f"{out}: directory {parent} does not exist; create it or choose another -o")
-    if not os.access(parent, os.W_OK):
-        raise ExportError(f"{out}: directory {parent} is not writable; choose another -o")
-    return out
-
-
-@contextlib.contextmanager
-def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside `out`; rename it onto `out` only if the block succeeds."""
-    out = check_writable(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent if str(out.parent) else ".")
-    os.close(fd)
+def version() -> str:
+    """The installed adaptex version (what artifacts record)."""
     try:
-        try:
-            yield Path(tmp)
-        except OSError as e:
-            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return _pkg.version("adaptex")
+    except _pkg.PackageNotFoundError:
+        return "0+source"
 
+
+# --- building --------------------------------------------------------------------------------------
+
+def build(contract, *, target: str, variant: str, precision: str, lowerings: dict, inputs: dict, outputs: dict,
+          source: dict, opset: dict, **extra) -> dict:
+    """The metadata of an artifact of `contract`'s model (graphs.family.Contract)."""
+    describe = contract.io_descriptions()
+    for name, spec in list(inputs.items()) + list(outputs.items()):
+        spec.setdefault("description", describe.get(name, ""))
+    meta = {
+        "format": FORMAT_VERSION, "adaptex": version(), "family": contract.family, "target": target,
+        "variant": variant, "precision": precision, "opset": opset, "lowerings": lowerings,
+        **contract.routing_meta(), "config": contract.config_dict(), "source": source,
+        "inputs": inputs, "outputs": outputs,
+        "decisions": {d.name: {"kind": d.kind, "layer": d.path, "field": d.field} for d in contract.decisions()},
+        "decoder": contract.decoder,
+    }
+    if contract.max_sequence:
+        meta["max_sequence"] = contract.max_sequence
+    if hasattr(contract, "to_meta"):
+        meta.update(contract.to_meta())
+    meta.update({k: v for k, v in extra.items() if v is not None})
+    validate(meta, "the exported model")
+    return meta
+
+
+def source_of(model, info: dict | None) -> dict:
+    """What an artifact records of its source: a checkpoint's name and the hashes of its weights and
+    config, or a model of your own's class and the hash of its state dict."""
+    if info:
+        return {"checkpoint": info.get("name") or info.get("path"), "sha256": info.get("sha256"),
+                "config_sha256": info.get("config_sha256")}
+    return {"model": type(model).__name__, "state_sha256": state_hash(model)}
+
+
+def state_hash(model) -> str:
+    """sha256 over a module's state dict (names, dtypes, shapes and bytes), in key order."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# --- validation --------------------------------------------------------------------------------------
+
+# key -> (type(s), required): what every artifact's metadata holds
+SCHEMA = {
+    "format": (int, True), "family": (str, True), "target": (str, True), "variant": (str, True),
+    "precision": (str, True), "inputs": (dict, True), "outputs": (dict, True), "source": (dict, True),
+    "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
+    "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
+    "tensorrt": (dict, False),
+}
+
+
+def validate(meta, where) -> dict:
+    """Check metadata against SCHEMA (types of the known keys, each I/O entry's dtype and shape);
+    a one-line AdaptexError names the first problem."""
+    if not isinstance(meta, dict):
+        raise AdaptexError(f"{where}: its adaptex metadata is a {type(meta).__name__}, not an object; re-export it")
+    for key, (kind, required) in SCHEMA.items():
+        if key not in meta:
+            if required:
+                raise AdaptexError(f"{where}: its adaptex metadata has no {key!r}; re-export it with adaptex")
+            continue
+        if not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
+            raise AdaptexError(f"{where}: metadata {key!r} is a {type(meta[key]).__name__}, expected "
+                               f"{kind.__name__}; re-export it with adaptex")
+    for side in ("inputs", "outputs"):
+        for name, spec in meta[side].items():
+            if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \
+                    or not isinstance(spec.get("shape"), list) \
+                    or not all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in spec["shape"]):
+                raise AdaptexError(f"{where}: metadata {side}[{name!r}] needs a dtype string and a shape list of "
+                                   "sizes and axis names; re-export it with adaptex")
+    return meta
+
+
+def parse(text: str, where) -> dict:
+    """Metadata from its JSON text, validated; never evaluated."""
+    try:
+        meta = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise AdaptexError(f"{where}: its adaptex metadata is not valid JSON ({e.msg if hasattr(e, 'msg') else e}); "
+                           "re-export it with adaptex") from None
+    return validate(meta, where)
+
+
+# --- reading ------------------------------------------------------------------------------------------
 
 def read_onnx_metadata(path: str | os.PathLike) -> dict:
     """The adaptex metadata of an ONNX artifact (without loading its weights)."""
     import onnx
 
-    from adaptex.exporter.errors import AdaptexError
-
     path = Path(path)
     if not path.is_file():
         raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export -o {path}'")
+    if path.stat().st_size == 0:
+        raise AdaptexError(f"{path}: is empty (0 bytes), not an ONNX model; re-export it")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:
         raise AdaptexError(f"{path}: not a readable ONNX model ({type(e).__name__}); re-export it") from None
     props = {p.key: p.value for p in model.metadata_props}
     if META_KEY not in props:
-        raise AdaptexError(f"{path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
-                           "export the model with adaptex first")
-    return json.loads(props[META_KEY])
+        raise AdaptexError(f"{path}: an ONNX model that has no adaptex metadata, so it was not written by "
+                           "'adaptex export'; export the model with adaptex first")
+    return parse(props[META_KEY], path)
 
 
 def format_metadata(meta: dict) -> str:
     lines = []
-    order = ["family", "target", "variant", "precision", "opset", "source", "budget_range", "config",
-             "inputs", "outputs"]
+    order = ["family", "target", "variant", "precision", "adaptex", "opset", "source", "budget_range", "config",
+             "inputs", "outputs", "decisions"]
     for key in order + sorted(set(meta) - set(order)):
         if key not in meta:
             continue
@@ -84,6 +159,12 @@ def format_metadata(meta: dict) -> str:
             lines.append(f"{key}:")
             for name, spec in val.items():
                 lines.append(f"  {name:<30} {spec['dtype']:<8} {spec['shape']}")
+        elif key == "decisions":
+            lines.append(f"{key}:")
+            for name, spec in val.items():
+                lines.append(f"  {name:<30} {spec['kind']:<10} {spec['layer']}")
+        elif key == "tokenizer" and isinstance(val, dict):
+            lines.append(f"{key}: {val.get('type', 'included')} ({len(json.dumps(val))} bytes)")
         elif isinstance(val, dict):
             lines.append(f"{key}:")
             for k, v in val.items():
@@ -93,16 +174,91 @@ def format_metadata(meta: dict) -> str:
     return "\n".join(lines)
 
 
-def routing_meta(cfg) -> dict:
-    """The family's routing parameters, as artifact metadata."""
-    if cfg.family == "tsa":
-        return {"keep_threshold": cfg.threshold, "kv_cache_bound": cfg.max_len}
-    if cfg.family == "elastic_decoder":
-        return {"sink": cfg.sink, "window": cfg.window, "backbone": "dense decoder",
-                "backbone_sha256": cfg.backbone_sha256, "kv_cache_bound": cfg.max_len,
-                "head_modes": "routed at prefill (empty cache); decode steps take head_modes.{i} = the prefill's "
-                              "decisions.layer{i}.sa"}
-    if cfg.family == "elastic":
-        return {"sink": cfg.sink, "window": cfg.window, "backbone": cfg.backbone,
-                "backbone_sha256": cfg.backbone_sha256, "position_limit": cfg.max_len}
-    return {"budget_range": [cfg.s_min, cfg.s_max]}
+# --- writing -----------------------------------------------------------------------------------------
+
+def check_writable(out: str | os.PathLike, is_ours=None) -> Path:
+    """Fail before any work if `out` cannot be written, naming the fix. An existing `out` is replaced
+    only when `is_ours(out)` says it is an adaptex artifact."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir() and out.suffix != ".mlpackage":
+        raise ExportError(f"{out}: is a directory; pass a file path such as {out / 'model.onnx'}")
+    if not parent.is_dir():
+        raise ExportError(f"{out}: directory {parent} does not exist; create it or choose another -o")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"{out}: directory {parent} is not writable; choose another -o")
+    if out.exists() and is_ours is not None and not is_ours(out):
+        raise ExportError(f"{out}: exists and is not an adaptex artifact; choose a new -o (adaptex only replaces "
+                          "artifacts it wrote)")
+    if out.is_file() and not os.access(out, os.W_OK):
+        raise ExportError(f"{out}: exists and is read-only; make it writable or choose another -o")
+    return out
+
+
+def _cleanup_stale(parent: Path, name: str) -> None:
+    """Remove what an interrupted write of `name` left behind in `parent` (.name.*.tmp files and
+    .name.* directories older than an hour: a concurrent write is never that old)."""
+    import time
+
+    cutoff = time.time() - 3600
+    for p in parent.glob(f".{name}.*"):
+        try:
+            if p.stat().st_mtime < cutoff:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `out`; rename it onto `out` only if the block succeeds."""
+    out = check_writable(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    _cleanup_stale(parent, out.name)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
+        os.close(fd)
+        try:
+            yield Path(tmp)
+        except OSError as e:
+            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
+        os.replace(tmp, out)
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp directory path beside `out` (a package directory); when the block succeeds, the
+    old `out` moves aside, the new one takes its place, and only then is the old one deleted. An
+    interruption at any point leaves the old or the new package at `out`, never neither."""
+    out = Path(out)
+    parent = out.absolute().parent
+    _cleanup_stale(parent, out.name)
+    work = None
+    try:
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        new = work / out.name
+        try:
+            yield new
+        except OSError as e:
+            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
+        os.chmod(work, 0o755)
+        old = work / "old"
+        if out.exists():
+            os.replace(out, old)  # aside, within the same directory: an atomic rename
+        try:
+            os.replace(new, out)
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)  # put the old package back
+            raise
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+

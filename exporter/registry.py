@@ -1,9 +1,13 @@
 """The lowering registry: (op, target, variant) -> lowering, with reasons when none applies.
 
-A lowering is registered with a decorator that names its cell, an optional validator and a
-priority; lookup returns the highest-priority lowering whose validator accepts the node, and
-otherwise raises UnsupportedLowering listing why each candidate declined. A cell that cannot work
-is registered explicitly with `unsupported(...)`, so the op x target matrix has no empty cell.
+A lowering is registered with a decorator that names its cell (one target or several: an ONNX
+function body serves both onnx and tensorrt), an optional validator and a priority; lookup returns
+the highest-priority lowering whose validator accepts the node, and otherwise raises
+UnsupportedLowering listing why each candidate declined. A cell that cannot work is registered
+explicitly with `unsupported(...)`, so the op x target matrix has no empty cell.
+
+The registry imports no target: each target's lowerings module registers itself when imported
+(exporter.targets loads them), as Torch-TensorRT's converters do.
 """
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from typing import Any, Callable, Iterator
 
 from adaptex.exporter.errors import UnsupportedLowering
 
-TARGETS = ("onnx", "coreml", "tensorrt")
 VARIANTS = ("sparse", "dense")
 
 # A validator returns None to accept the node, or a one-line reason to decline it.
@@ -41,8 +44,6 @@ _REGISTRY: dict[tuple[str, str, str], list[Lowering]] = {}
 
 
 def _check_cell(op: str, target: str, variant: str) -> None:
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}: expected one of {TARGETS}")
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
 
@@ -55,10 +56,13 @@ def register(entry: Lowering) -> Lowering:
     return entry
 
 
-def lowering(op: str, *, target: str, variant: str, validator: Validator | None = None, priority: int = 0):
-    """Decorator: register `fn(ctx, node)` as the lowering of `op` for (target, variant)."""
+def lowering(op: str, *, target: str | tuple[str, ...], variant: str, validator: Validator | None = None,
+             priority: int = 0):
+    """Decorator: register `fn(ctx, node)` as the lowering of `op` for (target, variant); a tuple of
+    targets registers the one function in each of their cells."""
     def wrap(fn: Callable) -> Callable:
-        register(Lowering(op, target, variant, fn, validator, priority, doc=(fn.__doc__ or "").strip()))
+        for t in (target,) if isinstance(target, str) else target:
+            register(Lowering(op, t, variant, fn, validator, priority, doc=(fn.__doc__ or "").strip()))
         return fn
     return wrap
 
@@ -72,9 +76,6 @@ def unsupported(op: str, *, target: str, variant: str, reason: str) -> None:
 
 def lookup(op: str, target: str, variant: str, node: Any = None) -> Lowering:
     """The lowering for this node, or UnsupportedLowering with every candidate's reason."""
-    _load_targets()
-    if target not in TARGETS:
-        raise UnsupportedLowering(op, target, variant, [f"unknown target; choose one of {', '.join(TARGETS)}"])
     if variant not in VARIANTS:
         raise UnsupportedLowering(op, target, variant, [f"unknown variant; choose one of {', '.join(VARIANTS)}"])
     reasons = []
@@ -87,8 +88,8 @@ def lookup(op: str, target: str, variant: str, node: Any = None) -> Lowering:
 
 
 def cells() -> dict[tuple[str, str, str], list[Lowering]]:
-    """Every registered cell (for the docs' matrix and the no-empty-cell test)."""
-    _load_targets()
+    """Every registered cell (for the docs' matrix and the no-empty-cell test); load the targets
+    first (exporter.targets.load_all)."""
     return {k: list(v) for k, v in _REGISTRY.items()}
 
 
@@ -96,7 +97,6 @@ def cells() -> dict[tuple[str, str, str], list[Lowering]]:
 def override(*entries: Lowering, replace: bool = False) -> Iterator[None]:
     """Put `entries` first in their cell for the duration, or make them the whole cell with
     replace=True (tests swap lowerings this way, never by patching globals)."""
-    _load_targets()
     keys = {(e.op, e.target, e.variant) for e in entries}
     saved = {key: list(_REGISTRY.get(key, [])) for key in keys}
     for key in keys:
@@ -107,13 +107,3 @@ def override(*entries: Lowering, replace: bool = False) -> Iterator[None]:
     finally:
         _REGISTRY.update(saved)
 
-
-_loaded = False
-
-
-def _load_targets() -> None:
-    """Import the target modules, which register their lowerings (lazily: no runtime imports)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from adaptex.exporter.targets import coreml, onnx, tensorrt  # noqa: F401

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from adaptex.graphs.ops import budgeted_attention as ba
+from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
+from adaptex.graphs.nn import BudgetedAttention, RoutingSchedule, masked_mean  # noqa: F401  (re-exported)
 
 MODES = ("soft", "hard", "naive", "eager", "dense")
 
@@ -67,118 +68,22 @@ def sinusoids(n: int, d: int) -> Tensor:
     return pe
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean over the real tokens only: (B, T, d), (B, T) bool -> (B, d).
-
-    Written as a (1 x T) @ (T x d) product: exported, it is one GEMV rather than a multiply and a
-    strided reduction, which runtimes execute several times slower."""
-    m = mask.to(x.dtype).unsqueeze(1)  # (B, 1, T)
-    return (m @ x).squeeze(1) / m.sum(-1).clamp_min(1.0)  # (B, d)
-
-
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     """Max over the real tokens only: (B, T, d), (B, T) bool -> (B, d). The classifier pools this
     way: one decisive token's features survive it, where a mean would dilute them by the length."""
     return x.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(1)
 
 
-@dataclass
-class RoutingSchedule:
-    """Training-time knobs that change with progress t in [0, 1] (all ignored at inference)."""
-    tau: float = 1.0  # score temperature
-    noise_std: float = 0.0  # exploration noise on the head scores
-    rank_sharpness: float = 0.0  # 0 disables the budget-aware rank mask (see BudgetedSelfAttention)
-
-
-class HeadRouter(nn.Module):
-    """Budget network f_theta and head-scoring network g_phi on the pooled layer input."""
-
-    def __init__(self, cfg: BudgetFormerConfig):
-        super().__init__()
-        d, r = cfg.d_model, cfg.router_hidden
-        self.budget = nn.Sequential(nn.Linear(d, r), nn.GELU(), nn.Linear(r, 1))
-        self.scorer = nn.Sequential(nn.Linear(d, r), nn.GELU(), nn.Linear(r, cfg.num_heads))
-
-    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        # Routers stay fp32: in fp16, floor(s*H) lands on the other side of an integer for inputs
-        # near the boundary, and the top-k order flips on near-ties.
-        h = masked_mean(x.float(), mask)  # (B, d)
-        s = torch.sigmoid(self.budget(h)).squeeze(-1)  # (B,)
-        z = self.scorer(h)  # (B, H)
-        return s, z
-
-
-class BudgetedSelfAttention(nn.Module):
-    def __init__(self, cfg: BudgetFormerConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows [q heads | k heads | v heads]
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
-        self.router = HeadRouter(cfg) if cfg.adaptive else None
-
-    def forward(self, x: Tensor, mask: Tensor, mode: str, sched: RoutingSchedule,
-                force_mask: Tensor | None = None) -> tuple[Tensor, dict]:
-        B, T, d = x.shape
-        H = self.num_heads
-        if self.router is None or mode == "dense":
-            return self._dense(x, mask, None, explicit=not self.training), {}
-        s, z = self.router(x, mask)
-        if mode == "soft":
-            if sched.noise_std > 0:
-                z = z + sched.noise_std * torch.randn_like(z)
-            p = torch.softmax(z / sched.tau, dim=-1)  # (B, H)
-            w = ba.head_weights(s, p, H)  # (B, H)
-            if sched.rank_sharpness > 0:
-                # Budget-aware rank mask (an adaptex addition to the paper's soft mode): head of rank r
-                # is scaled by sigmoid(g*(s*H - r - 1/2)), so s only pays off through the heads it
-                # keeps and its gradient learns what one more head is worth on this input. As g
-                # grows the mask approaches the hard top-k of inference and the soft/hard gap closes.
-                ranks = ba.head_ranks(p).float()  # (B, H)
-                w = w * torch.sigmoid(sched.rank_sharpness * (s[:, None] * H - ranks - 0.5))
-            y = self._dense(x, mask, w)
-            return y, {"s": s, "p": p}
-        p = torch.softmax(z / self.cfg.tau_infer, dim=-1)
-        args = (x, mask, s, p, self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, H)
-        if mode == "hard" and force_mask is None:
-            y, k, head_mask = torch.ops.adaptex.budgeted_attention(*args)
-        elif mode in ("hard", "naive"):
-            y, k, head_mask = ba.budgeted_attention_dense_reference(*args, head_mask=force_mask)
-        elif mode == "eager":
-            y, k, head_mask = ba.budgeted_attention_eager(*args)
-        else:
-            raise ValueError(f"unknown mode {mode!r}: expected one of {MODES}")
-        return y, {"s": s, "p": p, "k": k, "head_mask": head_mask}
-
-    def _dense(self, x: Tensor, mask: Tensor, w: Tensor | None, explicit: bool = False) -> Tensor:
-        B, T, d = x.shape
-        H = self.num_heads
-        q, k, v = self.qkv(x).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)  # (B, H, T, dh) each
-        if explicit:
-            # Inference/export form: an additive key mask and a plain softmax. The stock exporter
-            # turns SDPA with a bool mask into extra Where/IsNaN passes that would slow the dense
-            # counterpart down and flatter every adaptive figure measured against it.
-            bias = torch.zeros(B, 1, 1, T, dtype=q.dtype, device=q.device).masked_fill(
-                ~mask[:, None, None, :], float("-inf"))
-            att = torch.softmax(q @ k.transpose(-1, -2) * (d // H) ** -0.5 + bias, dim=-1)  # (B,H,T,T)
-            o = att @ v  # (B, H, T, dh)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])  # (B,H,T,dh)
-        if w is not None:
-            o = o * w[:, :, None, None].to(o.dtype)
-        return self.out(o.transpose(1, 2).reshape(B, T, d))
-
-
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: BudgetFormerConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = BudgetedSelfAttention(cfg)
+        self.attn = BudgetedAttention(cfg.d_model, cfg.num_heads, cfg.router_hidden, cfg.tau_infer, cfg.adaptive)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
 
     def forward(self, x, mask, mode, sched, force_mask=None):
-        a, dec = self.attn(self.ln1(x), mask, mode, sched, force_mask)
+        a, dec = self.attn(self.ln1(x), mask, mode=mode, sched=sched, force_mask=force_mask, return_decisions=True)
         x = x + a
         x = x + self.ffn(self.ln2(x))
         return x, dec
@@ -253,3 +158,116 @@ def flops_per_sample(cfg: BudgetFormerConfig, seq_len: int, heads_per_layer: lis
             total += 2 * 2 * (d * cfg.router_hidden) + 2 * cfg.router_hidden * (1 + H)
     total += 2 * d * d + 2 * d * cfg.num_classes  # classifier head
     return total
+
+
+# --- the family contract -------------------------------------------------------------------------------
+
+@register_family
+class BudgetFormerFamily(Contract):
+    """BudgetFormer's artifacts: (input_ids, attention_mask) -> logits, then per layer i
+    decisions.layer{i}.k (B,) int64, .head_mask (B, H) bool and .s (B,) float32."""
+
+    family = "budgetformer"
+    recipe = "budgetformer"
+    counterpart_modes = {"dense": "dense", "naive": "naive"}
+    coreml_fp32_roles = ("classifier_tail",)
+
+    def input_names(self, mode: str = "hard") -> list[str]:
+        return ["input_ids", "attention_mask"]
+
+    def model_output_names(self, mode: str = "hard") -> list[str]:
+        return ["logits"]
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        if not self.cfg.adaptive or mode not in ADAPTIVE_MODES:
+            return []
+        return [RecordedOutput(f"decisions.layer{i}.{f}", f"layers.{i}.attn", f)
+                for i in range(self.cfg.num_layers) for f in ("k", "head_mask", "s")]
+
+    def call(self, model, inputs, mode):
+        return (model(inputs[0], inputs[1], mode=mode)[0],)
+
+    def example_inputs(self, mode: str = "hard") -> tuple:
+        batch, seq = 2, 16
+        ids = torch.randint(1, self.cfg.vocab_size, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[-1, seq // 2:] = 0  # one padded row so the trace never assumes a full mask
+        return ids, mask
+
+    def dynamic_shapes(self, mode: str = "hard"):
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
+        return (({0: batch, 1: seq}, {0: batch, 1: seq}),)
+
+    def routing_meta(self) -> dict:
+        return {"budget_range": [self.cfg.s_min, self.cfg.s_max]}
+
+    def io_descriptions(self) -> dict[str, str]:
+        cfg = self.cfg
+        d = {"input_ids": f"token ids [batch, sequence], sequence 1..{cfg.max_len}",
+             "attention_mask": "1 for real tokens, 0 for padding [batch, sequence]",
+             "logits": f"class scores [batch, {cfg.num_classes}]"}
+        for i in range(cfg.num_layers):
+            d[f"decisions.layer{i}.k"] = f"layer {i}: heads computed per sample, clamp(floor(s*H), 1, H)"
+            d[f"decisions.layer{i}.head_mask"] = f"layer {i}: 1 for the heads computed, 0 otherwise [batch, {cfg.num_heads}]"
+            d[f"decisions.layer{i}.s"] = f"layer {i}: budget s in (0, 1) per sample"
+        return d
+
+    def parity_items(self, task: str | None, samples: int, seed: int = 0) -> list[dict]:
+        """Batches totalling `samples` sequences: varied batch sizes, lengths (1 to the maximum),
+        padded rows, the task's difficulty levels (so every budget occurs) and random token soup."""
+        from adaptex.graphs.tasks import get_task
+
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        try:
+            task_obj = get_task(task) if task else None
+        except Exception:  # an unknown or unavailable task: random tokens
+            task_obj = None
+        batch_sizes = [1, 2, 3, 4, 8, 16]
+        feeds, total, i = [], 0, 0
+        while total < samples:
+            B = min(batch_sizes[i % len(batch_sizes)], samples - total)
+            if task_obj is not None and i % 4 in (0, 1):  # task inputs at every difficulty level
+                levels = [int(x) for x in rng.integers(0, len(task_obj.levels), size=B)]
+                b = task_obj.sample(B, rng, levels=levels)
+                ids, mask = b.input_ids.numpy()[:, : cfg.max_len], b.attention_mask.numpy()[:, : cfg.max_len]
+            else:  # random tokens: lengths from 1 to the maximum, padded rows
+                T = int(rng.choice([1, 2, 7, 33, 64, cfg.max_len, int(rng.integers(1, cfg.max_len + 1))]))
+                T = min(T, cfg.max_len)
+                ids = rng.integers(1, cfg.vocab_size, size=(B, T)).astype(np.int64)
+                lengths = rng.integers(1, T + 1, size=B)
+                lengths[0] = T
+                mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
+                ids = np.where(mask == 1, ids, cfg.pad_id)
+            feeds.append({"input_ids": np.ascontiguousarray(ids), "attention_mask": np.ascontiguousarray(mask)})
+            total += B
+            i += 1
+        return feeds
+
+    def bench_feeds(self, task: str | None, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
+        """Task inputs at the requested length where the task can make them, else random tokens."""
+        from adaptex.graphs.tasks import get_task
+
+        rng = np.random.default_rng(seed)
+        try:
+            task_obj = get_task(task) if task else None
+            b = task_obj.sample(batch, rng, length=seq) if task_obj else None
+        except Exception:  # an unknown or unavailable task: random tokens
+            b = None
+        if b is not None and b.input_ids.shape[1] == seq:
+            return {"input_ids": b.input_ids.numpy(), "attention_mask": b.attention_mask.numpy()}
+        ids = rng.integers(1, self.cfg.vocab_size, size=(batch, seq)).astype(np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+        """The decisions' FLOP ratio per sample, and the executed one: the dense variant computes every
+        head; the sparse one, in a batch, the batch's largest k for every sample."""
+        cfg = self.cfg
+        L, H = cfg.num_layers, cfg.num_heads
+        dense = flops_per_sample(cfg, seq, None)
+        ks = np.stack([np.asarray(outputs[f"decisions.layer{i}.k"]) for i in range(L)], axis=1)  # (B, L)
+        ratio = float(np.mean([flops_per_sample(cfg, seq, list(map(float, row))) for row in ks]) / dense)
+        executed = [float(H)] * L if variant == "dense" else [float(x) for x in ks.max(axis=0)]
+        return {"flop_ratio": ratio, "executed_flop_ratio": flops_per_sample(cfg, seq, executed) / dense,
+                "mean_k_per_layer": [float(x) for x in ks.mean(axis=0)]}

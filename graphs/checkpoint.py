@@ -93,6 +93,7 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     net.eval()
     info["path"] = str(path.absolute())
     info["sha256"] = file_hash(w_path)
+    info["config_sha256"] = file_hash(cfg_path)
     return net, info
 
 

@@ -24,8 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import adaptex.graphs.ops.elastic_attention as ea
 from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
+from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -57,33 +58,6 @@ class ElasticConfig:
         return cls(**{k: v for k, v in d.items() if k != "family"})
 
 
-class HeadRouter(nn.Module):
-    """[FA, SA] logits per head from the layer's key states pooled over the first and last N tokens."""
-
-    def __init__(self, num_heads: int, head_dim: int, hidden: int, pool_tokens: int):
-        super().__init__()
-        self.pool_tokens = pool_tokens
-        self.task = nn.Sequential(nn.Linear(2 * head_dim, hidden), nn.GELU())
-        self.head_bias = nn.Parameter(torch.zeros(num_heads, hidden))
-        self.router = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2))
-
-    def pool(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens."""
-        m = key_mask.to(k.dtype)  # (B, S)
-        rank = torch.cumsum(m, dim=1) - 1  # rank of each real token among the real ones
-        n_real = m.sum(1, keepdim=True)
-        first = m * (rank < self.pool_tokens).to(k.dtype)
-        last = m * (rank >= n_real - self.pool_tokens).to(k.dtype)
-
-        def mean(w):
-            return (k * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
-        return torch.cat([mean(first), mean(last)], dim=-1)
-
-    def forward(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        h = self.task(self.pool(k.float(), key_mask)) + self.head_bias  # (B, H, hidden)
-        return self.router(h)  # (B, H, 2) fp32: [FA, SA]
-
-
 class ElasticEncoder(nn.Module):
     """A frozen MiniLM whose attention each layer routes per head through its HeadRouter."""
 
@@ -93,7 +67,8 @@ class ElasticEncoder(nn.Module):
         self.backbone = backbone
         for p in self.backbone.parameters():
             p.requires_grad_(False)
-        self.routers = nn.ModuleList(HeadRouter(cfg.num_heads, cfg.head_dim, cfg.router_hidden, cfg.pool_tokens)
+        self.routers = nn.ModuleList(ElasticAttention(cfg.num_heads, cfg.head_dim, cfg.sink, cfg.window, causal=False,
+                                                      router_hidden=cfg.router_hidden, pool_tokens=cfg.pool_tokens)
                                      for _ in range(cfg.num_layers))
 
     @classmethod
@@ -133,38 +108,16 @@ class ElasticEncoder(nn.Module):
         hard_dense (hard decisions, dense reference kernel), full (every head FA: the backbone itself)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        cfg = self.cfg
         decisions: list[dict] = []
 
         def attention(li: int, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
-            logits = self.routers[li](k, key_mask)  # (B, H, 2)
-            if mode == "soft":
-                g = F.gumbel_softmax(logits, tau=tau, hard=True)[..., 1]  # (B, H): 1 = SA, ST gradient
-                sa = g > 0.5
-                fa_o = ea.elastic_attention_dense_reference(q, k, v, torch.zeros_like(sa), key_mask,
-                                                            cfg.sink, cfg.window, False)
-                sa_o = ea.elastic_attention_dense_reference(q, k, v, torch.ones_like(sa), key_mask,
-                                                            cfg.sink, cfg.window, False)
-                o = fa_o + (sa_o - fa_o) * g[:, :, None, None].to(q.dtype)
-            else:
-                sa = logits[..., 1] > logits[..., 0]
-                if force_sa is not None:
-                    sa = force_sa[li]
-                g = sa.float()
-                if mode == "hard":
-                    o = ea.elastic_attention(q, k, v, sa, key_mask, cfg.sink, cfg.window, False)
-                else:
-                    o = ea.elastic_attention_dense_reference(q, k, v, sa, key_mask, cfg.sink, cfg.window, False)
-            decisions.append({"sa": sa, "logits": logits, "g": g})
+            force = force_sa[li] if force_sa is not None else None
+            o, dec = self.routers[li](q, k, v, key_mask, mode=mode, force_sa=force, tau=tau, return_decisions=True)
+            decisions.append(dec)
             return o
 
         _, emb = self.backbone(input_ids, attention_mask, attention_fn=None if mode == "full" else attention)
         return emb, decisions
-
-
-def sparsity(decisions: list[dict]) -> Tensor:
-    """Ω: the fraction of SA heads (soft: the straight-through weights, so it has a gradient)."""
-    return torch.stack([d["g"].float().mean() for d in decisions]).mean()
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -308,3 +261,131 @@ def summary_table_elastic(held_out: dict, cfg: ElasticConfig) -> str:
         f"cosine to the full-attention embedding: mean {held_out['mean_cosine']:.4f}, min {held_out['min_cosine']:.4f}",
         "acceptance: >= 50% SA heads at mean cosine >= 0.98",
     ])
+
+
+# --- the family contract -------------------------------------------------------------------------------
+
+def head_mode_descriptions(cfg, d: dict) -> dict:
+    """Descriptions of the per-layer head-mode decisions (shared with the elastic decoder)."""
+    for i in range(cfg.num_layers):
+        d[f"decisions.layer{i}.sa"] = (f"layer {i}: 1 where the head ran streaming attention (sink {cfg.sink}, "
+                                       f"window {cfg.window}), 0 full attention [batch, {cfg.num_heads}]")
+        d[f"decisions.layer{i}.logits"] = f"layer {i}: the router's [FA, SA] logits [batch, {cfg.num_heads}, 2]"
+    return d
+
+
+def elastic_flops(cfg, sa: np.ndarray, T: int) -> float:
+    """FLOPs of one sequence of T tokens with head modes sa (L, H) (1 = SA): projections and FFN as
+    in the backbone, FA heads 4 T^2 dh, SA heads 4 T min(T, sink + window + 1) dh."""
+    b = cfg.backbone_config or {}
+    d = cfg.num_heads * cfg.head_dim
+    d_ff = b.get("d_ff", 4 * d)
+    linear = 2 * T * (4 * d * d + 2 * d * d_ff)
+    ctx_sa = min(T, cfg.sink + cfg.window + 1)
+    att = 4 * T * cfg.head_dim * np.where(sa, ctx_sa, T)  # (L, H)
+    return float(cfg.num_layers * linear + att.sum())
+
+
+@register_family
+class ElasticFamily(Contract):
+    """Elastic encoders' artifacts: (input_ids, attention_mask) -> sentence_embedding, then per layer i
+    decisions.layer{i}.sa (B, H) bool (1 = streaming attention) and .logits (B, H, 2) [FA, SA]."""
+
+    family = "elastic"
+    recipe = "elastic"
+    counterpart_modes = {"dense": "full", "naive": "hard_dense"}
+    coreml_fp32_roles = ("pooling_tail",)
+
+    def input_names(self, mode: str = "hard") -> list[str]:
+        return ["input_ids", "attention_mask"]
+
+    def model_output_names(self, mode: str = "hard") -> list[str]:
+        return ["sentence_embedding"]
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        if not self.cfg.adaptive or mode not in ADAPTIVE_MODES:
+            return []
+        return [RecordedOutput(f"decisions.layer{i}.{f}", f"routers.{i}", f)
+                for i in range(self.cfg.num_layers) for f in ("sa", "logits")]
+
+    def call(self, model, inputs, mode):
+        return (model(inputs[0], inputs[1], mode=mode)[0],)
+
+    def example_inputs(self, mode: str = "hard") -> tuple:
+        batch, seq = 2, 16
+        ids = torch.randint(1, self.cfg.vocab_size, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[-1, seq // 2:] = 0  # one padded row so the trace never assumes a full mask
+        return ids, mask
+
+    def dynamic_shapes(self, mode: str = "hard"):
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
+        return (({0: batch, 1: seq}, {0: batch, 1: seq}),)
+
+    def routing_meta(self) -> dict:
+        cfg = self.cfg
+        return {"sink": cfg.sink, "window": cfg.window, "backbone": cfg.backbone,
+                "backbone_sha256": cfg.backbone_sha256, "position_limit": cfg.max_len}
+
+    def io_descriptions(self) -> dict[str, str]:
+        cfg = self.cfg
+        return head_mode_descriptions(cfg, {
+            "input_ids": f"token ids [batch, sequence], sequence 1..{cfg.max_len}",
+            "attention_mask": "1 for real tokens, 0 for padding [batch, sequence]",
+            "sentence_embedding": "mean-pooled, L2-normalised sentence embedding [batch, d_model]"})
+
+    def parity_items(self, task: str | None, samples: int, seed: int = 0) -> list[dict]:
+        """Held-out and training text at lengths from a few tokens to the position limit, in batches
+        of 1 to 16 with padded rows, plus random token soup (routers see unusual key statistics). An
+        inline (test) backbone has no tokenizer: random tokens of the same lengths, with padded rows."""
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        lengths = sorted({min(n, cfg.max_len) for n in (8, 32, 64, 128, 256, cfg.max_len)})
+        text = tok = None
+        if cfg.backbone == "minilm":
+            from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
+
+            tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+            text = StdlibText()
+        out, n, i = [], 0, 0
+        while n < samples:
+            B = int(min(samples - n, [1, 4, 16, 7][i % 4]))
+            max_len = lengths[i % len(lengths)]
+            if tok is None or i % 5 == 4:  # token soup
+                ids = rng.integers(1, cfg.vocab_size, size=(B, max_len)).astype(np.int64)
+                mask = np.ones_like(ids)
+                if B > 1:  # padded rows of random lengths
+                    for row in range(1, B, 2):
+                        mask[row, rng.integers(1, max_len + 1):] = 0
+                ids = ids * mask
+            else:
+                ids_t, mask_t = tok.encode(text.sample(B, rng, split="val" if i % 2 else "train", join=4),
+                                           max_length=max_len)
+                ids, mask = ids_t.numpy(), mask_t.numpy()
+            out.append({"input_ids": ids, "attention_mask": mask})
+            n, i = n + B, i + 1
+        return out
+
+    def bench_feeds(self, task: str | None, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
+        """Held-out stdlib text of exactly `seq` tokens (passages joined until long enough); random
+        tokens for an inline (test) backbone."""
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        if cfg.backbone == "minilm":
+            from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
+
+            tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+            ids, _ = tok.encode(StdlibText().sample(batch, rng, split="val", join=40), max_length=seq)
+            if ids.shape[1] == seq:
+                return {"input_ids": ids.numpy(), "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+        ids = rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+        cfg = self.cfg
+        sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
+        full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)
+        ratio = float(np.mean([elastic_flops(cfg, row, seq) for row in sa]) / full)
+        return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if variant == "dense" else ratio,
+                "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

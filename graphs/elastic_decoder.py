@@ -32,10 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import adaptex.graphs.ops.elastic_attention as ea
-from adaptex.graphs.elastic import HeadRouter, sparsity
 from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
-from adaptex.graphs.tsa import TSAConfig, TSADecoder, attention_mask_4d
+from adaptex.graphs.family import ADAPTIVE_MODES, DecoderContract, RecordedOutput, register_family
+from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
+from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -80,26 +80,6 @@ class ElasticDecoderConfig:
         return cls(**{k: v for k, v in d.items() if k != "family"})
 
 
-class DecoderHeadRouter(HeadRouter):
-    """HeadRouter pooling two runs of N keys: the first N real tokens (from the left-padding offset)
-    and the last N positions, each mask-weighted. O(N) per step, not O(S)."""
-
-    def pool(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        B, H, S, dh = k.shape
-        r = torch.arange(self.pool_tokens, device=k.device)[None, :]  # (1, N): a constant N, whatever S
-        n_real = key_mask.long().sum(1, keepdim=True)  # (B, 1)
-        offset = S - n_real  # left padding
-        firsts = offset + r  # (B, N) the first N real positions
-        lasts = (S - self.pool_tokens + r).expand(B, -1)  # (B, N) the last N positions
-        w_first = (r < n_real).to(k.dtype)
-        w_last = (lasts >= offset).to(k.dtype)
-
-        def mean(pos, w):
-            idx = pos.clamp(0, S - 1)[:, None, :, None].expand(B, H, -1, dh)
-            return (torch.gather(k, 2, idx) * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
-        return torch.cat([mean(firsts, w_first), mean(lasts, w_last)], dim=-1)
-
-
 class ElasticDecoder(nn.Module):
     """A frozen dense decoder whose causal attention each layer routes per head."""
 
@@ -109,8 +89,9 @@ class ElasticDecoder(nn.Module):
         self.backbone = TSADecoder(TSAConfig.from_dict(cfg.backbone_config)).eval()
         for p in self.backbone.parameters():
             p.requires_grad_(False)
-        self.routers = nn.ModuleList(DecoderHeadRouter(cfg.num_heads, cfg.head_dim, cfg.router_hidden,
-                                                       cfg.pool_tokens) for _ in range(cfg.num_layers))
+        self.routers = nn.ModuleList(ElasticAttention(cfg.num_heads, cfg.head_dim, cfg.sink, cfg.window, causal=True,
+                                                      router_hidden=cfg.router_hidden, pool_tokens=cfg.pool_tokens)
+                                     for _ in range(cfg.num_layers))
 
     @classmethod
     def from_backbone(cls, backbone: TSADecoder, sha256: str = "", **kw) -> "ElasticDecoder":
@@ -159,10 +140,6 @@ class ElasticDecoder(nn.Module):
         pos = torch.arange(T, device=input_ids.device) + P
         h = bb.tok(input_ids) + bb.pos[pos][None]
         H, dh = cfg.num_heads, cfg.head_dim
-        soft_bias = None
-        if mode == "soft":
-            allowed = attention_mask_4d(key_ok, P, T)
-            soft_bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[:, None]
         decisions, presents = [], []
         for li, blk in enumerate(bb.blocks):
             x = blk.ln1(h)
@@ -170,25 +147,11 @@ class ElasticDecoder(nn.Module):
             k = torch.cat([past[li][0], k], dim=2)
             v = torch.cat([past[li][1], v], dim=2)
             presents.append((k, v))
-            logits = self.routers[li](k, key_ok)  # (B, H, 2)
-            if mode == "soft":
-                g = F.gumbel_softmax(logits, tau=tau, hard=True)[..., 1]
-                sa = g > 0.5
-                fa_o = ((q @ k.transpose(-1, -2)) / math.sqrt(dh) + soft_bias).softmax(-1) @ v
-                sa_o = ea.elastic_attention_dense_reference(q, k, v, torch.ones_like(sa), key_ok,
-                                                            cfg.sink, cfg.window, True)
-                o = fa_o + (sa_o - fa_o) * g[:, :, None, None].to(q.dtype)
-            else:
-                sa = logits[..., 1] > logits[..., 0]
-                if head_modes is not None:
-                    # logic, not a bool Where (ONNX Runtime has none)
-                    sa = (has_past & head_modes[li].bool()) | (~has_past & sa)
-                if force_sa is not None and force_sa[li] is not None:
-                    sa = force_sa[li].bool()
-                g = sa.float()
-                fn = ea.elastic_attention if mode == "hard" else ea.elastic_attention_dense_reference
-                o = fn(q, k, v, sa, key_ok, cfg.sink, cfg.window, True)
-            decisions.append({"sa": sa, "logits": logits, "g": g})
+            modes = head_modes[li] if head_modes is not None else None
+            force = force_sa[li] if force_sa is not None else None
+            o, dec = self.routers[li](q, k, v, key_ok, modes, has_past if modes is not None else None,
+                                      mode=mode, force_sa=force, tau=tau, return_decisions=True)
+            decisions.append(dec)
             h = h + blk.attn.proj(o.transpose(1, 2).reshape(B, T, cfg.d_model))
             h = h + blk.ffn(blk.ln2(h))
         logits = F.linear(bb.ln_f(h), bb.tok.weight)
@@ -335,3 +298,72 @@ def summary_table_decoder(r: dict, cfg: ElasticDecoderConfig) -> str:
         f"next-character loss: full attention {r['full_loss']:.4f}, elastic {r['elastic_loss']:.4f} "
         f"({100 * r['loss_increase']:+.2f}%); KL(full || elastic) {r['kl']:.4f} nats/char",
     ])
+
+
+# --- the family contract -------------------------------------------------------------------------------
+
+@register_family
+class ElasticDecoderFamily(DecoderContract):
+    """Elastic decoders' artifacts: the decoder I/O plus head_modes.{i} (B, H) bool inputs (used at
+    decode steps: feed back the prefill's decisions), then per layer decisions.layer{i}.sa and .logits.
+    Core ML packages take and give the head modes as float32 0/1 (it has no bool features)."""
+
+    family = "elastic_decoder"
+    counterpart_modes = {"dense": "full", "naive": "hard_dense"}
+
+    def extra_inputs(self, mode: str = "hard") -> list[str]:
+        adaptive = self.cfg.adaptive and mode in ADAPTIVE_MODES
+        return [f"head_modes.{i}" for i in range(self.cfg.num_layers)] if adaptive else []
+
+    def extra_example(self, batch: int, mode: str) -> list[Tensor]:
+        return [torch.rand(batch, self.cfg.num_heads) < 0.5 for _ in self.extra_inputs(mode)]
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        if not self.cfg.adaptive or mode not in ADAPTIVE_MODES:
+            return []
+        return [RecordedOutput(f"decisions.layer{i}.{f}", f"routers.{i}", f)
+                for i in range(self.cfg.num_layers) for f in ("sa", "logits")]
+
+    def call(self, model, inputs, mode):
+        ids, mask, past, modes = self.split_inputs(inputs)
+        logits, _, presents = model(ids, mask, past=past, head_modes=modes or None, mode=mode)
+        return (logits, *[t for kv in presents for t in kv])
+
+    def routing_meta(self) -> dict:
+        cfg = self.cfg
+        return {"sink": cfg.sink, "window": cfg.window, "backbone": "dense decoder",
+                "backbone_sha256": cfg.backbone_sha256, "kv_cache_bound": cfg.max_len,
+                "head_modes": "routed at prefill (empty cache); decode steps take head_modes.{i} = the prefill's "
+                              "decisions.layer{i}.sa"}
+
+    def io_descriptions(self) -> dict[str, str]:
+        from adaptex.graphs.elastic import head_mode_descriptions
+        from adaptex.graphs.tsa import decoder_descriptions
+
+        cfg = self.cfg
+        d = head_mode_descriptions(cfg, decoder_descriptions(cfg))
+        for i in range(cfg.num_layers):
+            d[f"head_modes.{i}"] = (f"layer {i}: the head modes a decode step uses [batch, {cfg.num_heads}]: the "
+                                    f"prefill's decisions.layer{i}.sa (ignored at prefill: pass zeros)")
+        return d
+
+    def parity_cap(self) -> int:
+        # positions reach far (4096) but parity needs lengths past the window, not quadratic
+        # full-attention references at the bound
+        return min(self.cfg.max_len, 600)
+
+    def initial_extra(self, B: int) -> dict:
+        return {f"head_modes.{i}": np.zeros((B, self.cfg.num_heads), bool) for i in range(self.cfg.num_layers)}
+
+    def next_extra(self, outputs: dict, P: int, extra: dict) -> dict:
+        if P:  # decode steps reuse the prefill's head modes
+            return extra
+        return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
+
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+        cfg = self.cfg
+        sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
+        f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
+        ratio = float(f[:, 0].mean() / f[:, 1].mean())
+        return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if variant == "dense" else ratio,
+                "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

@@ -25,14 +25,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from adaptex.graphs.budgetformer import sinusoids
-from adaptex.graphs.ops import conditional_attention as ca
-from adaptex.graphs.ops import conditional_ffn as cf
+from adaptex.graphs.family import ADAPTIVE_MODES, DecoderContract, RecordedOutput, register_family
+from adaptex.graphs.nn import CausalSelfAttention, ConditionalBlock, TokenRouter, causal_bias, causal_visibility  # noqa: F401
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")
 
@@ -74,70 +75,7 @@ class TSAConfig:
         return cls(**{k: v for k, v in d.items() if k != "family"})
 
 
-def attention_mask_4d(key_ok: Tensor, past_len, T: int) -> Tensor:
-    """(B, T, P+T) bool: query i (absolute position P+i) sees real keys at positions <= P+i, and
-    always itself (so a padded query row is never empty)."""
-    S = key_ok.shape[1]
-    qpos = torch.arange(T, device=key_ok.device) + past_len  # (T,)
-    kpos = torch.arange(S, device=key_ok.device)  # (S,)
-    causal = kpos[None, :] <= qpos[:, None]  # (T, S)
-    own = kpos[None, :] == qpos[:, None]  # (T, S)
-    return (causal[None] & key_ok[:, None, :]) | own[None]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: TSAConfig):
-        super().__init__()
-        self.h, self.dh = cfg.num_heads, cfg.d_model // cfg.num_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, x: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor):
-        B, T, d = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # each (B, H, T, dh)
-        k = torch.cat([past_k, k], dim=2)  # (B, H, P+T, dh)
-        v = torch.cat([past_v, v], dim=2)
-        att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.dh)) + bias).softmax(-1)  # (B, H, T, P+T)
-        y = (att @ v).transpose(1, 2).reshape(B, T, d)  # (B, T, d)
-        return self.proj(y), k, v
-
-    def kv(self, x: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of every token (past + these T), each (B, H, P+T, dh): the rows of the
-        fused projection after the query's, so a gated block projects queries for kept tokens only."""
-        B, T, d = x.shape
-        k, v = F.linear(x, self.qkv.weight[d:], self.qkv.bias[d:]).view(B, T, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-
-    def query_args(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(wq, bq, wo, bo) for adaptex::conditional_attention."""
-        d = self.proj.weight.shape[0]
-        return self.qkv.weight[:d], self.qkv.bias[:d], self.proj.weight, self.proj.bias
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: TSAConfig):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
-        self.ffn = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
-
-    def ffn_args(self):
-        return (self.ln2.weight, self.ln2.bias, self.ffn[0].weight, self.ffn[0].bias,
-                self.ffn[2].weight, self.ffn[2].bias, self.ln2.eps)
-
-
-class TokenRouter(nn.Module):
-    """p = sigmoid(W2 relu(W1 h + b1) + b2) per token; b2 = -1 so tokens start mostly kept."""
-
-    def __init__(self, cfg: TSAConfig):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(cfg.d_model, cfg.router_hidden), nn.ReLU(),
-                                 nn.Linear(cfg.router_hidden, 1))
-        nn.init.constant_(self.net[2].bias, -1.0)
-
-    def forward(self, h: Tensor) -> Tensor:
-        return torch.sigmoid(self.net(h.float()).squeeze(-1))  # (B, T) fp32
+attention_mask_4d = causal_visibility  # (B, T, P+T) bool visibility of a decoder step
 
 
 class TSADecoder(nn.Module):
@@ -149,8 +87,10 @@ class TSADecoder(nn.Module):
             self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
         else:
             self.register_buffer("pos", sinusoids(cfg.max_len, cfg.d_model), persistent=False)  # (max_len, d)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.routers = nn.ModuleList(TokenRouter(cfg) for _ in range(cfg.num_layers - 1)) if cfg.adaptive else None
+        self.blocks = nn.ModuleList(ConditionalBlock(cfg.d_model, cfg.num_heads, cfg.d_ff, cfg.ln_eps)
+                                    for _ in range(cfg.num_layers))
+        self.routers = nn.ModuleList(TokenRouter(cfg.d_model, cfg.router_hidden, cfg.threshold)
+                                     for _ in range(cfg.num_layers - 1)) if cfg.adaptive else None
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.apply(self._init)
         if cfg.adaptive:
@@ -175,11 +115,7 @@ class TSADecoder(nn.Module):
         B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
-        allowed = attention_mask_4d(attention_mask.bool(), P, T)  # (B, T, P+T)
-        # one additive bias for every layer: an Add per layer, where a masked_fill would be a Where
-        # over (B, H, T, P+T) per layer (16% of prefill time at T=512 in ONNX Runtime)
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-            ~allowed, float("-inf"))[:, None]  # (B, 1, T, P+T)
+        bias = causal_bias(attention_mask, P, T)  # (B, 1, T, P+T)
         pos = torch.arange(T, device=input_ids.device) + P
         pe = self.pos_emb(pos) if self.cfg.positions == "learned" else self.pos[pos]  # (T, d)
         return self.tok(input_ids) + pe[None], bias
@@ -200,41 +136,13 @@ class TSADecoder(nn.Module):
         h, bias = self.embed(input_ids, attention_mask, P)
         adaptive = cfg.adaptive and mode != "dense"
         decisions, presents = [], []
-        gate = None  # (B, T) scale of this block's updates; None: ungated
-        keep = None
+        keep = gate = None  # the previous router's decisions for this block; None: ungated
         for li, blk in enumerate(self.blocks):
-            if gate is not None and mode in ("hard", "hard_dense"):
-                # gate = keep * (1 - p), zero for the skipping tokens: every token's keys and values,
-                # but queries, attention rows and FFN for the kept tokens only
-                hn = blk.ln1(h)
-                k, v = blk.attn.kv(hn, *past[li])
-                presents.append((k, v))
-                sparse = mode == "hard"
-                attn = ca.conditional_attention if sparse else ca.conditional_attention_dense_reference
-                h = attn(h, hn, keep, gate, k, v, bias, *blk.attn.query_args(), cfg.num_heads)
-                ffn = cf.conditional_ffn if sparse else cf.conditional_ffn_dense_reference
-                h = ffn(h, keep, gate, *blk.ffn_args())
-            else:
-                a, k, v = blk.attn(blk.ln1(h), bias, *past[li])
-                presents.append((k, v))
-                if gate is None:
-                    h = h + a
-                    h = h + blk.ffn(blk.ln2(h))
-                else:  # soft, st
-                    h = h + a * gate[..., None]
-                    h = h + blk.ffn(blk.ln2(h)) * gate[..., None]
+            h, kv = blk(h, bias, past[li], keep, gate, mode="dense" if not adaptive else mode)
+            presents.append(kv)
             if adaptive and li < cfg.num_layers - 1:
-                p = self.routers[li](h)  # (B, T) fp32
-                keep = p <= cfg.threshold
-                if force_keep is not None and force_keep[li] is not None:
-                    keep = force_keep[li].bool()
-                if mode == "soft":
-                    gate = 1 - p
-                elif mode == "st":  # forward: keep * (1 - p); backward: as if soft
-                    soft = 1 - p
-                    gate = keep.float() * soft + (soft - soft.detach()) * (1 - keep.float())
-                else:
-                    gate = keep.float() * (1 - p)
+                fk = force_keep[li] if force_keep is not None else None
+                keep, gate, p = self.routers[li](h, mode=mode, force_keep=fk, return_p=True)
                 decisions.append({"keep": keep, "p": p})
         logits = F.linear(self.ln_f(h), self.tok.weight)  # (B, T, V), tied embeddings
         return logits, decisions, presents
@@ -296,3 +204,73 @@ def generate(model: TSADecoder, prompt: list[int], max_new_tokens: int, mode: st
         mask = torch.ones(1, past[0][0].shape[2] + 1, dtype=torch.int64)
         logits, decisions, past = model(torch.tensor([[nxt]]), mask, past=past, mode=mode)
     return out, keep
+
+
+# --- the family contract -------------------------------------------------------------------------------
+
+@register_family
+class TSAFamily(DecoderContract):
+    """TSA decoders' artifacts: Optimum's decoder-with-past I/O, then per gated block l = 1..L-1
+    decisions.layer{l}.keep (B, T) bool (the token ran block l's query side and FFN) and .p (B, T)."""
+
+    family = "tsa"
+    recipe = "tsa"
+    counterpart_modes = {"dense": "dense", "naive": "hard_dense"}
+    coreml_fp32_roles = ("residual_stream",)
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        if not self.cfg.adaptive or mode not in ADAPTIVE_MODES:
+            return []
+        return [RecordedOutput(f"decisions.layer{li + 1}.{f}", f"routers.{li}", f)
+                for li in range(self.cfg.num_layers - 1) for f in ("keep", "p")]
+
+    def call(self, model, inputs, mode):
+        ids, mask, past, _ = self.split_inputs(inputs)
+        logits, _, presents = model(ids, mask, past=past, mode=mode)
+        return (logits, *[t for kv in presents for t in kv])
+
+    def routing_meta(self) -> dict:
+        return {"keep_threshold": self.cfg.threshold, "kv_cache_bound": self.cfg.max_len}
+
+    def io_descriptions(self) -> dict[str, str]:
+        cfg = self.cfg
+        d = decoder_descriptions(cfg)
+        for li in range(1, cfg.num_layers):
+            d[f"decisions.layer{li}.keep"] = (f"block {li}: 1 where the token ran the block's query side and FFN "
+                                              f"(p <= {cfg.threshold}), 0 where it skipped [batch, sequence]")
+            d[f"decisions.layer{li}.p"] = f"block {li}: the router's skip probability p [batch, sequence]"
+        return d
+
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+        """The FFN and the query side of attention of each gated block scale with its keep rate (keys and
+        values are computed for every token); the mean attention context of a step is past + (seq + 1) / 2.
+        The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's
+        largest per-sample kept count in every sample."""
+        cfg = self.cfg
+        keeps = [np.asarray(outputs[f"decisions.layer{li}.keep"]).reshape(-1, seq) for li in range(1, cfg.num_layers)]
+        rates = [float(k.mean()) for k in keeps]
+        ctx = past + (seq + 1) / 2
+        dense = flops_per_token(cfg, ctx, None)
+        if variant == "dense":
+            executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
+        else:  # at least one query row: a step whose every token skips still attends one (ungated) row
+            executed = flops_per_token(cfg, ctx, rates, [max(1.0, float(k.sum(1).max())) / seq for k in keeps])
+        return {"flop_ratio": flops_per_token(cfg, ctx, rates) / dense, "executed_flop_ratio": executed / dense,
+                "keep_rate_per_block": rates}
+
+
+def decoder_descriptions(cfg) -> dict[str, str]:
+    """Descriptions of a decoder's cache I/O (shared by the TSA and elastic decoder contracts)."""
+    H, dh, L = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.max_len
+    d = {"input_ids": f"token ids [batch, sequence], the new tokens of this step; past + sequence <= {L}",
+         "attention_mask": ("1 for real tokens, 0 for padding [batch, past_sequence + sequence]: the previous "
+                            "step's mask extended by the new tokens"),
+         "logits": f"next-token scores [batch, sequence, {cfg.vocab_size}]"}
+    for i in range(cfg.num_layers):
+        for kv in ("key", "value"):
+            d[f"past_key_values.{i}.{kv}"] = (f"block {i} attention {kv}s of the cached tokens [batch, {H}, "
+                                              f"past_sequence, {dh}], past_sequence 0..{L - 1}: the previous "
+                                              f"step's present.{i}.{kv} (a prefill passes past_sequence 0)")
+            d[f"present.{i}.{kv}"] = (f"block {i} attention {kv}s of past and new tokens [batch, {H}, "
+                                      f"past_sequence + sequence, {dh}]: the next step's past")
+    return d

@@ -27,6 +27,13 @@ class ModelLimits:
     vocab_size: int
 
 
+def limits_of(meta: dict) -> ModelLimits | None:
+    """An artifact's input limits from its metadata (a model of your own states none)."""
+    cfg = meta.get("config") or {}
+    L, V = meta.get("max_sequence") or cfg.get("max_len"), cfg.get("vocab_size")
+    return ModelLimits(int(L), int(V)) if L and V else None
+
+
 class Runner(abc.ABC):
     """activate() -> infer(feeds) ... -> deactivate(); also a context manager."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.runtimes.base import IOSpec, Runner, limits_of
 
 COMPUTE_UNITS = {"cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU", "cpu_and_ne": "CPU_AND_NE", "all": "ALL"}
 
@@ -49,11 +49,10 @@ class CoreMLRunner(Runner):
         self.path, self.compute_units = Path(path), compute_units
         self.name = f"Core ML runtime ({compute_units})"
         self._ct = ct
-        from adaptex.runtimes.coreml_mil import package_meta
+        from adaptex.exporter.targets.coreml.package import read_package_meta
 
-        self.meta = package_meta(ct.models.MLModel(str(self.path), skip_model_load=True).get_spec(), self.path)
-        cfg = self.meta["config"]
-        super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
+        self.meta = read_package_meta(self.path)
+        super().__init__(limits_of(self.meta))
         self.model = None
 
     def _activate(self):

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptex.exporter.targets.coreml.package import load_spec, package_meta, read_package_meta  # noqa: F401
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.runtimes.base import IOSpec, Runner, limits_of
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 DT = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32, "bool": np.bool_, "int64": np.int64,
@@ -103,6 +104,21 @@ def _floor_div(x, y):
     return np.floor(x / y)
 
 
+def _reduce(fn, x, axes, keep_dims):
+    """A reduction accumulated in fp32 for fp16 inputs, rounded back to the input's dtype."""
+    ax = tuple(_axes(axes, x.ndim)) if axes is not None else None
+    acc = x.astype(np.float32) if x.dtype == np.float16 else x
+    return np.asarray(fn(acc, axis=ax, keepdims=bool(keep_dims))).astype(x.dtype)
+
+
+def _band_part(x, lower: int, upper: int):
+    """Keep the band lower below and upper above the diagonal of the last two axes (-1: all)."""
+    r = np.arange(x.shape[-2])[:, None]
+    c = np.arange(x.shape[-1])[None, :]
+    keep = ((lower < 0) | (r - c <= lower)) & ((upper < 0) | (c - r <= upper))
+    return np.where(keep, x, x.dtype.type(0))
+
+
 def _slice_by_size(x, begin, size):
     return x[tuple(slice(int(b), None if int(n) == -1 else int(b) + int(n)) for b, n in zip(begin, size))]
 
@@ -124,6 +140,25 @@ EVAL = {
     "tile": lambda x, reps: np.tile(x, [int(r) for r in reps]),
     "logical_not": lambda x: np.logical_not(x), "logical_and": lambda x, y: np.logical_and(x, y),
     "logical_or": lambda x, y: np.logical_or(x, y),
+    "logical_xor": lambda x, y: np.logical_xor(x, y),
+    "reduce_mean": lambda x, axes=None, keep_dims=False: _reduce(np.mean, x, axes, keep_dims),
+    "reduce_min": lambda x, axes=None, keep_dims=False: x.min(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
+    "reduce_prod": lambda x, axes=None, keep_dims=False: _reduce(np.prod, x, axes, keep_dims),
+    "reduce_sum_square": lambda x, axes=None, keep_dims=False: _reduce(np.sum, x.astype(np.float32) ** 2, axes, keep_dims).astype(x.dtype),
+    "exp": lambda x: np.exp(x.astype(np.float32)).astype(x.dtype), "log": lambda x, epsilon=0.0: np.log(x.astype(np.float32) + epsilon).astype(x.dtype),
+    "sqrt": lambda x: np.sqrt(x.astype(np.float32)).astype(x.dtype),
+    "rsqrt": lambda x, epsilon=1e-12: (1 / np.sqrt(x.astype(np.float32) + epsilon)).astype(x.dtype),
+    "inverse": lambda x, epsilon=1e-4: (1 / (x.astype(np.float32) + epsilon)).astype(x.dtype),
+    "tanh": lambda x: np.tanh(x.astype(np.float32)).astype(x.dtype), "abs": lambda x: np.abs(x),
+    "square": lambda x: x * x, "pow": lambda x, y: np.power(x, y), "sign": lambda x: np.sign(x),
+    "sin": lambda x: np.sin(x.astype(np.float32)).astype(x.dtype), "cos": lambda x: np.cos(x.astype(np.float32)).astype(x.dtype),
+    "erf": lambda x: _erf(x.astype(np.float64)).astype(x.dtype),
+    "silu": lambda x: (x.astype(np.float32) / (1 + np.exp(-x.astype(np.float32)))).astype(x.dtype),
+    "softplus": lambda x: np.logaddexp(0, x.astype(np.float32)).astype(x.dtype),
+    "leaky_relu": lambda x, alpha=0.01: np.where(x >= 0, x, x * x.dtype.type(alpha)),
+    "ceil": lambda x: np.ceil(x), "round": lambda x: np.round(x), "mod": lambda x, y: np.mod(x, y),
+    "stack": lambda values, axis: np.stack(values, int(axis)),
+    "band_part": lambda x, lower=-1, upper=-1: _band_part(x, int(lower), int(upper)),
     "relu": lambda x: np.maximum(x, x.dtype.type(0)),
     "select": lambda cond, a, b: np.where(cond, a, b),
     "floor": lambda x: np.floor(x), "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
@@ -151,58 +186,21 @@ EVAL = {
 }
 
 
-def package_meta(spec, path: Path) -> dict:
-    """The adaptex metadata of a Core ML package's spec, or a one-line error naming the fix."""
-    ud = dict(spec.description.metadata.userDefined)
-    if "adaptex" not in ud:
-        raise AdaptexError(f"{path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
-                           "export the model with adaptex first")
-    return json.loads(ud["adaptex"])
-
-
-def read_package_meta(path: str | Path) -> dict:
-    """The adaptex metadata of the package at `path`, without loading its program."""
-    import coremltools as ct
-
-    path = Path(path)
-    if not (path / "Manifest.json").is_file():
-        raise AdaptexError(f"{path}: not an ML package (no Manifest.json); pass a .mlpackage written by adaptex export")
-    return package_meta(ct.models.MLModel(str(path), skip_model_load=True).get_spec(), path)
-
-
 def canonical_outputs(meta: dict, outputs: dict) -> dict:
-    """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k
-    (and a decoder's present_0_key for present.0.key)."""
-    from adaptex.exporter.trace import elastic_output_names, output_names
-
-    cfg = meta["config"]
-    if _is_decoder(meta):
-        canonical = {spec["coreml_name"]: n for n, spec in meta["outputs"].items()}
-    elif cfg.get("family") == "elastic":  # decisions_layer0_sa for decisions.layer0.sa
-        canonical = {n.replace(".", "_"): n for n in elastic_output_names(cfg["num_layers"], cfg["adaptive"])}
-    else:
-        canonical = {n.replace(".", "_"): n for n in output_names(cfg["num_layers"], cfg["adaptive"])}
+    """Core ML names cannot hold dots: the package says decisions_layer0_k for decisions.layer0.k; the
+    metadata records each feature's coreml_name."""
+    canonical = {spec.get("coreml_name", n): n for n, spec in meta["outputs"].items()}
     return {canonical.get(k, k): np.asarray(v) for k, v in outputs.items()}
 
 
-def _is_decoder(meta: dict) -> bool:
-    return meta["config"].get("family") in ("tsa", "elastic_decoder")
-
-
 def input_specs(meta: dict) -> dict[str, IOSpec]:
-    """The package's inputs by canonical name: int32 ids and mask (batch, sequence); a decoder's
-    mask spans (batch, past_sequence + sequence) and its float32 past_key_values.{i}.key/value are
-    (batch, heads, past_sequence, head_dim)."""
-    if _is_decoder(meta):
-        return {n: IOSpec(n, s["dtype"], tuple(s["shape"])) for n, s in meta["inputs"].items()}
-    return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in ("input_ids", "attention_mask")}
+    """The package's inputs by canonical name: int32 ids and mask, float32 caches and 0/1 modes."""
+    return {n: IOSpec(n, s["dtype"], tuple(s["shape"])) for n, s in meta["inputs"].items()}
 
 
 def coreml_feeds(meta: dict, feeds: dict) -> dict:
     """Feeds by canonical name -> by the package's feature names (dots become underscores)."""
-    if _is_decoder(meta):
-        return {meta["inputs"][n]["coreml_name"]: a for n, a in feeds.items()}
-    return dict(feeds)
+    return {meta["inputs"][n].get("coreml_name", n): a for n, a in feeds.items()}
 
 
 class MilReferenceRunner(Runner):
@@ -212,25 +210,19 @@ class MilReferenceRunner(Runner):
         self.path = Path(path)
         self.spec, self.program = load_program(self.path)
         self.meta = package_meta(self.spec, self.path)
-        cfg = self.meta["config"]
-        super().__init__(ModelLimits(cfg["max_len"], cfg["vocab_size"]))
+        super().__init__(limits_of(self.meta))
 
     def input_metadata(self) -> dict[str, IOSpec]:
-        if _is_decoder(self.meta):
-            return input_specs(self.meta)
-        return {n: IOSpec(n, "int32", ("batch", "sequence")) for n in self.program.functions["main"].inputs}
+        return input_specs(self.meta)
 
     def _infer(self, feeds):
         return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds)))
 
 
 def load_program(path: Path):
-    import coremltools as ct
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 
-    if not (path / "Manifest.json").is_file():
-        raise AdaptexError(f"{path}: not an ML package (no Manifest.json); pass a .mlpackage written by adaptex export")
-    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    spec = load_spec(path)
     if not spec.HasField("mlProgram"):
         raise AdaptexError(f"{path}: not an ML program package; adaptex checks mlprogram packages only")
     return spec, milproto_load(spec, specification_version=spec.specificationVersion,

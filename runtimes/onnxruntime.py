@@ -5,7 +5,7 @@ from pathlib import Path
 
 from adaptex.exporter.metadata import read_onnx_metadata
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
+from adaptex.runtimes.base import IOSpec, Runner, limits_of
 
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool)": "bool",
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
@@ -30,9 +30,7 @@ class OnnxRuntimeRunner(Runner):
     def __init__(self, path: str | Path, threads: int | None = None, require_metadata: bool = True):
         self.path = Path(path)
         self.meta = read_onnx_metadata(self.path) if require_metadata else {}
-        cfg = self.meta.get("config", {})
-        limits = ModelLimits(cfg["max_len"], cfg["vocab_size"]) if cfg else None
-        super().__init__(limits)
+        super().__init__(limits_of(self.meta))
         self.threads = threads
         self.session = None
 

@@ -27,11 +27,11 @@ def read_metadata(path: str | Path) -> dict:
     """An artifact's adaptex metadata, without loading its weights or program."""
     kind = artifact_kind(path)
     if kind == "coreml":
-        from adaptex.runtimes.coreml_mil import read_package_meta
+        from adaptex.exporter.targets.coreml.package import read_package_meta
 
         return read_package_meta(path)
     if kind == "tensorrt":
-        from adaptex.runtimes.tensorrt import read_plan_meta
+        from adaptex.exporter.targets.tensorrt import read_plan_meta
 
         return read_plan_meta(path)
     from adaptex.exporter.metadata import read_onnx_metadata

@@ -16,53 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptex.exporter.targets.tensorrt.cuda import check as _check
+from adaptex.exporter.targets.tensorrt.cuda import cudart as _cudart
+from adaptex.exporter.targets.tensorrt.cuda import device_count as cuda_device_count
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.base import IOSpec, ModelLimits, Runner
-
-
-def _cudart():
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            return None
-    return cudart
-
-
-def cuda_device_count() -> int:
-    """CUDA devices visible through cuda-python (0 without cuda-python, a driver or a GPU)."""
-    cudart = _cudart()
-    if cudart is None:
-        return 0
-    try:
-        err, n = cudart.cudaGetDeviceCount()
-    except Exception:
-        return 0
-    return int(n) if err == cudart.cudaError_t.cudaSuccess else 0
-
-
-def _check(result):
-    """cuda-python calls return (error, *values): raise on error, return the values."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    cudart = _cudart()
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise AdaptexError(f"CUDA call failed: {cudart.cudaGetErrorString(err)[1].decode()}")
-    return values[0] if len(values) == 1 else values
+from adaptex.runtimes.base import IOSpec, Runner, limits_of
 
 
 def read_plan_meta(path: str | Path) -> dict:
-    from adaptex.exporter.targets.tensorrt import sidecar
+    from adaptex.exporter.targets.tensorrt import read_plan_meta as read
 
-    path = Path(path)
-    if not path.is_file():
-        raise AdaptexError(f"{path}: no such engine; build one with 'adaptex export --target tensorrt -o {path}'")
-    side = sidecar(path)
-    if not side.is_file():
-        raise AdaptexError(f"{path}: its metadata {side.name} is missing (adaptex writes it beside the engine); "
-                           "rebuild the engine with 'adaptex export --target tensorrt'")
-    return json.loads(side.read_text())
+    return read(path)
 
 
 class TensorRTRunner(Runner):
@@ -71,8 +35,7 @@ class TensorRTRunner(Runner):
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = read_plan_meta(self.path)
-        cfg = self.meta["config"]
-        super().__init__(ModelLimits(max_sequence=self.meta["max_sequence"], vocab_size=cfg["vocab_size"]))
+        super().__init__(limits_of(self.meta))
         self.last_ms: float | None = None
 
     def input_metadata(self) -> dict[str, IOSpec]:
@@ -111,19 +74,31 @@ class TensorRTRunner(Runner):
         self.activate()
         return list(self.outputs)
 
+    def profile_bounds(self, name: str) -> str:
+        """'min [..], opt [..], max [..]' of an input in profile 0, for error messages."""
+        try:
+            lo, mid, hi = self.engine.get_tensor_profile_shape(name, 0)
+            return f"min {list(lo)}, opt {list(mid)}, max {list(hi)}"
+        except Exception:
+            return str((self.meta.get("tensorrt") or {}).get("profile", "(unknown)"))
+
     def _infer(self, feeds):
         trt, cudart, ctx = self.trt, self.cudart, self.context
         owned, dynamic = [], {}
         try:
             for name, a in feeds.items():
                 a = np.ascontiguousarray(a)
-                ctx.set_input_shape(name, tuple(a.shape))
+                if not ctx.set_input_shape(name, tuple(a.shape)):
+                    raise AdaptexError(f"{name}: shape {list(a.shape)} is outside the engine's optimization profile "
+                                       f"{self.profile_bounds(name)}; rebuild with wider --min/--max-shapes")
                 ptr = _check(cudart.cudaMalloc(max(a.nbytes, 1)))
                 owned.append(ptr)
                 if a.nbytes:
                     _check(cudart.cudaMemcpyAsync(ptr, a.ctypes.data, a.nbytes,
                                                   cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
-                ctx.set_tensor_address(name, ptr)
+                if not ctx.set_tensor_address(name, ptr):
+                    raise AdaptexError(f"{name}: TensorRT refused its device address (the engine has no such "
+                                       "input, or a misaligned buffer); rebuild the engine")
             static = {}
             for name in self.outputs:
                 shape = tuple(ctx.get_tensor_shape(name))
@@ -135,7 +110,8 @@ class TensorRTRunner(Runner):
                 else:
                     ptr = _check(cudart.cudaMalloc(max(int(np.prod(shape)) * dtype.itemsize, 1)))
                     owned.append(ptr)
-                    ctx.set_tensor_address(name, ptr)
+                    if not ctx.set_tensor_address(name, ptr):
+                        raise AdaptexError(f"{name}: TensorRT refused the output's device address; rebuild the engine")
                     static[name] = (ptr, shape, dtype)
             _check(cudart.cudaEventRecord(self.events[0], self.stream))
             if not ctx.execute_async_v3(self.stream):

@@ -63,7 +63,7 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
     out = {}
     for variant in ("sparse", "dense"):
         path = tmp_path_factory.mktemp("onnx") / f"tiny.{variant}.onnx"
-        target.export(model, info, path, variant=variant)
+        zoo.export(model, info, path, variant=variant)
         out[variant] = path
     return out
 

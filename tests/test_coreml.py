@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from tests import zoo
+
 pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
 
 from adaptex.cli import main  # noqa: E402
@@ -20,7 +22,7 @@ def packages(tiny_checkpoint, tmp_path_factory):
     out = {}
     for variant in ("sparse", "dense"):
         path = tmp_path_factory.mktemp("coreml") / f"tiny.{variant}.mlpackage"
-        target.export(model, info, path, variant=variant, precision="fp32")
+        zoo.export(model, info, path, "coreml", variant=variant, precision="fp32")
         out[variant] = path
     return out
 
@@ -45,7 +47,7 @@ def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path):
 
     model, info = checkpoint.load(tiny_checkpoint)
     path = tmp_path / "m16.mlpackage"
-    meta = target.export(model, info, path)  # fp16 is the Core ML default
+    meta = zoo.export(model, info, path, "coreml")  # fp16 is the Core ML default
     assert meta["precision"] == "fp16" and meta["routing_precision"] == "fp32"
     ops = _ops(path)
     dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
@@ -156,9 +158,10 @@ def test_package_metadata_seen_in_xcode(packages):
     m = ct.models.MLModel(str(packages["sparse"]), skip_model_load=True)
     ud = m.user_defined_metadata
     for key in ("adaptex.family", "adaptex.config", "adaptex.opset", "adaptex.variant", "adaptex.precision",
-                "adaptex.budget_range", "adaptex.source_sha256"):
+                "adaptex.budget_range", "adaptex.source", "adaptex.adaptex"):
         assert ud[key], key
     assert json.loads(ud["adaptex.budget_range"]) == [0.25, 0.375]
+    assert len(json.loads(ud["adaptex.source"])["sha256"]) == 64
     assert "fp32 routing" in m.short_description
     spec = m.get_spec()
     assert all(i.shortDescription for i in spec.description.input)
@@ -199,25 +202,26 @@ def test_compute_units_off_macos_is_a_clear_error(packages, capsys):
 
 
 def test_bench_counterparts_convert_on_linux_and_compute_the_dense_model(tiny_checkpoint, tmp_path):
-    """`adaptex bench` times a package against stock coremltools' dense conversion of the same
-    weights: that package must compute the model's dense path, and the naive path's refusal is reported."""
+    """`adaptex bench` times a package against stock coremltools' conversions of the same weights:
+    the dense package must compute the model's dense path, the naive one its masked hard path."""
     import numpy as np
     import torch
 
-    from adaptex.runtimes.bench import export_coreml_counterparts
+    from adaptex.exporter.counterparts import coreml_counterparts
+    from adaptex.graphs.family import family_contract
     from adaptex.runtimes.coreml_mil import load_program, run
 
     model, _ = checkpoint.load(tiny_checkpoint)
-    got = export_coreml_counterparts(model, tmp_path, "fp32", "iOS17")
-    assert got["naive"][0] is None and got["naive"][1].startswith("stock coremltools conversion failed")
-    _, program = load_program(__import__("pathlib").Path(got["dense"][0]))
+    got = coreml_counterparts(model, family_contract(model), tmp_path, "fp32", "iOS17")
     ids = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[2, 12:] = 0
-    out = run(program, {"input_ids": ids, "attention_mask": mask})
-    with torch.no_grad():
-        ref, _ = model(torch.from_numpy(ids).long(), torch.from_numpy(mask).long(), mode="dense")
-    assert np.abs(out["logits"] - ref.numpy()).max() < 1e-4
+    for name, mode in (("dense", "dense"), ("naive", "hard")):
+        _, program = load_program(__import__("pathlib").Path(got[name][0]))
+        out = run(program, {"input_ids": ids, "attention_mask": mask})
+        with torch.no_grad():
+            ref, _ = model(torch.from_numpy(ids).long(), torch.from_numpy(mask).long(), mode=mode)
+        assert np.abs(out["logits"] - ref.numpy()).max() < 1e-4, name
 
 
 def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_checkpoint, monkeypatch):
@@ -239,8 +243,7 @@ def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_che
     model, info = checkpoint.load(tiny_checkpoint)
     r = run_bench(packages["sparse"], model, info, batch=2, seq=16, warmup=1, runs=3, compute_units="cpu_only")
     assert r["runtime"].startswith("Core ML runtime (cpu_only)")
-    assert r["runs"] == 3 and r["dense_p50_ms"] > 0 and r["naive_p50_ms"] is None
-    assert "stock coremltools conversion failed" in r["naive_reason"]
+    assert r["runs"] == 3 and r["dense_p50_ms"] > 0 and r["naive_p50_ms"] > 0
     assert 0 < r["flop_ratio"] <= 1 and r["size_mb"]["adaptive"] > 0 and r["size_mb"]["dense"] > 0
     assert "latency ratio" in format_bench(r)
 

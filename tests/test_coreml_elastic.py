@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 import adaptex.graphs.ops.elastic_attention as ea  # noqa: E402
 from adaptex.cli import main  # noqa: E402
+from adaptex.graphs.family import family_contract  # noqa: E402
 from adaptex.exporter.targets import coreml as target  # noqa: E402
 from adaptex.graphs import checkpoint  # noqa: E402
 from adaptex.runtimes import coreml_mil, parity  # noqa: E402
@@ -32,7 +33,7 @@ def elastic(tmp_path_factory):
     packages = {}
     for variant, precision in (("sparse", "fp32"), ("dense", "fp32"), ("sparse", None)):
         path = root / f"el.{variant}.{precision or 'default'}.mlpackage"
-        packages[(variant, precision)] = (path, target.export(model, info, path, variant=variant, precision=precision))
+        packages[(variant, precision)] = (path, zoo.export(model, info, path, "coreml", variant=variant, precision=precision))
     return ck, model, packages
 
 
@@ -106,7 +107,7 @@ def test_default_fp16_package_keeps_routing_fp32(elastic):
 
     _, model, packages = elastic
     path, meta = packages[("sparse", None)]
-    assert meta["precision"] == target.default_precision(model.cfg) == "fp16"
+    assert meta["precision"] == target.default_precision(family_contract(model)) == "fp16"
     assert meta["routing_precision"] == "fp32"
     ops = _ops(path)
     dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
@@ -149,10 +150,17 @@ def test_op_translation_matches_eager_kernel(variant, sink, window, causal, tmp_
           torch.ones(2, H, dtype=torch.int32), torch.ones(2, 9, dtype=torch.int32))
     ep = torch.export.export(_Op(sink, window, causal), ex, dynamic_shapes=(
         {0: B, 2: T}, {0: B, 2: S}, {0: B, 2: S}, {0: B}, {0: B, 1: S})).run_decompositions({})
-    target._VARIANT["adaptex::elastic_attention"] = variant
-    target._register_translation()
+    import coremltools as ct
+
+    from adaptex.exporter.registry import lookup
+    from adaptex.exporter.targets.coreml.mil_ops import register_translations
+    from adaptex.exporter.trace import adaptex_nodes
+
+    node = adaptex_nodes(ep)[0]
+    register_translations({node.name: lookup("adaptex::elastic_attention", "coreml", variant, node).fn(None, node)})
     path = tmp_path / "op.mlpackage"
-    target._convert(ep, ["o"], "fp32", target.DEFAULT_MIN_TARGET, set()).save(str(path))
+    ct.convert(ep, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
+               compute_precision=ct.precision.FLOAT32, outputs=[ct.TensorType(name="o")]).save(str(path))
     _, program = coreml_mil.load_program(path)
     g = torch.Generator().manual_seed(0)
     for b, t, s in ((1, 1, 1), (2, 1, 11), (2, 4, 4), (3, 5, 12), (2, 13, 13), (1, 7, 20)):

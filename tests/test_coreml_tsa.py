@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from tests import zoo
+
 pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
 
 import torch  # noqa: E402
@@ -42,7 +44,7 @@ def packages(model, tmp_path_factory):
     out = {}
     for variant, precision in (("sparse", "fp32"), ("dense", "fp32"), ("sparse", "fp16")):
         path = d / f"tsa.{variant}.{precision}.mlpackage"
-        meta = target.export(model, {"name": "tiny-tsa"}, path, variant=variant, precision=precision)
+        meta = zoo.export(model, None, path, "coreml", variant=variant, precision=precision)
         out[variant, precision] = path, meta
     return out
 
@@ -305,7 +307,11 @@ def test_stock_counterpart_of_a_decoder_converts_and_computes_hard_dense(model, 
     FFN, no adaptex op) converted by stock coremltools, with the adaptive package's inputs."""
     from adaptex.runtimes.coreml_mil import load_program, run
 
-    path = target.export_stock(model, tmp_path / "naive.mlpackage", "naive", precision="fp32")
+    from adaptex.exporter.targets.coreml.convert import export_stock
+    from adaptex.graphs.family import family_contract
+
+    contract = family_contract(model)
+    path = export_stock(model, contract, tmp_path / "naive.mlpackage", contract.counterpart_modes["naive"], prec="fp32")
     _, program = load_program(path)
     ids, mask = _inputs()
     feeds = {"input_ids": ids[:, :T].astype(np.int32), "attention_mask": mask[:, :T].astype(np.int32),
@@ -323,5 +329,7 @@ def test_tsa_packages_default_to_fp32_bodies():
     from adaptex.graphs.budgetformer import BudgetFormerConfig
     from adaptex.graphs.tsa import TSAConfig
 
-    assert target.default_precision(TSAConfig(vocab_size=32)) == "fp32"
-    assert target.default_precision(BudgetFormerConfig()) == "fp16"
+    from adaptex.graphs.family import family_contract
+
+    assert target.default_precision(family_contract(TSAConfig(vocab_size=32))) == "fp32"
+    assert target.default_precision(family_contract(BudgetFormerConfig())) == "fp16"

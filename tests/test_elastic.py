@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper
 
 from adaptex.cli import main
-from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.ops import elastic_attention as ea
@@ -130,7 +130,7 @@ def test_export_and_parity(elastic_ckpt, tmp_path, capsys, variant):
 def test_tensorrt_bound_onnx_lints_and_passes(elastic_ckpt, tmp_path, capsys):
     import onnx
 
-    from adaptex.exporter.targets import tensorrt_rules
+    from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 
     out = tmp_path / "el.trt.onnx"
     assert main(["export", str(elastic_ckpt), "--target", "tensorrt", "--onnx-only", "-o", str(out)]) == 0

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from adaptex.cli import main
-from adaptex.exporter.trace import adaptex_nodes, io_names, trace
+from adaptex.exporter.trace import adaptex_nodes, trace
+from adaptex.graphs.family import family_contract
 from adaptex.graphs import checkpoint
 from adaptex.graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
 from adaptex.graphs.errors import InputError
@@ -97,7 +98,8 @@ def test_training_moves_only_the_routers():
 def test_one_traced_graph_serves_prefill_and_decode(model):
     ep = trace(model)
     assert len(adaptex_nodes(ep)) == model.cfg.num_layers  # one elastic_attention node per layer
-    ins, outs = io_names(model.cfg)
+    contract = family_contract(model)
+    ins, outs = contract.input_names(), contract.output_names()
     assert ins[-2:] == ["head_modes.0", "head_modes.1"] and "past_key_values.1.value" in ins
     assert outs[-4:] == ["decisions.layer0.sa", "decisions.layer0.logits", "decisions.layer1.sa", "decisions.layer1.logits"]
 
@@ -118,7 +120,7 @@ def test_export_and_parity_on_every_target(ckpt, tmp_path, capsys, target, varia
     if target == "tensorrt":
         import onnx
 
-        from adaptex.exporter.targets import tensorrt_rules
+        from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 
         assert tensorrt_rules.lint(onnx.load(str(out))) == []
 

@@ -3,10 +3,10 @@ import numpy as np
 
 from adaptex.exporter import registry
 from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.targets import onnx_functions as fx
+from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.graphs import checkpoint
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
-from adaptex.runtimes.parity import _k_margin, _mask_margin, check, parity_inputs
+from adaptex.runtimes.parity import _mask_margin, check, parity_inputs
 from adaptex.runtimes.torch_ref import TorchRunner
 from tests import zoo
 
@@ -23,7 +23,13 @@ def test_inputs_span_batches_lengths_padding_and_levels():
 
 
 def test_margins():
-    assert np.allclose(_k_margin(np.array([0.25, 0.2501, 0.3]), 8), [0.0, 0.0008, 0.4])
+    from adaptex.graphs.family import family_contract
+
+    model = zoo.tiny_model()
+    feeds = parity_inputs(model.cfg, "graded", 8)[0]
+    ref = family_contract(model).reference(model, feeds)
+    s = ref.outputs["decisions.layer0.s"].astype(np.float64) * model.cfg.num_heads
+    assert np.allclose(ref.margins["decisions.layer0.k"], np.abs(s - np.round(s)))  # |s*H - round(s*H)|
     p = np.array([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
     assert np.allclose(_mask_margin(p, np.array([2, 4])), [0.1, np.inf])
 
@@ -42,11 +48,13 @@ def test_a_wrong_lowering_fails_with_unexcused_flips(tiny_checkpoint, tmp_path):
 
     def budgeted_attention_ceil(ctx, node):
         """Deliberately wrong: ceil instead of floor."""
-        return onnx_target.OnnxLowering(onnx_target._budgeted_attention_node, [_off_by_one_function("sparse")])
+        from adaptex.exporter.targets.onnx.lowerings import OnnxLowering, budgeted_attention_node
+
+        return OnnxLowering(budgeted_attention_node, [_off_by_one_function("sparse")])
 
     wrong = registry.Lowering("adaptex::budgeted_attention", "onnx", "sparse", budgeted_attention_ceil)
     with registry.override(wrong):
-        onnx_target.export(model, info, tmp_path / "wrong.onnx")
+        zoo.export(model, info, tmp_path / "wrong.onnx")
     report = check(OnnxRuntimeRunner(tmp_path / "wrong.onnx"), TorchRunner(model), samples=40, task="graded")
     assert not report.passed
     assert report.unexcused_flips > 0

@@ -3,6 +3,8 @@ import json
 
 import numpy as np
 import pytest
+
+from tests import zoo
 import torch
 
 from adaptex.graphs import checkpoint
@@ -54,7 +56,7 @@ def test_shipped_model_exports_and_passes_parity(shipped, tmp_path):
 
     (model, info), _ = shipped
     info = {**info, "name": checkpoint.DEFAULT_MODEL}
-    target.export(model, info, tmp_path / "m.onnx")
+    zoo.export(model, info, tmp_path / "m.onnx")
     report = check(OnnxRuntimeRunner(tmp_path / "m.onnx"), TorchRunner(model), samples=60, task="graded")
     assert report.passed, report.format()
     assert report.max_abs_err <= 1e-4 and report.decisions_vary

@@ -12,7 +12,8 @@ from onnx import TensorProto, helper
 
 from adaptex.cli import main
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets import tensorrt, tensorrt_rules
+from adaptex.exporter.targets import tensorrt
+from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 from adaptex.graphs import checkpoint
 
 
@@ -103,9 +104,12 @@ def test_engine_build_parses_the_written_file_byte_for_byte(bound, monkeypatch, 
 
 
 def test_bound_onnx_is_deterministic(checkpoints):
+    from adaptex.exporter.metadata import source_of
+    from adaptex.graphs.family import family_contract
+
     model, info = checkpoint.load(checkpoints / "bf")
-    a, _ = tensorrt.bound_onnx(model, info)
-    b, _ = tensorrt.bound_onnx(model, info)
+    a, _ = tensorrt.bound_onnx(model, family_contract(model), source_of(model, info))
+    b, _ = tensorrt.bound_onnx(model, family_contract(model), source_of(model, info))
     assert a == b
 
 
@@ -189,26 +193,43 @@ def test_lint_cli_errors(tmp_path, capsys):
 
 # --- profiles and the builder's pinning ------------------------------------------------------------
 
-def test_profiles_defaults_and_errors(checkpoints):
-    bf, _ = checkpoint.load(checkpoints / "bf")
-    tsa, _ = checkpoint.load(checkpoints / "tsa")
-    p = tensorrt.profile(bf.cfg, {}, {"batch": 8}, {})
+def _meta(bound, family):
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    return read_onnx_metadata(bound[(family, "sparse")])
+
+
+def test_profiles_defaults_and_errors(bound):
+    from adaptex.exporter.targets.tensorrt.plan import input_shapes, parse_shapes, profile
+
+    bf, tsa = _meta(bound, "bf"), _meta(bound, "tsa")
+    p = profile(bf, {}, {"batch": 8}, {})
     assert p["opt"] == {"batch": 8, "sequence": 64} and p["max"] == {"batch": 64, "sequence": 64}
-    p = tensorrt.profile(tsa.cfg, {}, {}, {})
-    assert p["min"]["past_sequence"] == 0 and p["max"]["past_sequence"] == tsa.cfg.max_len - 1
+    p = profile(tsa, {}, {}, {})
+    assert p["min"]["past_sequence"] == 0 and p["max"]["past_sequence"] == tsa["max_sequence"] - 1
     with pytest.raises(ExportError, match="min <= opt <= max"):
-        tensorrt.profile(bf.cfg, {"batch": 4}, {"batch": 2}, {})
-    with pytest.raises(ExportError, match="decoders"):
-        tensorrt.profile(bf.cfg, {}, {}, {"past_sequence": 3})
+        profile(bf, {"batch": 4}, {"batch": 2}, {})
+    with pytest.raises(ExportError, match="has no axis 'past_sequence'"):
+        profile(bf, {}, {}, {"past_sequence": 3})
     with pytest.raises(ExportError, match="exceeds the model's maximum"):
-        tensorrt.profile(bf.cfg, {}, {}, {"sequence": 65})
+        profile(bf, {}, {}, {"sequence": 65})
     with pytest.raises(ExportError, match="expected AXIS=N"):
-        tensorrt.parse_shapes("batch:1", "--min-shapes")
+        parse_shapes("batch:1", "--min-shapes", ["batch", "sequence"])
     meta = {"inputs": {"input_ids": {"shape": ["batch", "sequence"]},
                        "attention_mask": {"shape": ["batch", "past_sequence + sequence"]},
                        "past_key_values.0.key": {"shape": ["batch", 4, "past_sequence", 8]}}, "max_sequence": 32}
-    shapes = tensorrt.input_shapes(meta, {"batch": 2, "sequence": 32, "past_sequence": 31})
-    assert shapes == {"input_ids": (2, 32), "attention_mask": (2, 32), "past_key_values.0.key": (2, 4, 31, 8)}
+    shapes = input_shapes(meta, {"batch": 2, "sequence": 32, "past_sequence": 31})
+    # the mask is past + new at every corner of the profile: self-consistent (TensorRT checks it)
+    assert shapes == {"input_ids": (2, 32), "attention_mask": (2, 63), "past_key_values.0.key": (2, 4, 31, 8)}
+
+
+def test_axis_expressions_are_parsed_never_evaluated():
+    from adaptex.exporter.targets.tensorrt.plan import input_shapes
+
+    for evil in ("().__class__.__base__.__subclasses__()", "batch * 2", "__import__('os')", "batch+", "s53"):
+        meta = {"inputs": {"x": {"shape": ["batch", evil]}}}
+        with pytest.raises(ExportError, match="axis"):
+            input_shapes(meta, {"batch": 1})
 
 
 class _FakeTensor:
@@ -217,11 +238,15 @@ class _FakeTensor:
 
 
 class _FakeLayer:
-    def __init__(self, name, outputs, type_="ELEMENTWISE"):
-        self.name, self._outs, self.type = name, outputs, type_
+    def __init__(self, name, inputs, outputs, type_="ELEMENTWISE"):
+        self.name, self._ins, self._outs, self.type = name, inputs, outputs, type_
         self.precision, self.out_types = None, {}
 
+    num_inputs = property(lambda self: len(self._ins))
     num_outputs = property(lambda self: len(self._outs))
+
+    def get_input(self, j):
+        return self._ins[j]
 
     def get_output(self, j):
         return self._outs[j]
@@ -230,14 +255,22 @@ class _FakeLayer:
         self.out_types[j] = dtype
 
 
-def test_pin_routing_pins_marked_layers_and_routing_values_only():
-    trt = types.SimpleNamespace(float32="f32", float16="f16", LayerType=types.SimpleNamespace(CONSTANT="C", SHAPE="S"))
-    layers = [_FakeLayer("adaptex_route/node_linear_4", [_FakeTensor("t1", "f32")]),  # a router layer
-              _FakeLayer("BudgetedAttention/adaptex_route/TopK_10", [_FakeTensor("t2", "f32"), _FakeTensor("i", "i64")]),
-              _FakeLayer("node_gelu_3", [_FakeTensor("le_7", "f32")]),  # produces a routing value
-              _FakeLayer("adaptex_route/const", [_FakeTensor("c", "f32")], type_="C"),
-              _FakeLayer("node_MatMul_24", [_FakeTensor("h", "f32")])]  # body
+def test_pin_routing_pins_float_routing_layers_only():
+    from adaptex.exporter.targets.tensorrt.engine import pin_routing
+    from adaptex.exporter.targets.tensorrt.plan import ROUTE_MARK, PinPlan
+
+    trt = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16",
+                                LayerType=types.SimpleNamespace(CONSTANT="C", SHAPE="S"))
+    f, i64, b = (lambda n: _FakeTensor(n, "f32")), (lambda n: _FakeTensor(n, "i64")), (lambda n: _FakeTensor(n, "bool"))
+    layers = [_FakeLayer("adaptex_route/node_linear_4", [f("h")], [f("t1")]),  # a router layer
+              _FakeLayer("BudgetedAttention/adaptex_route/TopK_10", [f("p")], [f("t2"), i64("i")]),
+              _FakeLayer("(Unnamed Layer* 7) [Shuffle]", [f("x")], [f("le_7")]),  # a parser helper: a routing value
+              _FakeLayer("adaptex_route/const", [], [f("c")], type_="C"),
+              _FakeLayer("adaptex_route/node_Identity_9", [i64("k")], [i64("k2")]),  # int only: never pinned
+              _FakeLayer("adaptex_route/node_Not_3", [b("m")], [b("m2")]),  # bool only: never pinned
+              _FakeLayer("node_MatMul_24", [f("a")], [f("h")])]  # body
     net = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
-    assert tensorrt.pin_routing(net, tensorrt.ROUTE_MARK, {"le_7"}, trt) == 3
-    assert [lay.precision for lay in layers] == ["f32", "f32", "f32", None, None]
+    plan = PinPlan(frozenset({"adaptex_route/node_linear_4"}), frozenset({"le_7"}), frozenset())
+    assert pin_routing(net, plan, ROUTE_MARK, trt) == 3
+    assert [lay.precision for lay in layers] == ["f32", "f32", "f32", None, None, None, None]
     assert layers[1].out_types == {0: "f32"}  # the int64 indices keep their type

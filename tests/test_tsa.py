@@ -121,7 +121,7 @@ def tsa_onnx(tsa_checkpoint, tmp_path_factory):
     out = {}
     for variant in ("sparse", "dense"):
         out[variant] = tmp_path_factory.mktemp("tsa-onnx") / f"tsa.{variant}.onnx"
-        target.export(model, info, out[variant], variant=variant)
+        zoo.export(model, info, out[variant], variant=variant)
     return out
 
 

@@ -87,3 +87,12 @@ def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, win
             gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]
             r.router[2].bias[1] -= gap.median()
     return model.eval()
+
+
+def export(model, info: dict | None, path, target: str = "onnx", **kw) -> dict:
+    """Export a loaded checkpoint's model through the public API (info: checkpoint.load's record)."""
+    import adaptex
+
+    if info is not None:
+        model.adaptex_source = {**info, "name": info.get("name") or info.get("path")}
+    return adaptex.export(model, None, path, target=target, **kw)

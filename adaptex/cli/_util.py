@@ -33,3 +33,55 @@ def at_least(args, **bounds) -> None:
         v = getattr(args, name, None)
         if v is not None and v < low:
             raise UsageError(f"--{name.replace('_', '-')} {v}: must be at least {low}")
+
+
+def load_model(spec: str | None):
+    """A model for export, check or bench: a shipped name or checkpoint directory (None: the default
+    model), or `package.module:function` naming a function of yours that returns the model, or the
+    model and its example inputs. Returns (model, example inputs or None)."""
+    import importlib
+    import os
+
+    if spec and ":" in spec and not os.path.exists(spec):
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise UsageError(f"{spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); pass MODULE:FUNCTION "
+                             "importable from here (set PYTHONPATH), or a checkpoint") from None
+        built = fn()
+        model, example = built if isinstance(built, tuple) else (built, None)
+        if not hasattr(model, "forward"):
+            raise UsageError(f"{spec} returned a {type(model).__name__}, not a torch module (or (module, "
+                             "example_inputs))")
+        return model.eval(), (tuple(example) if isinstance(example, (tuple, list)) else example)
+    from adaptex.api import load
+
+    return load(spec), None
+
+
+def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8) -> list[dict] | None:
+    """--inputs FILE.npz: arrays by input name (or arr_0, arr_1, ... in the model's argument order),
+    sharing their first axis, the batch; split into batches of `batch` rows."""
+    if path is None:
+        return None
+    import numpy as np
+
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise UsageError(f"--inputs {path}: not a readable .npz of arrays ({type(e).__name__}); write one with "
+                         "numpy.savez(path, input_ids=..., attention_mask=...)") from None
+    arrays = dict(data.items())
+    if names and not set(names) <= set(arrays):
+        if all(f"arr_{i}" in arrays for i in range(len(names))):
+            arrays = {n: arrays[f"arr_{i}"] for i, n in enumerate(names)}
+        else:
+            raise UsageError(f"--inputs {path}: holds {sorted(arrays)}, the model takes {names}; name the arrays "
+                             "after the inputs")
+    keys = names or list(arrays)
+    rows = {arrays[k].shape[0] for k in keys if arrays[k].ndim}
+    if len(rows) != 1:
+        raise UsageError(f"--inputs {path}: the arrays' first axes (the batch) differ: {sorted(rows)}")
+    n = rows.pop()
+    return [{k: arrays[k][i:i + batch] for k in keys} for i in range(0, n, batch)]

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import UsageError, at_least, say, set_threads
+from adaptex.cli._util import UsageError, at_least, load_model, read_inputs, say, set_threads
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("bench", help="latency against the dense counterpart and the naive export")
     s.add_argument("artifact")
-    s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
+    s.add_argument("--model", default=None,
+                   help="the source: a checkpoint or shipped name, or MODULE:FUNCTION for a model of your own "
+                        "(default: the checkpoint the artifact records)")
+    s.add_argument("--inputs", default=None, help="an .npz of the inputs to time (a model of your own needs it)")
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--seq", default="128", help="new tokens per run (a decoder's prefill length); a list such as "
                                                  "128,512,2048 sweeps the lengths")
@@ -46,8 +49,17 @@ def run(args) -> int:
         raise UsageError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
                          "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
     runner = open_artifact(args.artifact, args.threads, args.compute_units)
-    model, info = load_source_model(runner.meta, args.model)
     set_threads(args.threads)
+    if args.model and ":" in args.model or args.inputs:  # a model of your own: its inputs, timed as given
+        from adaptex.api import _feeds, bench
+
+        model = load_model(args.model)[0] if args.model else None
+        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9)
+        r = bench(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
+                  threads=args.threads, warmup=args.warmup, runs=args.runs, progress=None if args.json else say)
+        print(json.dumps(r, indent=2) if args.json else format_bench(r))
+        return 0
+    model, info = load_source_model(runner.meta, args.model)
     if len(seqs) > 1:
         return _sweep(args, model, info, seqs)
     r = run_bench(args.artifact, model, info, batch=args.batch, seq=seqs[0], threads=args.threads,

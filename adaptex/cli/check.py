@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import EXIT_FAILED, at_least, set_threads
+from adaptex.cli._util import EXIT_FAILED, at_least, load_model, read_inputs, set_threads
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("check", help="parity of an artifact against the eager reference on many inputs")
     s.add_argument("artifact")
-    s.add_argument("--model", default=None, help="source checkpoint (default: the one recorded in the artifact)")
-    s.add_argument("--samples", type=int, default=200, help="number of sequences to compare")
+    s.add_argument("--model", default=None,
+                   help="the source: a checkpoint or shipped name, or MODULE:FUNCTION for a model of your own "
+                        "(default: the checkpoint the artifact records)")
+    s.add_argument("--inputs", default=None, help="an .npz of inputs by name (first axis: the batch) instead of the "
+                                                  "model's generated ones")
+    s.add_argument("--samples", type=int, default=200, help="number of sequences to compare (generated inputs)")
+    s.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by precision, printed)")
+    s.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by precision, printed)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
@@ -20,17 +26,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from adaptex.api import _feeds, check
     from adaptex.runtimes.open import open_artifact
-    from adaptex.runtimes.parity import check
-    from adaptex.runtimes.source import load_source_model
-    from adaptex.runtimes.torch_ref import TorchRunner
 
-    at_least(args, samples=1, threads=0)
+    at_least(args, samples=1, threads=0, atol=0, rtol=0)
     set_threads(args.threads)
-    runner = open_artifact(args.artifact, args.threads, args.compute_units)
-    meta = runner.meta
-    model, info = load_source_model(meta, args.model)
-    report = check(runner, TorchRunner(model), samples=args.samples, precision=meta.get("precision", "fp32"),
-                   task=(info.get("training") or {}).get("task"), seed=args.seed, artifact_name=str(args.artifact))
+    runner = open_artifact(args.artifact, args.threads, args.compute_units)  # refuses a flag it would ignore
+    model = load_model(args.model)[0] if args.model else None
+    inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
+    report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
+                   samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.passed else EXIT_FAILED

@@ -19,9 +19,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import onnx
 
-    from adaptex.exporter.targets import tensorrt_rules
+    from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 
     path = Path(args.model)
+    if path.suffix != ".onnx":
+        raise UsageError(f"{path}: lint checks ONNX files against TensorRT's parser; pass the .onnx that "
+                         "'adaptex export --target tensorrt --onnx-only' writes (a Core ML package or engine has "
+                         "nothing to lint)")
     if not path.is_file():
         raise UsageError(f"{path}: no such file; export one with 'adaptex export --target tensorrt --onnx-only -o {path}'")
     try:

@@ -1,0 +1,112 @@
+"""The public API: load, export, check and bench, for the shipped models and for models of your own.
+
+    import adaptex
+    model = adaptex.load("budgetformer-graded")            # or any nn.Module built from adaptex.nn
+    adaptex.export(model, None, "bf.onnx")                  # a model of your own: its example inputs
+    report = adaptex.check("bf.onnx", model)                # inputs=[(ids, mask), ...] for your own
+    assert report.passed, report.format()
+    print(adaptex.bench("bf.onnx", model)["latency_ratio"])
+
+Each function is a thin composition of the rooms below (exporter, runtimes); docs/api.md has the rest.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+
+def load(name_or_dir: str | Path | None = None):
+    """A shipped model by name ('adaptex models' lists them) or a checkpoint directory, in eval mode.
+    Its source record (name, hashes, tokenizer) rides along as `model.adaptex_source`."""
+    from adaptex.graphs import checkpoint
+
+    model, info = checkpoint.load(name_or_dir)
+    default = name_or_dir or checkpoint.DEFAULT_MODEL
+    # a shipped model is recorded by name; a directory by absolute path, so check/bench work from anywhere
+    info["name"] = info["path"] if Path(str(default)).is_dir() else str(default)
+    model.adaptex_source = info
+    return model
+
+
+def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
+           precision: str | None = None, dynamic_shapes=None, **options) -> dict:
+    """Export `model` to `path`: ONNX (`.onnx`), Core ML (`.mlpackage`) or TensorRT (`.plan`, or the
+    TensorRT-bound `.onnx` with onnx_only=True). Returns the artifact's metadata.
+
+    example_inputs: a tuple with one tensor per forward argument (batch >= 2), or None for a model from
+    adaptex.load. The decisions become outputs named `decisions.<module path>.<field>`."""
+    from adaptex.exporter.export import export as _export
+
+    return _export(model, example_inputs, path, target, variant, precision, dynamic_shapes, **options)
+
+
+def _feeds(inputs: Iterable, names: list[str]) -> list[dict[str, np.ndarray]]:
+    """Input tuples (tensors or arrays, in the model's argument order) or dicts -> feed dicts."""
+    out = []
+    for item in inputs:
+        if isinstance(item, dict):
+            out.append({k: _array(v) for k, v in item.items()})
+            continue
+        item = item if isinstance(item, (tuple, list)) else (item,)
+        if len(item) != len(names):
+            from adaptex.graphs.errors import InputError
+
+            raise InputError(f"an input has {len(item)} tensors, the artifact takes {len(names)} ({', '.join(names)})")
+        out.append({n: _array(v) for n, v in zip(names, item)})
+    return out
+
+
+def _array(v) -> np.ndarray:
+    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+
+
+def _reference(path, model, inputs, threads):
+    from adaptex.runtimes.open import open_artifact
+    from adaptex.runtimes.source import check_source, contract_of, load_source_model
+    from adaptex.runtimes.torch_ref import TorchRunner
+
+    runner = open_artifact(path, threads)
+    meta = runner.meta
+    info = None
+    if model is None:
+        model, info = load_source_model(meta, None)
+    else:
+        check_source(meta, model=model, name=type(model).__name__)
+        info = getattr(model, "adaptex_source", None)
+    feeds = _feeds(inputs, list(meta["inputs"])) if inputs is not None else None
+    example = None
+    if feeds:
+        import torch
+
+        example = tuple(torch.from_numpy(np.ascontiguousarray(feeds[0][n])) for n in meta["inputs"])
+    contract = contract_of(meta, model, example)
+    return runner, TorchRunner(model, contract=contract), feeds, info or {}
+
+
+def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 200, seed: int = 0,
+          atol: float | None = None, rtol: float | None = None, threads: int | None = None, progress=None):
+    """Parity of the artifact at `path` against the eager `model` (default: the shipped or checkpoint
+    model the artifact records), decisions first. inputs: an iterable of input tuples (one array or
+    tensor per model input) or dicts by input name; a shipped model generates its own by default.
+    Returns a runtimes.report.ParityReport (passed, samples, max_abs_err, unexcused_flips,
+    decision_agreement, format(), to_dict())."""
+    from adaptex.runtimes.parity import check as _check
+
+    runner, reference, feeds, info = _reference(path, model, inputs, threads)
+    return _check(runner, reference, samples=samples, task=(info.get("training") or {}).get("task"),
+                  precision=runner.meta.get("precision", "fp32"), seed=seed, artifact_name=str(path),
+                  inputs=feeds, atol=atol, rtol=rtol, progress=progress)
+
+
+def bench(path, model=None, inputs: Iterable | None = None, *, batch: int = 1, seq: int = 128, past: int = 0,
+          threads: int = 1, warmup: int = 10, runs: int | None = None, progress=None) -> dict:
+    """Latency of the artifact at `path` against the dense graphs of the same weights, as `adaptex
+    bench` prints it (a dict). inputs: the inputs to time (the first is used; a shipped model makes
+    its own of `batch` x `seq`)."""
+    from adaptex.runtimes.bench import run_bench
+
+    runner, reference, feeds, info = _reference(path, model, inputs, threads)
+    return run_bench(path, reference.model, info, batch=batch, seq=seq, threads=threads, warmup=warmup, runs=runs,
+                     progress=progress, past=past, feeds=feeds[0] if feeds else None, contract=reference.contract)

@@ -1,0 +1,40 @@
+"""Exporting any model whose adaptive parts are adaptex ops: its contract (a shipped family's, or the
+generic one derived from the model), its source record, and the target's export."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from adaptex.exporter import metadata, targets
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.registry import VARIANTS
+from adaptex.graphs.family import contract_for
+
+
+def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
+           precision: str | None = None, dynamic_shapes=None, *, input_names: list[str] | None = None,
+           say=None, **options) -> dict:
+    """Export `model` to `path` for `target` (onnx, coreml, tensorrt); returns the artifact's metadata.
+
+    A shipped family's model (from adaptex.load) needs no example inputs. Any other model needs them:
+    a tuple with one tensor per forward argument (batch >= 2: torch.export specialises sizes 0 and 1).
+    dynamic_shapes: as torch.export takes them for those arguments (default: every axis dynamic where
+    tracing allows). Target options: coreml min_target; tensorrt onnx_only, min/opt/max_shapes,
+    timing_cache, trt_version."""
+    if path is None:
+        raise ExportError("export needs a path to write, e.g. adaptex.export(model, inputs, 'model.onnx')")
+    if variant not in VARIANTS:
+        raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    t = targets.load(target)
+    unknown = set(options) - {o.dest for o in t.options}
+    if unknown:
+        takes = ", ".join(o.dest for o in t.options) or "none"
+        raise ExportError(f"{', '.join(sorted(unknown))}: not an option of the {target} target (it takes {takes})")
+    contract = contract_for(model, example_inputs, dynamic_shapes, input_names)
+    info = getattr(model, "adaptex_source", None)
+    prec = precision or t.default_precision(contract)
+    if prec not in t.precisions:
+        raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "
+                          f"{' or '.join(t.precisions)}")
+    return t.export(model, contract, Path(path), variant=variant, precision=prec,
+                    source=metadata.source_of(model, info), tokenizer=(info or {}).get("tokenizer"), say=say,
+                    **options)

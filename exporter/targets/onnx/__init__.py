@@ -1,0 +1,155 @@
+"""ONNX target (ONNX Runtime): each adaptex op is one custom-domain node with a model-local body.
+
+Path: torch.export -> torch.onnx.export(dynamo=True) with a custom translation per adaptex op that
+emits the `adaptex.<Op>` node -> the lowering's FunctionProto appended to model.functions.
+optimize=False: the exporter's optimiser would inline the functions away, and with them the
+one-node-per-op contract that TensorRT plugins and parity tooling rely on; the main graph is then
+optimised with the functions left whole.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import onnx
+
+from adaptex.exporter import metadata
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.registry import lookup
+from adaptex.exporter.targets import Target, register_target
+from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx.lowerings import LoweringContext
+from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
+
+PRECISIONS = ("fp32",)
+
+
+def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
+          target: str = "onnx") -> tuple[onnx.ModelProto, dict, dict, dict]:
+    """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
+    target hands its engine builder ONNX too); returns (proto, lowering per op, inputs, outputs)."""
+    ep = trace(model, contract, mode="hard")
+    inputs, outputs = io_specs(ep, contract)
+    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
+    table, functions, notes = {}, {}, {}
+    for node in adaptex_nodes(ep):
+        entry = lookup(op_name(node), target, variant, node)
+        res = entry.fn(ctx, node)
+        table[node.target] = res.translation
+        for f in res.functions:
+            functions[(f.domain, f.name)] = f
+        notes[op_name(node)] = entry.fn.__name__
+    fx.register_schema()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = _torch_onnx_export(ep, table, contract.input_names(), contract.output_names())
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"torch.onnx.export failed: {first}") from e
+    proto = _optimize_main_graph(prog.model_proto)
+    proto.functions.extend(functions.values())
+    if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
+    name_axes(proto, inputs, outputs)
+    return proto, notes, inputs, outputs
+
+
+def name_axes(proto: onnx.ModelProto, inputs: dict, outputs: dict) -> None:
+    """Give the graph's inputs and outputs the artifact's axis names ('batch', 'sequence',
+    'past_sequence + sequence', ...) in place of the tracer's symbols, and their descriptions."""
+    for values, specs in ((proto.graph.input, inputs), (proto.graph.output, outputs)):
+        for vi in values:
+            spec = specs.get(vi.name)
+            if spec is None:
+                continue
+            for d, want in zip(vi.type.tensor_type.shape.dim, spec["shape"]):
+                if isinstance(want, str):
+                    d.dim_param = want
+                else:
+                    d.dim_value = want
+            vi.doc_string = spec.get("description", "")
+
+
+def _optimize_main_graph(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Constant folding and clean-ups on the main graph, leaving the adaptex nodes whole.
+
+    Without it ONNX Runtime's fusions (LayerNorm+residual, bias+GELU) miss the exporter's raw
+    patterns and the adaptive graph pays for them, not for its attention."""
+    import onnxscript.optimizer
+
+    try:
+        return onnxscript.optimizer.optimize(proto, inline=False)
+    except Exception as e:  # an optimiser failure costs speed, never correctness: keep the raw graph
+        logging.getLogger(__name__).warning("onnxscript optimizer skipped: %s", str(e).splitlines()[0])
+        return proto
+
+
+def _torch_onnx_export(ep, table: dict, inputs: list[str], names: list[str]):
+    """The stock dynamo exporter with our translations; optimize=False keeps the adaptex nodes whole."""
+    import torch
+
+    return torch.onnx.export(
+        ep, (), dynamo=True, custom_translation_table=table or None,
+        optimize=False, opset_version=fx.ONNX_OPSET, input_names=inputs, output_names=names,
+        verbose=False,
+    )
+
+
+def stamp(proto: onnx.ModelProto, meta: dict, description: str) -> None:
+    """Write the metadata into the model: the JSON blob under `adaptex`, every top-level key also as
+    its own entry (Netron lists them one per row), adaptex as the producer, a model description."""
+    del proto.metadata_props[:]
+    proto.metadata_props.append(onnx.StringStringEntryProto(key=metadata.META_KEY, value=json.dumps(meta)))
+    for k, v in meta.items():
+        if k in ("inputs", "outputs", "tokenizer", "decisions"):
+            continue
+        text = v if isinstance(v, str) else json.dumps(v)
+        proto.metadata_props.append(onnx.StringStringEntryProto(key=f"adaptex.{k}", value=text[:4096]))
+    proto.producer_name, proto.producer_version = "adaptex", metadata.version()
+    proto.doc_string = description
+
+
+def is_onnx_artifact(path) -> bool:
+    try:
+        metadata.read_onnx_metadata(path)
+        return True
+    except Exception:
+        return False
+
+
+def describe(meta: dict, what: str = "") -> str:
+    return (f"{meta['family']} model exported by adaptex {meta.get('adaptex', '')}{what} ({meta['variant']} "
+            f"lowering, {meta['precision']}); decisions: {len(meta.get('decisions', {}))} named outputs "
+            "decisions.*; the full metadata is the JSON under the 'adaptex' key")
+
+
+def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
+           tokenizer: dict | None = None, say=None) -> dict:
+    """Export to `out` atomically; returns the artifact metadata."""
+    precision = precision or "fp32"
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
+                          f"use one of {', '.join(PRECISIONS)}")
+    TARGET.check_output(out, {})
+    metadata.check_writable(out, is_onnx_artifact)
+    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision)
+    meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
+                          inputs=inputs, outputs=outputs, source=source,
+                          opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
+                          tokenizer=tokenizer)
+    stamp(proto, meta, describe(meta))
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:
+        raise ExportError(f"the exported model fails onnx.checker: {str(e).splitlines()[0]}") from e
+    with metadata.atomic_path(out) as tmp:
+        onnx.save_model(proto, str(tmp))
+    return meta
+
+
+TARGET = register_target(Target(
+    name="onnx", suffixes=(".onnx",), precisions=PRECISIONS, export=export,
+    default_precision=lambda contract: "fp32", description="ONNX for ONNX Runtime (CPU, CUDA, web, mobile)"))

@@ -1,0 +1,125 @@
+"""The ONNX lowerings of the adaptex ops, registered once for both `onnx` and `tensorrt`: each op
+becomes one custom-domain node (`adaptex.<Op>`) whose body ships as a model-local function, which
+ONNX Runtime inlines and TensorRT's parser inlines too (a plugin of the same name can override it).
+A TensorRT-only body is a higher-priority entry in the tensorrt cell (conditional_attention's
+CumSum partition), not a re-wrap."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import onnx
+
+from adaptex.exporter.registry import lowering
+from adaptex.exporter.targets.onnx import functions as fx
+
+BOTH = ("onnx", "tensorrt")
+
+
+@dataclass(frozen=True)
+class LoweringContext:
+    """What a lowering may depend on besides the node itself."""
+    target: str
+    variant: str
+    precision: str
+    onnx_opset: int
+
+
+@dataclass
+class OnnxLowering:
+    """What an ONNX lowering hands the exporter: the translation that emits the node, and bodies."""
+    translation: Callable
+    functions: list[onnx.FunctionProto]
+
+
+def _opset():
+    from onnxscript.values import Opset
+
+    return Opset(fx.DOMAIN, fx.OPSET_VERSION)
+
+
+def budgeted_attention_node(x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads: int):
+    return _opset().BudgetedAttention(x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o, num_heads=num_heads)
+
+
+def conditional_ffn_node(x, keep, gate, ln_w, ln_b, w1, b1, w2, b2, eps: float):
+    return _opset().ConditionalFFN(x, keep, gate, ln_w, ln_b, w1, b1, w2, b2, eps=eps)
+
+
+def conditional_attention_node(x, hn, keep, gate, k, v, bias, wq, bq, wo, bo, num_heads: int):
+    return _opset().ConditionalAttention(x, hn, keep, gate, k, v, bias, wq, bq, wo, bo, num_heads=num_heads)
+
+
+def elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
+    return _opset().ElasticAttention(q, k, v, sa, key_mask, sink=sink, window=window, causal=int(causal))
+
+
+@lowering("adaptex::budgeted_attention", target=BOTH, variant="sparse")
+def budgeted_attention_onnx_sparse(ctx, node):
+    """TopK with a runtime K (the batch's largest k; TensorRT 8.6+ takes it, K <= H <= 3840), Gather
+    of those heads' weight rows and output columns, attention on k heads only. At batch 1 exactly k
+    heads run; in a batch, max_b k_b heads run and heads past a sample's own k get weight zero."""
+    return OnnxLowering(budgeted_attention_node, [fx.budgeted_attention_function("sparse")])
+
+
+@lowering("adaptex::budgeted_attention", target=BOTH, variant="dense")
+def budgeted_attention_onnx_dense(ctx, node):
+    """Every head projected and attended, unselected heads weighted by zero: static shapes."""
+    return OnnxLowering(budgeted_attention_node, [fx.budgeted_attention_function("dense")])
+
+
+@lowering("adaptex::conditional_ffn", target=BOTH, variant="sparse")
+def conditional_ffn_onnx_sparse(ctx, node):
+    """NonZero over the keep mask (a data-dependent shape, internal to a TensorRT engine), Gather of
+    the kept tokens, LayerNorm + FFN (two Gemms) on them only, ScatterND back without a reduction
+    attribute (TensorRT <= 10.8 refuses even 'none'): skipped tokens cost nothing."""
+    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("sparse")])
+
+
+@lowering("adaptex::conditional_ffn", target=BOTH, variant="dense")
+def conditional_ffn_onnx_dense(ctx, node):
+    """Every token through the FFN, the update multiplied by keep * gate: static shapes."""
+    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("dense")])
+
+
+@lowering("adaptex::conditional_attention", target=BOTH, variant="sparse")
+def conditional_attention_onnx_sparse(ctx, node):
+    """TopK over the keep mask (K = the batch's largest kept count), Gather of those query rows, Q
+    projection, scores, Softmax, AV and output projection on them only, ScatterND back: a skipped
+    token's query side costs nothing (its keys and values are computed outside the op)."""
+    return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("sparse")])
+
+
+@lowering("adaptex::conditional_attention", target="tensorrt", variant="sparse", priority=10)
+def conditional_attention_tensorrt_sparse(ctx, node):
+    """The kept positions first by a CumSum partition sliced at the batch's largest kept count (no
+    TopK: its runtime K would run over the sequence axis, unbounded by TensorRT's 3840), Gather of the
+    kept query rows, attention on them only, ScatterND without a reduction attribute."""
+    return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("sparse", partition="cumsum")])
+
+
+@lowering("adaptex::conditional_attention", target=BOTH, variant="dense")
+def conditional_attention_onnx_dense(ctx, node):
+    """Every query row attended, the update multiplied by keep * gate: static shapes."""
+    return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("dense")])
+
+
+def causal_flag(node) -> bool | None:
+    """The node's causal flag when tracing left it a constant (an encoder's False), else None."""
+    c = node.kwargs.get("causal", node.args[7] if node is not None and len(node.args) > 7 else None) \
+        if node is not None else None
+    return c if isinstance(c, bool) else None
+
+
+@lowering("adaptex::elastic_attention", target=BOTH, variant="sparse")
+def elastic_attention_onnx_sparse(ctx, node):
+    """The (B*H) head pairs split by mode (NonZero over sa): FA pairs attend every visible key, SA
+    pairs block-local (each block of min(window, T) queries against its own run of keys, plus the
+    sinks: O(T (sink + window))); ScatterND puts both groups back."""
+    return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function("sparse", causal_flag(node))])
+
+
+@lowering("adaptex::elastic_attention", target=BOTH, variant="dense")
+def elastic_attention_onnx_dense(ctx, node):
+    """Every head over the full score matrix, SA heads through a band mask: static shapes."""
+    return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function("dense")])

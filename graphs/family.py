@@ -1,0 +1,521 @@
+"""Contracts: what the exporter, parity and bench need to know about a model, so that they never
+ask which model it is.
+
+A `Contract` holds a model's I/O: the names of its inputs and outputs, the decisions among the
+outputs (which adaptive layer took each, of what kind), example inputs and dynamic shapes for
+tracing, and how to call the model with flat inputs and get flat outputs back. Decisions come from
+the adaptive layers' recorder (graphs/nn.py), the same way for every model.
+
+- `GenericContract.from_model(model, example_inputs)`: any `nn.Module` built from adaptex.nn
+  layers. Its inputs are the forward's arguments, its outputs what forward returns plus every
+  decision, named `decisions.<module path>.<field>`.
+- A shipped family's contract (beside its model, e.g. graphs/budgetformer.py) subclasses Contract
+  with the family's own names (`decisions.layer0.k`), its parity and bench inputs, its FLOP model,
+  its counterpart modes and its training recipe; `family_contract(model)` finds it by the model's
+  config, `FAMILIES` by name.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from adaptex.graphs.errors import AdaptexError, InputError
+from adaptex.graphs.nn import DECISION_KINDS, adaptive_mode, name_layers, record_decisions
+
+ADAPTIVE_MODES = ("hard", "naive", "hard_dense", "eager")  # modes whose graphs carry decision outputs
+
+
+@dataclass(frozen=True)
+class DecisionSpec:
+    """One decision output: its name, its kind (graphs.nn.DECISION_KINDS), the layer that takes it
+    (module path, the recorder's key) and the field. A head_set names the budget it is the top-k of."""
+    name: str
+    kind: str
+    path: str
+    field: str
+    k_name: str | None = None
+
+
+@dataclass(frozen=True)
+class RecordedOutput:
+    """An output taken from the recorder: a decision or a recorded value (s, p, logits)."""
+    name: str
+    path: str
+    field: str
+
+
+@dataclass
+class Reference:
+    """One eager run: outputs by name, each decision's distance to its boundary, and what a
+    head_set's check needs besides (the head preferences p), by decision name."""
+    outputs: dict[str, np.ndarray]
+    margins: dict[str, np.ndarray] = field(default_factory=dict)
+    aux: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+class Contract:
+    """A model's I/O contract. Subclasses fill in the family-specific parts; the defaults suit a
+    model whose inputs the caller supplies (no parity or bench input generator, no FLOP model)."""
+
+    family = "custom"
+    decoder = False  # prefill then decode steps over a KV cache
+    recipe: str | None = None  # graphs.recipes name, for `adaptex train`
+    counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports
+    coreml_default_precision = "fp16"
+    # what an fp16 Core ML package keeps in fp32 besides the routing (exporter.targets.coreml.precision)
+    coreml_fp32_roles: tuple[str, ...] = ()
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    # --- I/O ---------------------------------------------------------------------------------------
+    def input_names(self, mode: str = "hard") -> list[str]:
+        raise NotImplementedError
+
+    def model_output_names(self, mode: str = "hard") -> list[str]:
+        """The outputs of the model itself, before the recorded ones."""
+        raise NotImplementedError
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        """The outputs taken from the recorder (none in the dense modes, which take no decisions)."""
+        raise NotImplementedError
+
+    def output_names(self, mode: str = "hard") -> list[str]:
+        return self.model_output_names(mode) + [r.name for r in self.recorded(mode)]
+
+    def decisions(self, mode: str = "hard") -> list[DecisionSpec]:
+        """The recorded outputs that are decisions, with their kinds (in output order)."""
+        out, by_path = [], {}
+        for r in self.recorded(mode):
+            by_path.setdefault(r.path, {})[r.field] = r.name
+        for r in self.recorded(mode):
+            kind = DECISION_KINDS.get(r.field)
+            if kind:
+                out.append(DecisionSpec(r.name, kind, r.path, r.field,
+                                        k_name=by_path[r.path].get("k") if kind == "head_set" else None))
+        return out
+
+    def call(self, model: torch.nn.Module, inputs: tuple, mode: str) -> tuple:
+        """Run the model on flat inputs (input_names order); flat outputs (model_output_names order)."""
+        raise NotImplementedError
+
+    def example_inputs(self, mode: str = "hard") -> tuple:
+        raise NotImplementedError
+
+    def dynamic_shapes(self, mode: str = "hard"):
+        raise NotImplementedError
+
+    def axis_names(self, mode: str = "hard") -> dict[str, dict[int, str]]:
+        """Axis names the dynamic shapes cannot give: {input name: {axis: name or expression}}."""
+        return {}
+
+    # --- what the exporter traces, and what parity compares against ----------------------------------
+    def wrapper(self, model: torch.nn.Module, mode: str = "hard") -> torch.nn.Module:
+        return ContractWrapper(model, self, mode).eval()
+
+    @torch.no_grad()
+    def reference(self, model: torch.nn.Module, feeds: dict[str, np.ndarray], mode: str = "hard",
+                  force: dict[str, np.ndarray] | None = None) -> Reference:
+        """Run eager on `feeds` (numpy, by input name); `force` {decision name: array} replays decisions."""
+        model.eval()
+        specs = {d.name: d for d in self.decisions(mode)}
+        forced: dict = {}
+        for name, arr in (force or {}).items():
+            d = specs[name]
+            forced.setdefault(d.path, {})[d.field] = torch.from_numpy(np.asarray(arr))
+        inputs = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in self.input_names(mode))
+        with record_decisions(model, force=forced) as rec:
+            outs = self.call(model, inputs, mode)
+        named = dict(zip(self.model_output_names(mode), outs))
+        for r in self.recorded(mode):
+            named[r.name] = _recorded(rec, r)
+        margins, aux = {}, {}
+        for d in specs.values():
+            m = rec.margins.get(d.path, {}).get(d.field)
+            if m is not None:
+                margins[d.name] = m.double().numpy()
+            aux[d.name] = {k: v.float().numpy() for k, v in rec.aux.get(d.path, {}).items()}
+        return Reference({n: t.detach().numpy() for n, t in named.items()}, margins, aux)
+
+    # --- family knowledge (a user model has none of these) -------------------------------------------
+    @property
+    def max_sequence(self) -> int | None:
+        return getattr(self.cfg, "max_len", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.cfg, "vocab_size", None)
+
+    def config_dict(self) -> dict:
+        return self.cfg.to_dict() if self.cfg is not None else {}
+
+    def routing_meta(self) -> dict:
+        return {}
+
+    def io_descriptions(self) -> dict[str, str]:
+        """A one-line description of each input and output, for artifacts (ONNX doc_string, Core ML)."""
+        return {}
+
+    def parity_items(self, task: str | None, samples: int, seed: int = 0) -> list | None:
+        """Generated parity inputs, or None: the caller must supply them."""
+        return None
+
+    def bench_feeds(self, task: str | None, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict | None:
+        return None
+
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict | None:
+        """{'flop_ratio', 'executed_flop_ratio', and a summary of the decisions}, or None."""
+        return None
+
+    # --- how parity walks an input (one call; a decoder steps through its cache) -----------------------
+    def steps(self, item: dict) -> Iterator[tuple[dict, dict]]:
+        """Yield (feeds, info) for each call an input makes; receives each call's Reference back
+        (a decoder builds the next step's cache from it). One call by default."""
+        yield item, {"where": ""}
+
+    def select(self, name: str, values: np.ndarray, feeds: dict, info: dict, rows: np.ndarray) -> np.ndarray:
+        """The part of an output parity compares (a decoder drops its padding tokens); `rows` are the
+        batch rows kept."""
+        return values
+
+    def decision_region(self, name: str, feeds: dict, info: dict) -> np.ndarray | None:
+        """Where a decision's flips count (a decoder's real tokens), or None for everywhere."""
+        return None
+
+
+def _recorded(rec, r: RecordedOutput) -> Tensor:
+    try:
+        return rec.decisions[r.path][r.field]
+    except KeyError:
+        raise AdaptexError(f"the model recorded no {r.field!r} at {r.path!r} (it recorded "
+                           f"{sorted(rec.decisions)}); was the layer called in this forward?") from None
+
+
+class ContractWrapper(torch.nn.Module):
+    """A model with flat tensors in and out, in its contract's order: what torch.export traces."""
+
+    def __init__(self, model: torch.nn.Module, contract: Contract, mode: str = "hard"):
+        super().__init__()
+        self.model, self.contract, self.mode = model, contract, mode
+        name_layers(model)
+
+    def forward(self, *inputs: Tensor):
+        with record_decisions() as rec:
+            outs = self.contract.call(self.model, inputs, self.mode)
+        return tuple(outs) + tuple(_recorded(rec, r) for r in self.contract.recorded(self.mode))
+
+
+# --- a user's model ---------------------------------------------------------------------------------
+
+def _flatten_outputs(out: Any, prefix: str = "output") -> tuple[list[str], list[Tensor]]:
+    """A forward's return value as (names, tensors): a tensor is `output`, a tuple `output.0`...,
+    a dict its keys (nested containers joined with dots)."""
+    if isinstance(out, Tensor):
+        return [prefix], [out]
+    if isinstance(out, dict):
+        items = [(f"{k}" if prefix == "output" else f"{prefix}.{k}", v) for k, v in out.items()]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"{prefix}.{i}", v) for i, v in enumerate(out)]
+    else:
+        raise AdaptexError(f"the model returned a {type(out).__name__}; adaptex exports models that return a "
+                           "tensor, or a tuple, list or dict of tensors")
+    names, tensors = [], []
+    for name, v in items:
+        n, t = _flatten_outputs(v, name)
+        names += n
+        tensors += t
+    return names, tensors
+
+
+class GenericContract(Contract):
+    """The contract of any model built from adaptex.nn layers, derived by running it once on its
+    example inputs: inputs from the forward's signature, outputs from its return value, decisions
+    from what its adaptive layers record (named by module path)."""
+
+    family = "custom"
+
+    def __init__(self, input_names: list[str], output_names: list[str], recorded: list[RecordedOutput],
+                 example: tuple, dynamic: tuple | None, structure: Callable, model_name: str = ""):
+        super().__init__(None)
+        self._inputs, self._outputs, self._recorded = list(input_names), list(output_names), list(recorded)
+        self._example, self._dynamic, self._structure = example, dynamic, structure
+        self.model_name = model_name
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, example_inputs, dynamic_shapes=None,
+                   input_names: list[str] | None = None) -> "GenericContract":
+        example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        if not all(isinstance(t, Tensor) for t in example):
+            raise InputError("example_inputs must be a tensor or a tuple of tensors, one per forward argument")
+        if input_names is None:
+            params = [p for p in inspect.signature(model.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            input_names = [p.name for p in params[:len(example)]]
+            input_names += [f"input_{i}" for i in range(len(input_names), len(example))]
+        if len(input_names) != len(example):
+            raise InputError(f"{len(input_names)} input names for {len(example)} example inputs")
+        model.eval()
+        name_layers(model)
+        with torch.no_grad(), adaptive_mode("hard"), record_decisions() as rec:
+            out = model(*example)
+        names, _ = _flatten_outputs(out)
+        recorded = [RecordedOutput(f"decisions.{p}.{f}", p, f) for p, fields in rec.decisions.items() for f in fields]
+        clash = set(names) & {r.name for r in recorded}
+        if clash:
+            raise AdaptexError(f"the model's outputs {sorted(clash)} clash with its decision names; rename them")
+        dynamic = tuple(dynamic_shapes) if dynamic_shapes is not None else _auto_dynamic(example)
+        return cls(input_names, names, recorded, example, dynamic, lambda o: _flatten_outputs(o)[1],
+                   type(model).__name__)
+
+    def input_names(self, mode: str = "hard") -> list[str]:
+        return list(self._inputs)
+
+    def model_output_names(self, mode: str = "hard") -> list[str]:
+        return list(self._outputs)
+
+    def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
+        return list(self._recorded) if mode in ADAPTIVE_MODES else []
+
+    def call(self, model, inputs, mode):
+        with adaptive_mode(mode):
+            return tuple(self._structure(model(*inputs)))
+
+    def example_inputs(self, mode: str = "hard") -> tuple:
+        return self._example
+
+    def dynamic_shapes(self, mode: str = "hard"):
+        return (self._dynamic,)  # the wrapper takes *inputs: one positional entry holding them all
+
+    def to_meta(self) -> dict:
+        return {"model": self.model_name}
+
+
+def _auto_dynamic(example: tuple) -> tuple:
+    """Every axis dynamic where tracing allows (torch.export's Dim.AUTO): an axis the model ties to a
+    weight (a feature width) stays static, batch and sequence axes stay free. AUTO specialises a
+    size of 0 or 1, so give example inputs of batch >= 2."""
+    return tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in example)
+
+
+# --- shipped families --------------------------------------------------------------------------------
+
+FAMILIES: dict[str, type[Contract]] = {}
+
+
+def register_family(cls: type[Contract]) -> type[Contract]:
+    """Class decorator: a shipped family's contract, found by its config's `family` field."""
+    FAMILIES[cls.family] = cls
+    return cls
+
+
+def family_contract(model_or_cfg) -> Contract:
+    """The contract of a shipped family's model (or config)."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    name = getattr(cfg, "family", None)
+    _load_families()
+    if name not in FAMILIES:
+        raise AdaptexError(f"no family contract for {name!r}; known: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name](cfg)
+
+
+def contract_for(model: torch.nn.Module, example_inputs=None, dynamic_shapes=None,
+                 input_names: list[str] | None = None) -> Contract:
+    """A shipped family's contract when the model is one (and no example inputs are given), else the
+    generic contract derived from the model and its example inputs."""
+    cfg = getattr(model, "cfg", None)
+    _load_families()
+    if example_inputs is None:
+        if getattr(cfg, "family", None) in FAMILIES:
+            return family_contract(cfg)
+        raise InputError("example_inputs are needed to export a model of your own (a tuple with one tensor per "
+                         "forward argument, batch >= 2)")
+    return GenericContract.from_model(model, example_inputs, dynamic_shapes, input_names)
+
+
+def _load_families() -> None:
+    # the family modules register their contracts when imported
+    from adaptex.graphs import budgetformer, elastic, elastic_decoder, tsa  # noqa: F401
+
+
+
+class DecoderContract(Contract):
+    """A decoder with a KV cache, in Optimum's decoder-with-past names: inputs input_ids,
+    attention_mask, past_key_values.{i}.key/value (plus `extra_inputs`); outputs logits and
+    present.{i}.key/value, then the recorded decisions. One graph serves prefill (an empty cache) and
+    decode steps. Parity walks each sequence as a prefill and decode steps, each step fed the
+    reference's own cache, so errors do not compound and every flip belongs to one step."""
+
+    decoder = True
+    coreml_default_precision = "fp32"
+
+    @property
+    def heads_dims(self) -> tuple[int, int]:
+        return self.cfg.num_heads, self.cfg.d_model // self.cfg.num_heads
+
+    def extra_inputs(self, mode: str = "hard") -> list[str]:
+        return []
+
+    def input_names(self, mode: str = "hard") -> list[str]:
+        names = ["input_ids", "attention_mask"]
+        for i in range(self.cfg.num_layers):
+            names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        return names + self.extra_inputs(mode)
+
+    def model_output_names(self, mode: str = "hard") -> list[str]:
+        names = ["logits"]
+        for i in range(self.cfg.num_layers):
+            names += [f"present.{i}.key", f"present.{i}.value"]
+        return names
+
+    def split_inputs(self, inputs: tuple) -> tuple:
+        """(ids, mask, past [(key, value)] per layer, extra inputs)."""
+        L = self.cfg.num_layers
+        past = [(inputs[2 + 2 * i], inputs[3 + 2 * i]) for i in range(L)]
+        return inputs[0], inputs[1], past, list(inputs[2 + 2 * L:])
+
+    def example_inputs(self, mode: str = "hard") -> tuple:
+        # a step with a past of 3 tokens (not 0 or 1: those would specialise)
+        cfg = self.cfg
+        batch, past = 2, 3
+        seq = min(16, cfg.max_len - past)
+        H, dh = self.heads_dims
+        ids = torch.randint(1, cfg.vocab_size, (batch, seq))
+        mask = torch.ones(batch, past + seq, dtype=torch.int64)
+        cache = [torch.randn(batch, H, past, dh) for _ in range(2 * cfg.num_layers)]
+        return (ids, mask, *cache, *self.extra_example(batch, mode))
+
+    def extra_example(self, batch: int, mode: str) -> list[Tensor]:
+        return []
+
+    def dynamic_shapes(self, mode: str = "hard"):
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
+        past = torch.export.Dim("past_sequence", min=0, max=self.cfg.max_len - 1)
+        shapes = [{0: batch, 1: seq}, {0: batch, 1: torch.export.Dim.AUTO}]
+        shapes += [{0: batch, 2: past} for _ in range(2 * self.cfg.num_layers)]
+        shapes += [{0: batch} for _ in self.extra_inputs(mode)]
+        return (tuple(shapes),)
+
+    def routing_meta(self) -> dict:
+        return {"kv_cache_bound": self.cfg.max_len}
+
+    def axis_names(self, mode: str = "hard") -> dict[str, dict[int, str]]:
+        # the mask spans the cached and the new tokens (a sum TensorRT's profile needs; not a free axis)
+        return {"attention_mask": {1: "past_sequence + sequence"}}
+
+    # --- parity: prefill, then decode steps on the reference's cache ----------------------------------
+    def parity_items(self, task: str | None, samples: int, seed: int = 0) -> list[dict]:
+        """Sequences totalling `samples`, each with a prefill length and a number of decode steps.
+
+        Task text where the task can make it (copy, sort, the character LM), random tokens otherwise;
+        some batches left-padded; prefill lengths from 1 token to the whole sequence."""
+        from adaptex.graphs.lm_tasks import get_lm_task
+
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        try:
+            task_obj = get_lm_task(task) if task else None
+        except Exception:
+            task_obj = None
+        cap = self.parity_cap()
+        long_text = cap < cfg.max_len and getattr(task_obj, "val", None) is not None
+        out, total, i = [], 0, 0
+        while total < samples:
+            B = min([1, 2, 4, 8][i % 4], samples - total)
+            if task_obj is not None and i % 3 != 2:
+                ids = task_obj.sample(B, rng).input_ids.numpy()[:, : cfg.max_len]
+                if long_text and i % 3 == 1:  # past a streaming window: held-out text of up to `cap` chars
+                    N = int(rng.choice([100, 300, cap]))
+                    starts = rng.integers(0, len(task_obj.val) - N, size=B)
+                    ids = np.stack([task_obj.val[s:s + N] for s in starts]).astype(np.int64)
+            else:
+                N = int(rng.choice([2, 9, min(33, cap), cap, int(rng.integers(2, cap + 1))]))
+                ids = rng.integers(1, cfg.vocab_size, size=(B, N)).astype(np.int64)
+            N = ids.shape[1]
+            mask = np.ones_like(ids)
+            if i % 4 == 3 and N > 2:  # left padding: rows start late
+                pad = rng.integers(0, N // 2, size=B)
+                pad[0] = 0
+                mask = (np.arange(N)[None, :] >= pad[:, None]).astype(np.int64)
+                ids = np.where(mask == 1, ids, cfg.pad_id)
+            n_steps = int(min(N - 1, rng.choice([0, 1, 3, 8])))
+            out.append({"input_ids": np.ascontiguousarray(ids), "attention_mask": mask, "prefill": N - n_steps})
+            total += B
+            i += 1
+        return out
+
+    def parity_cap(self) -> int:
+        """The longest parity sequence (a model with positions far past its training context can stop short)."""
+        return self.cfg.max_len
+
+    def empty_cache(self, B: int) -> dict[str, np.ndarray]:
+        H, dh = self.heads_dims
+        return {f"past_key_values.{i}.{kv}": np.zeros((B, H, 0, dh), np.float32)
+                for i in range(self.cfg.num_layers) for kv in ("key", "value")}
+
+    def next_extra(self, outputs: dict, P: int, extra: dict) -> dict:
+        """The extra inputs of the step after one (past length P) whose outputs are `outputs`."""
+        return extra
+
+    def steps(self, item: dict):
+        ids, mask, T0 = item["input_ids"], item["attention_mask"], item.get("prefill", item["input_ids"].shape[1])
+        B = ids.shape[0]
+        past, extra = self.empty_cache(B), self.initial_extra(B)
+        spans = [(0, T0)] + [(t, t + 1) for t in range(T0, ids.shape[1])]
+        for si, (a, b) in enumerate(spans):
+            feeds = {"input_ids": ids[:, a:b], "attention_mask": mask[:, :b], **past, **extra}
+            info = {"past": a, "where": f"step {si} (B={B}, past={a}, new={b - a})"}
+            ref = yield feeds, info
+            past = {f"past_key_values.{i}.{kv}": ref.outputs[f"present.{i}.{kv}"]
+                    for i in range(self.cfg.num_layers) for kv in ("key", "value")}
+            extra = self.next_extra(ref.outputs, a, extra)
+
+    def initial_extra(self, B: int) -> dict:
+        return {}
+
+    def _real_tokens(self, feeds: dict, info: dict) -> np.ndarray:
+        return feeds["attention_mask"][:, info["past"]:].astype(bool)  # (B, T) the new tokens that are real
+
+    def decision_region(self, name: str, feeds: dict, info: dict):
+        return self._real_tokens(feeds, info) if name.endswith(".keep") else None
+
+    def select(self, name: str, values: np.ndarray, feeds: dict, info: dict, rows: np.ndarray) -> np.ndarray:
+        if name == "logits" or name.endswith(".p"):  # padding tokens' values mean nothing
+            return values[self._real_tokens(feeds, info)[rows]]
+        if name.startswith("present."):  # nor do padded positions' cache entries
+            return values.transpose(0, 2, 1, 3)[feeds["attention_mask"].astype(bool)[rows]]
+        return values
+
+    # --- bench -------------------------------------------------------------------------------------------
+    def bench_feeds(self, task: str | None, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
+        """Feeds for a step of `seq` new tokens after `past` cached ones; the cache itself is filled by
+        a prefill of the preceding text (key "_prefill"), run on the adaptive artifact by the bench."""
+        from adaptex.graphs.lm_tasks import get_lm_task
+
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        n = past + seq
+        try:
+            task_obj = get_lm_task(task) if task else None
+            if getattr(task_obj, "val", None) is not None and len(task_obj.val) > n:  # held-out text windows
+                starts = rng.integers(0, len(task_obj.val) - n, size=batch)
+                text = np.stack([task_obj.val[s:s + n] for s in starts]).astype(np.int64)
+            else:
+                text = task_obj.sample(batch, rng).input_ids.numpy() if task_obj is not None else None
+        except Exception:
+            text = None
+        if text is None or text.shape[1] < n:  # random tokens: routing on them says little; prefer a task
+            text = rng.integers(1, cfg.vocab_size, size=(batch, n)).astype(np.int64)
+        text = text[:, :n]
+        empty = {**self.empty_cache(batch), **self.initial_extra(batch)}
+        feeds = {"input_ids": np.ascontiguousarray(text[:, past:]), "attention_mask": np.ones((batch, n), np.int64),
+                 **empty}
+        if past:
+            feeds["_prefill"] = {"input_ids": np.ascontiguousarray(text[:, :past]),
+                                 "attention_mask": np.ones((batch, past), np.int64), **empty}
+        return feeds

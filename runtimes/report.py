@@ -1,0 +1,126 @@
+"""The parity report: per output its errors and the tolerance used, per decision its agreement,
+excused and unexcused flips; what `adaptex check` prints and `--json` writes."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# Tolerances by body precision (docs/parity.md); never loosened silently.
+TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
+# Decision margins by decision kind (graphs.nn.DECISION_KINDS): a flip is excused only when the
+# reference was closer than this to the boundary, in the kind's own unit.
+MARGINS = {"fp32": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
+           "fp16": {"budget": 1e-2, "head_set": 1e-3, "keep": 1e-2, "head_mode": 1e-2}}
+# What each kind's margin measures, for failure messages
+MARGIN_UNITS = {"budget": "|s*H - round(s*H)|", "head_set": "gap between the k-th and (k+1)-th p",
+                "keep": "|p - threshold|", "head_mode": "FA/SA logit gap"}
+
+
+@dataclass
+class OutputStat:
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    needed_atol: float = 0.0  # the smallest atol that passes at the stated rtol
+    worst_input: str = ""
+
+
+@dataclass
+class DecisionStat:
+    kind: str = ""
+    compared: int = 0
+    agreed: int = 0
+    excused: int = 0
+    unexcused: int = 0
+    values_seen: dict = field(default_factory=dict)  # k -> count (k decisions only)
+
+    def count(self, flip: np.ndarray, excusable: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Fold one batch in: `flip` where artifact and reference disagree, `excusable` where the
+        reference sat within the margin; `where` limits the count (e.g. to real tokens)."""
+        w = np.ones_like(flip, dtype=bool) if where is None else where
+        self.compared += int(w.sum())
+        self.agreed += int((~flip & w).sum())
+        self.excused += int((flip & excusable & w).sum())
+        self.unexcused += int((flip & ~excusable & w).sum())
+
+
+@dataclass
+class ParityReport:
+    artifact: str
+    runtime: str
+    precision: str
+    tolerance: dict
+    margins: dict
+    samples: int = 0
+    batches: int = 0
+    outputs: dict = field(default_factory=dict)
+    decisions: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    note: str = ""
+    reference: str = "eager PyTorch (hard mode)"
+
+    @property
+    def max_abs_err(self) -> float:
+        return max((o.max_abs_err for o in self.outputs.values()), default=0.0)
+
+    @property
+    def unexcused_flips(self) -> int:
+        return sum(d.unexcused for d in self.decisions.values())
+
+    @property
+    def excused_flips(self) -> int:
+        return sum(d.excused for d in self.decisions.values())
+
+    @property
+    def decision_agreement(self) -> float:
+        c = sum(d.compared for d in self.decisions.values())
+        return sum(d.agreed for d in self.decisions.values()) / c if c else 1.0
+
+    @property
+    def decisions_vary(self) -> bool:
+        return any(len(d.values_seen) > 1 for d in self.decisions.values() if d.kind in ("budget", "keep", "head_mode"))
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures and self.samples > 0
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed, "artifact": self.artifact, "runtime": self.runtime,
+            "precision": self.precision, "samples": self.samples, "batches": self.batches,
+            "max_abs_err": self.max_abs_err,
+            "max_rel_err": max((o.max_rel_err for o in self.outputs.values()), default=0.0),
+            "tolerance": self.tolerance, "margins": self.margins,
+            "decision_agreement": self.decision_agreement,
+            "unexcused_flips": self.unexcused_flips, "excused_flips": self.excused_flips,
+            "decisions_vary": self.decisions_vary,
+            "outputs": {k: asdict(v) for k, v in self.outputs.items()},
+            "decisions": {k: {**asdict(v), "values_seen": {str(a): b for a, b in sorted(v.values_seen.items())}}
+                          for k, v in self.decisions.items()},
+            "failures": self.failures[:50], "note": self.note, "reference": self.reference,
+        }
+
+    def format(self) -> str:
+        tol = self.tolerance
+        lines = [f"parity: {self.artifact} on {self.runtime} against {self.reference}",
+                 f"  {self.samples} sequences in {self.batches} batches; {self.precision} tolerance "
+                 f"atol={tol['atol']:g} rtol={tol['rtol']:g}"]
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        lines.append(f"  {'output':<30} {'max abs':>10} {'max rel':>10} {'needs atol':>11}")
+        for name, o in self.outputs.items():
+            lines.append(f"  {name:<30} {o.max_abs_err:10.2e} {o.max_rel_err:10.2e} {o.needed_atol:11.2e}")
+        lines.append(f"  {'decision':<30} {'agree':>10} {'excused':>8} {'unexcused':>10}  values seen")
+        for name, d in self.decisions.items():
+            seen = ",".join(f"{k}:{v}" for k, v in sorted(d.values_seen.items())) if d.values_seen else ""
+            lines.append(f"  {name:<30} {d.agreed / max(d.compared, 1):10.4f} {d.excused:8d} {d.unexcused:10d}  {seen}")
+        for f in self.failures[:10]:
+            lines.append(f"  FAIL {f}")
+        if len(self.failures) > 10:
+            lines.append(f"  ... and {len(self.failures) - 10} more failures")
+        verdict = "PASSED" if self.passed else "FAILED"
+        lines.append(f"  {verdict}: decision agreement {self.decision_agreement:.4f}, "
+                     f"unexcused flips {self.unexcused_flips}, max abs error {self.max_abs_err:.2e}")
+        if not self.decisions_vary and self.decisions:
+            lines.append("  warning: the decisions were the same on every input; the checked inputs did not exercise the routing")
+        return "\n".join(lines)
