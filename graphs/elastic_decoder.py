@@ -23,7 +23,6 @@ keeps a router O(N) whatever the length, so it costs a decode step little.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
-from adaptex.graphs.family import ADAPTIVE_MODES, DecoderContract, RecordedOutput, register_family
+from adaptex.graphs.decoding import DecoderContract
+from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 

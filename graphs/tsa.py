@@ -22,7 +22,6 @@ saved = 1 - (1 + (L-1) alpha) / L.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -32,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaptex.graphs.budgetformer import sinusoids
-from adaptex.graphs.family import ADAPTIVE_MODES, DecoderContract, RecordedOutput, register_family
+from adaptex.graphs.decoding import DecoderContract
+from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import CausalSelfAttention, ConditionalBlock, TokenRouter, causal_bias, causal_visibility  # noqa: F401
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")

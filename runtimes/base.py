@@ -79,14 +79,24 @@ class Runner(abc.ABC):
         pass
 
 
+def _axis_terms(dim) -> list[str] | None:
+    """'past_sequence + sequence' -> ['past_sequence', 'sequence']; a plain axis name -> [name]."""
+    if not isinstance(dim, str):
+        return None
+    terms = [t.strip() for t in dim.split("+")]
+    return terms if all(t.isidentifier() for t in terms) else None
+
+
 def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | None) -> None:
-    """Raise InputError (one line: the problem and the fix) unless `feeds` fit the model."""
+    """Raise InputError (one line: the problem and the fix) unless `feeds` fit the model. Sizes are
+    checked through the inputs' named axes: an axis name is one size across inputs, and an axis that
+    is a sum ('past_sequence + sequence', a decoder's mask) equals the sum of its parts."""
     missing = [n for n in specs if n not in feeds]
     unknown = [n for n in feeds if n not in specs]
     if missing or unknown:
         raise InputError(f"inputs must be exactly {sorted(specs)}: missing {missing}, unknown {unknown}")
-    decoder = any(n.startswith("past_key_values.") for n in specs)
-    batch_seq = None
+    sizes: dict[str, tuple[int, str]] = {}
+    sums = []
     for name, spec in specs.items():
         a = feeds[name]
         if not isinstance(a, np.ndarray):
@@ -98,55 +108,62 @@ def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | 
             raise InputError(f"{name}: rank {a.ndim} (shape {list(a.shape)}), expected rank {len(spec.shape)} "
                              f"{list(spec.shape)}; add the batch axis with [None] for one sequence")
         for i, (got, want) in enumerate(zip(a.shape, spec.shape)):
+            terms = _axis_terms(want)
             if isinstance(want, int) and want and got != want:
                 raise InputError(f"{name}: axis {i} has size {got}, expected {want}")
-        if a.ndim == 2 and not decoder:
-            if batch_seq is not None and a.shape != batch_seq:
-                raise InputError(f"{name}: shape {list(a.shape)} differs from the other input's "
-                                 f"{list(batch_seq)}; ids and mask must have the same (batch, sequence)")
-            batch_seq = a.shape
-    if decoder:
-        return _validate_decoder(feeds, limits)
-    if batch_seq is None or limits is None:
-        return
-    B, T = batch_seq
-    if B == 0 or T == 0:
-        raise InputError(f"empty input of shape {[B, T]}: pass at least one token per sequence")
-    if T > limits.max_sequence:
-        raise InputError(f"sequence length {T} exceeds the model's maximum {limits.max_sequence}; "
-                         f"truncate the input to {limits.max_sequence} tokens")
+            if terms and len(terms) > 1:
+                sums.append((name, i, got, terms))
+            elif terms:
+                seen = sizes.setdefault(terms[0], (got, name))
+                if seen[0] != got:
+                    raise InputError(_mismatch(terms[0], name, a, seen, feeds))
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise InputError(f"{name}: holds NaN or infinite values; pass finite inputs (a cache fed back "
+                             "from a previous step must be its present.* outputs unchanged)")
+    for name, i, got, terms in sums:
+        if all(t in sizes for t in terms) and got != sum(sizes[t][0] for t in terms):
+            parts = " + ".join(f"{t} {sizes[t][0]}" for t in terms)
+            raise InputError(f"{name}: shape {list(feeds[name].shape)}, expected {[*feeds[name].shape[:i], sum(sizes[t][0] for t in terms)]} "
+                             f"({parts}); extend the previous mask by the new tokens")
+    _check_values(feeds, sizes, limits)
+
+
+def _mismatch(axis: str, name: str, a: np.ndarray, seen: tuple, feeds: dict) -> str:
+    other = feeds[seen[1]]
+    if axis in ("batch", "sequence") and a.ndim == 2 and other.ndim == 2:
+        return (f"{name}: shape {list(a.shape)} differs from the other input's {list(other.shape)}; ids and mask "
+                "must have the same (batch, sequence)")
+    if axis == "past_sequence":
+        return ("past_key_values: every layer's key and value must have one past length; feed back the previous "
+                "step's present.* outputs unchanged")
+    return (f"{name}: its {axis} axis is {a.shape} where {seen[1]} says {seen[0]}; inputs sharing an axis must "
+            "agree on its size")
+
+
+def _check_values(feeds: dict, sizes: dict, limits: ModelLimits | None) -> None:
+    """Empty inputs, the sequence bound, token ids and the attention mask's values."""
+    T = sizes.get("sequence", (None,))[0]
+    P = sizes.get("past_sequence", (0,))[0]
+    B = sizes.get("batch", (None,))[0]
+    if T == 0 or B == 0:
+        what = "empty prompt" if "past_sequence" in sizes else "empty input"
+        raise InputError(f"{what} (input_ids of shape {[B, T]}): pass at least one token per sequence")
+    if limits is not None and T is not None:
+        if "past_sequence" in sizes and P + T > limits.max_sequence:
+            raise InputError(f"{P} cached + {T} new tokens = {P + T} exceeds the KV cache bound {limits.max_sequence}; "
+                             f"keep prompt plus generated tokens within {limits.max_sequence}")
+        if "past_sequence" not in sizes and T > limits.max_sequence:
+            raise InputError(f"sequence length {T} exceeds the model's maximum {limits.max_sequence}; "
+                             f"truncate the input to {limits.max_sequence} tokens")
     ids = feeds.get("input_ids")
-    if ids is not None and (ids.min() < 0 or ids.max() >= limits.vocab_size):
+    if limits is not None and ids is not None and ids.size and (ids.min() < 0 or ids.max() >= limits.vocab_size):
         raise InputError(f"input_ids: values must lie in [0, {limits.vocab_size}), got "
                          f"[{int(ids.min())}, {int(ids.max())}]; re-tokenise with the model's vocabulary")
     mask = feeds.get("attention_mask")
-    if mask is not None and (mask.sum(-1) == 0).any():
-        row = int(np.flatnonzero(mask.sum(-1) == 0)[0])
-        raise InputError(f"attention_mask: row {row} has no real token; every sequence needs at least one")
-
-
-def _validate_decoder(feeds: dict, limits: ModelLimits | None) -> None:
-    """A decoder step: ids (B, T), past keys/values (B, H, P, dh), mask (B, P + T), P + T <= the cache bound."""
-    ids, mask = feeds["input_ids"], feeds["attention_mask"]
-    B, T = ids.shape
-    if T == 0 or B == 0:
-        raise InputError(f"empty prompt (input_ids of shape {[B, T]}): pass at least one token")
-    pasts = {n: a for n, a in feeds.items() if n.startswith("past_key_values.")}
-    shapes = {a.shape for a in pasts.values()}
-    if len(shapes) != 1:
-        raise InputError(f"past_key_values: every layer's key and value must have one shape, got {sorted(shapes)}; "
-                         "feed back the previous step's present.* outputs unchanged")
-    Bp, _, P, _ = next(iter(shapes))
-    if Bp != B:
-        raise InputError(f"past_key_values: batch {Bp} differs from input_ids' batch {B}")
-    if mask.shape != (B, P + T):
-        raise InputError(f"attention_mask: shape {list(mask.shape)}, expected {[B, P + T]} (past {P} + new {T} "
-                         "tokens); extend the previous mask by the new tokens")
-    if limits is None:
-        return
-    if P + T > limits.max_sequence:
-        raise InputError(f"{P} cached + {T} new tokens = {P + T} exceeds the KV cache bound {limits.max_sequence}; "
-                         f"keep prompt plus generated tokens within {limits.max_sequence}")
-    if ids.min() < 0 or ids.max() >= limits.vocab_size:
-        raise InputError(f"input_ids: values must lie in [0, {limits.vocab_size}), got "
-                         f"[{int(ids.min())}, {int(ids.max())}]; re-tokenise with the model's vocabulary")
+    if mask is not None and mask.size:
+        if not np.isin(mask, (0, 1)).all():
+            raise InputError(f"attention_mask: values must be 0 (padding) or 1 (a real token), got "
+                             f"{sorted(set(np.unique(mask).tolist()) - {0, 1})[:3]}; pass a 0/1 mask")
+        if (mask.reshape(len(mask), -1).sum(-1) == 0).any():
+            row = int(np.flatnonzero(mask.reshape(len(mask), -1).sum(-1) == 0)[0])
+            raise InputError(f"attention_mask: row {row} has no real token; every sequence needs at least one")

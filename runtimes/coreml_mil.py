@@ -9,7 +9,6 @@ without one fails loudly, by name.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path

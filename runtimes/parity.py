@@ -45,6 +45,7 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
         raise AdaptexError("this model has no parity input generator; pass its inputs (inputs=[...] in Python, "
                            "--inputs FILE.npz on the command line)")
     specs = artifact.input_metadata()
+    axes = _batch_axes(getattr(artifact, "meta", None) or {})
     for bi, item in enumerate(items):
         walk = contract.steps(item)
         feeds, info = next(walk)
@@ -62,8 +63,10 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
                 if name not in got:
                     report.failures.append(f"{name}: the artifact has no such output (it gives {sorted(got)})")
                     continue
-                a = contract.select(name, np.asarray(got[name]).astype(np.float64)[rows], feeds, info, rows)
-                r = contract.select(name, np.asarray(ref.outputs[name]).astype(np.float64)[rows], feeds, info, rows)
+                axis = axes.get(name, 0)
+                a = contract.select(name, _take(np.asarray(got[name]).astype(np.float64), rows, axis), feeds, info, rows)
+                r = contract.select(name, _take(np.asarray(ref.outputs[name]).astype(np.float64), rows, axis),
+                                    feeds, info, rows)
                 _compare_values(report, name, a, r, where)
             if progress:
                 progress(report)
@@ -72,6 +75,22 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
             except StopIteration:
                 break
     return report
+
+
+def _batch_axes(meta: dict) -> dict[str, int]:
+    """Each output's batch axis (the one named 'batch' in the artifact's metadata; 0 by default)."""
+    out = {}
+    for name, spec in (meta.get("outputs") or {}).items():
+        shape = spec.get("shape", [])
+        out[name] = shape.index("batch") if "batch" in shape else (-1 if shape else 0)
+    return out
+
+
+def _take(values: np.ndarray, rows: np.ndarray, axis: int) -> np.ndarray:
+    """The rows kept, along the output's batch axis (an output without one is compared whole)."""
+    if axis < 0 or values.ndim == 0 or values.shape[axis] != len(rows):
+        return values
+    return np.take(values, np.flatnonzero(rows), axis=axis)
 
 
 def _batch(feeds: dict) -> int:

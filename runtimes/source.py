@@ -4,7 +4,7 @@ from __future__ import annotations
 from adaptex.exporter.metadata import state_hash
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError
-from adaptex.graphs.family import Contract, GenericContract, family_contract
+from adaptex.graphs.family import FAMILIES, Contract, GenericContract, load_families, family_contract
 
 
 def load_source_model(meta: dict, model_arg: str | None):
@@ -60,7 +60,8 @@ def check_source(meta: dict, *, info: dict | None = None, model=None, name: str 
 def contract_of(meta: dict, model, example: tuple | None = None) -> Contract:
     """The reference's contract: the artifact's family's, or the generic one of a model of your own
     (derived from the model and one of its inputs)."""
-    if meta.get("family", "custom") != "custom":
+    load_families()
+    if FAMILIES.get(meta.get("family")) is not None:
         return family_contract(model)
     if example is None:
         raise AdaptexError("a model of your own needs its inputs to be checked: pass inputs=[...] "

@@ -11,7 +11,6 @@ run on these machines, which have neither a GPU nor TensorRT (docs/tensorrt.md).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

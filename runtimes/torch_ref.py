@@ -26,7 +26,8 @@ class TorchRunner(Runner):
 
     def input_metadata(self) -> dict[str, IOSpec]:
         example = self.contract.example_inputs(self.mode)
-        return {n: IOSpec(n, _DTYPES.get(t.dtype, str(t.dtype)), tuple(f"dim{i}" for i in range(t.dim())))
+        # axis names of its own per input: the eager model checks its inputs' agreement itself
+        return {n: IOSpec(n, _DTYPES.get(t.dtype, str(t.dtype)), tuple(f"{n}_{i}" for i in range(t.dim())))
                 for n, t in zip(self.contract.input_names(self.mode), example)}
 
     def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from adaptex.exporter.trace import adaptex_nodes, module_path, op_name
-from adaptex.graphs.nn import routing_class_names
+from adaptex.graphs.nn import ConditionalBlock, class_name, routing_class_names
 
 # MIL ops whose name (or an output's name) starts with one of these stay fp32 in an fp16 package
 FP32_PREFIXES = ("route_", "resid_")
@@ -93,7 +93,7 @@ def residual_stream(ep) -> set[str]:
     import torch
 
     names = set()
-    block = "adaptex.graphs.nn.ConditionalBlock"
+    block = class_name(ConditionalBlock)
     last = _last_layer_norm(ep)
     for n in ep.graph.nodes:
         if n.op != "call_function":

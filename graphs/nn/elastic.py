@@ -1,0 +1,144 @@
+"""Elastic Attention's layer: every head full or streaming, routed from the keys."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder
+from adaptex.graphs.ops import elastic_attention as ea
+
+
+class HeadRouter(nn.Module):
+    """[FA, SA] logits per head from the layer's keys pooled over the first and last N real tokens,
+    a task MLP shared by the heads plus a per-head bias, and a router MLP.
+
+    Pooling: mask-weighted over the real tokens' ranks (encoders), or, with edge_pooling, two runs of
+    N keys sliced from the first real token (decoder batches are left-padded) and from the end: O(N)
+    whatever the length, so a decoder's router costs a decode step little."""
+
+    def __init__(self, num_heads: int, head_dim: int, hidden: int = 64, pool_tokens: int = 100,
+                 edge_pooling: bool = False):
+        super().__init__()
+        self.pool_tokens, self.edge_pooling = pool_tokens, edge_pooling
+        self.task = nn.Sequential(nn.Linear(2 * head_dim, hidden), nn.GELU())
+        self.head_bias = nn.Parameter(torch.zeros(num_heads, hidden))
+        self.router = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2))
+
+    def pool(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens."""
+        return self._pool_edges(k, key_mask) if self.edge_pooling else self._pool_ranked(k, key_mask)
+
+    def _pool_ranked(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        m = key_mask.to(k.dtype)  # (B, S)
+        rank = torch.cumsum(m, dim=1) - 1  # rank of each real token among the real ones
+        n_real = m.sum(1, keepdim=True)
+        first = m * (rank < self.pool_tokens).to(k.dtype)
+        last = m * (rank >= n_real - self.pool_tokens).to(k.dtype)
+
+        def mean(w):
+            return (k * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
+        return torch.cat([mean(first), mean(last)], dim=-1)
+
+    def _pool_edges(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        B, H, S, dh = k.shape
+        r = torch.arange(self.pool_tokens, device=k.device)[None, :]  # (1, N): a constant N, whatever S
+        n_real = key_mask.long().sum(1, keepdim=True)  # (B, 1)
+        offset = S - n_real  # left padding
+        firsts = offset + r  # (B, N) the first N real positions
+        lasts = (S - self.pool_tokens + r).expand(B, -1)  # (B, N) the last N positions
+        w_first = (r < n_real).to(k.dtype)
+        w_last = (lasts >= offset).to(k.dtype)
+
+        def mean(pos, w):
+            idx = pos.clamp(0, S - 1)[:, None, :, None].expand(B, H, -1, dh)
+            return (torch.gather(k, 2, idx) * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
+        return torch.cat([mean(firsts, w_first), mean(lasts, w_last)], dim=-1)
+
+    def route(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        h = self.task(self.pool(k.float(), key_mask)) + self.head_bias  # (B, H, hidden)
+        return self.router(h)  # (B, H, 2) fp32: [FA, SA]
+
+    def forward(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        return self.route(k, key_mask)
+
+
+class ElasticAttention(AdaptiveLayer, HeadRouter):
+    """Every head of a layer in one op, each head full attention (FA) or streaming attention (SA:
+    the first `sink` keys plus a local `window`; causal for decoders, a symmetric band for encoders).
+
+    forward(q, k, v (B, H, T|S, dh), key_mask (B, S) 1 = real key) -> (B, H, T, dh). Its only
+    parameters are its router's (it is a HeadRouter): the router reads the keys and gives each head
+    [FA, SA] logits; hard mode takes SA where that logit is larger. Soft mode (training) mixes both
+    outputs by a straight-through Gumbel-softmax sample at temperature `tau` (anneal it).
+    A decoder routes once at prefill and reuses the modes at decode steps: pass them as head_modes
+    (B, H) bool, with use_modes (a bool scalar tensor; None: always) choosing them over the routed
+    ones inside one traced graph. Decisions: sa (B, H) bool, logits (B, H, 2)."""
+
+    def __init__(self, num_heads: int, head_dim: int, sink: int = 4, window: int = 32, causal: bool = False,
+                 router_hidden: int = 64, pool_tokens: int = 100, edge_pooling: bool | None = None):
+        if sink < 0 or window < 1:
+            raise ValueError(f"sink must be >= 0 and window >= 1 (got sink={sink}, window={window})")
+        super().__init__(num_heads, head_dim, router_hidden, pool_tokens,
+                         edge_pooling=causal if edge_pooling is None else edge_pooling)
+        self.sink, self.window, self.causal, self.tau = sink, window, causal, 1.0
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, head_modes: Tensor | None = None,
+                use_modes: Tensor | None = None, *, mode: str | None = None, force_sa: Tensor | None = None,
+                tau: float | None = None, return_decisions: bool = False):
+        """o (B, H, T, dh); with return_decisions, (o, decisions) (the shipped elastic models' call)."""
+        o, dec = self._attend(q, k, v, key_mask, head_modes, use_modes, self.resolve_mode(mode), force_sa, tau)
+        return (o, dec) if return_decisions else o
+
+    def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:
+        key_mask = key_mask.bool()
+        if mode == "dense":  # every head full attention: the backbone itself
+            fa = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+            return ea.elastic_attention_dense_reference(q, k, v, fa, key_mask, self.sink, self.window, self.causal), {}
+        logits = self.route(k, key_mask)  # (B, H, 2)
+        if mode in SOFT_MODES:
+            g = F.gumbel_softmax(logits, tau=tau or self.tau, hard=True)[..., 1]  # (B, H): 1 = SA, ST gradient
+            sa = g > 0.5
+            fa_o, sa_o = (ea.elastic_attention_dense_reference(q, k, v, torch.full_like(sa, m), key_mask, self.sink,
+                                                               self.window, self.causal) for m in (False, True))
+            o = fa_o + (sa_o - fa_o) * g[:, :, None, None].to(q.dtype)
+            self.record({"sa": sa, "logits": logits}, aux={"g": g})
+            return o, {"sa": sa, "logits": logits, "g": g}
+        sa = logits[..., 1] > logits[..., 0]
+        if head_modes is not None:
+            given = head_modes.bool()
+            # logic, not a bool Where (ONNX Runtime has none)
+            sa = given if use_modes is None else (use_modes & given) | (~use_modes & sa)
+        margin = None
+        if not torch.compiler.is_exporting():
+            gap = (logits[..., 1] - logits[..., 0]).abs().double()
+            if head_modes is not None:  # an input: no flip of it is excusable
+                margin = torch.full_like(gap, math.inf) if use_modes is None else \
+                    torch.where(use_modes, torch.full_like(gap, math.inf), gap)
+            else:
+                margin = gap
+        force_sa = force_sa if force_sa is not None else self.forced("sa")
+        if force_sa is not None:
+            sa = force_sa.bool()
+        fn = ea.elastic_attention if mode in ("hard", "eager") else ea.elastic_attention_dense_reference
+        o = fn(q, k, v, sa, key_mask, self.sink, self.window, self.causal)
+        self.record({"sa": sa, "logits": logits}, margins={"sa": margin} if margin is not None else None)
+        return o, {"sa": sa, "logits": logits, "g": sa.float()}
+
+
+def sparsity(rec_or_decisions) -> Tensor:
+    """Omega: the fraction of SA heads over every ElasticAttention (soft: the straight-through
+    weights, so it has a gradient). Takes a Recorder or a family's list of decision dicts."""
+    if isinstance(rec_or_decisions, Recorder):
+        gs = [rec_or_decisions.aux[p].get("g", d["sa"].float()) for p, d in rec_or_decisions.decisions.items()
+              if "sa" in d]
+    else:
+        gs = [d["g"] for d in rec_or_decisions]
+    if not gs:
+        raise ValueError("no ElasticAttention decisions were recorded; call the model inside record_decisions()")
+    return torch.stack([g.float().mean() for g in gs]).mean()
+
+
