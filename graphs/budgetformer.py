@@ -168,6 +168,7 @@ class BudgetFormerFamily(Contract):
     decisions.layer{i}.k (B,) int64, .head_mask (B, H) bool and .s (B,) float32."""
 
     family = "budgetformer"
+    config_cls, model_cls = BudgetFormerConfig, BudgetFormer
     recipe = "budgetformer"
     counterpart_modes = {"dense": "dense", "naive": "naive"}
     coreml_fp32_roles = ("classifier_tail",)

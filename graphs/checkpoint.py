@@ -14,17 +14,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from adaptex.graphs.budgetformer import BudgetFormer, BudgetFormerConfig
-from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
-from adaptex.graphs.elastic_decoder import ElasticDecoder, ElasticDecoderConfig
-from adaptex.graphs.tsa import TSAConfig, TSADecoder
 from adaptex.graphs.errors import CheckpointError
+from adaptex.graphs.family import FAMILIES, load_families
 
 ZOO = Path(__file__).parent / "zoo"
 DEFAULT_MODEL = "budgetformer-graded"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-FAMILIES = {"budgetformer": (BudgetFormerConfig, BudgetFormer), "tsa": (TSAConfig, TSADecoder),
-            "elastic": (ElasticConfig, ElasticEncoder), "elastic_decoder": (ElasticDecoderConfig, ElasticDecoder)}
 
 
 def shipped_models() -> dict[str, Path]:
@@ -64,10 +59,12 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
         if not f.is_file():
             raise CheckpointError(f"{path}: {f.name} is missing; a checkpoint holds {CONFIG} and "
                                   f"{WEIGHTS} as written by 'adaptex train'")
+    load_families()
     try:
         info = json.loads(cfg_path.read_text())
         family = info["family"]
-        cfg_cls, model_cls = FAMILIES[family]
+        contract = FAMILIES[family]
+        cfg_cls, model_cls = contract.config_cls, contract.model_cls
         cfg = cfg_cls.from_dict(info["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: corrupt config ({type(e).__name__}: {e}); "

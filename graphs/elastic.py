@@ -292,6 +292,7 @@ class ElasticFamily(Contract):
     decisions.layer{i}.sa (B, H) bool (1 = streaming attention) and .logits (B, H, 2) [FA, SA]."""
 
     family = "elastic"
+    config_cls, model_cls = ElasticConfig, ElasticEncoder
     recipe = "elastic"
     counterpart_modes = {"dense": "full", "naive": "hard_dense"}
     coreml_fp32_roles = ("pooling_tail",)

@@ -309,6 +309,7 @@ class ElasticDecoderFamily(DecoderContract):
     Core ML packages take and give the head modes as float32 0/1 (it has no bool features)."""
 
     family = "elastic_decoder"
+    config_cls, model_cls = ElasticDecoderConfig, ElasticDecoder
     counterpart_modes = {"dense": "full", "naive": "hard_dense"}
 
     def extra_inputs(self, mode: str = "hard") -> list[str]:

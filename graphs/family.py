@@ -63,6 +63,7 @@ class Contract:
     model whose inputs the caller supplies (no parity or bench input generator, no FLOP model)."""
 
     family = "custom"
+    config_cls = model_cls = None  # a shipped family's config dataclass and model (checkpoints load them)
     decoder = False  # prefill then decode steps over a KV cache
     recipe: str | None = None  # graphs.recipes name, for `adaptex train`
     counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports

@@ -214,6 +214,7 @@ class TSAFamily(DecoderContract):
     decisions.layer{l}.keep (B, T) bool (the token ran block l's query side and FFN) and .p (B, T)."""
 
     family = "tsa"
+    config_cls, model_cls = TSAConfig, TSADecoder
     recipe = "tsa"
     counterpart_modes = {"dense": "dense", "naive": "hard_dense"}
     coreml_fp32_roles = ("residual_stream",)

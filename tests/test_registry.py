@@ -60,3 +60,26 @@ def test_all_declining_lists_every_reason():
             registry.lookup(op, "onnx", "dense")
     assert e.value.reasons == ["never: reason 0", "never: reason 1"]
     assert registry.lookup(op, "onnx", "dense").fn.__name__ == "budgeted_attention_onnx_dense"
+
+
+def test_every_op_has_a_core_ml_translation_and_its_mil_ops_an_evaluator(tmp_path):
+    """A new op needs a Core ML emitter for each variant, and every MIL op those emit needs a numpy
+    evaluator (the only Core ML oracle on Linux): the op x target test catches a missing one."""
+    import adaptex
+    from adaptex.runtimes.coreml_mil import EVAL, MilReferenceRunner
+    from tests import user_models as um
+
+    targets.load_all()
+    for op in OPS:
+        for variant in registry.VARIANTS:
+            emit = registry.lookup(op, "coreml", variant).fn(None, None)
+            assert callable(emit), f"{op} {variant}: the Core ML lowering returns no MIL emitter"
+    models = [(um.patch_classifier(), um.patch_classifier_example(), None),
+              (um.mixed_decoder(), um.decoder_example(), um.decoder_dynamic_shapes())]
+    seen = set()
+    for i, (model, example, dyn) in enumerate(models):
+        for variant in registry.VARIANTS:
+            path = tmp_path / f"m{i}{variant}.mlpackage"
+            adaptex.export(model, example, path, target="coreml", variant=variant, dynamic_shapes=dyn)
+            seen |= {o.op_type for o in MilReferenceRunner(path).program.functions["main"].operations}
+    assert seen - {"const"} <= set(EVAL), f"MIL ops without an evaluator: {sorted(seen - set(EVAL) - {'const'})}"

@@ -193,3 +193,7 @@ def decoder_inputs(model: MixedDecoder, n: int, seed: int = 0) -> list[tuple]:
             _, keys, values = model(torch.from_numpy(new), torch.from_numpy(mask), keys, values)
     return out[:n]
 
+
+
+def patch_classifier_example() -> tuple:
+    return torch.randn(3, 10, 12), torch.ones(3, 10, dtype=torch.bool)

@@ -16,7 +16,13 @@ Packages are checked on Linux by runtimes/coreml_mil.py and on macOS by runtimes
 """
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
+
+# before coremltools is first imported: its import warns about untested torch and scikit-learn versions
+# and missing macOS-only libraries, ten lines before anything adaptex says
+logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 from adaptex.exporter import metadata
 from adaptex.exporter.errors import ExportError
@@ -52,7 +58,9 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     except ImportError as e:
         raise ExportError("the coreml target needs coremltools; install it with pip install 'adaptex[coreml]'") from e
 
-    ep = trace(model, contract, mode="hard", float_bools=True).run_decompositions({})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = trace(model, contract, mode="hard", float_bools=True).run_decompositions({})
     emitters, notes = {}, {}
     for node in adaptex_nodes(ep):
         entry = lookup(op_name(node), "coreml", variant, node)

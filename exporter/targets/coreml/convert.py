@@ -2,6 +2,8 @@
 routing (and a contract's roles) in fp32, fp32 float outputs; and the stock counterparts bench times."""
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import warnings
 from pathlib import Path
@@ -19,7 +21,7 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
     import coremltools as ct
 
     logging.getLogger("coremltools").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_progress():
         warnings.simplefilter("ignore")
         if prec == "fp16":
             # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
@@ -45,6 +47,14 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
                           minimum_deployment_target=getattr(ct.target, min_target), compute_precision=compute,
                           outputs=[ct.TensorType(name=s["coreml_name"], dtype=precision.output_dtype(s["dtype"]))
                                    for s in outputs.values()])
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """coremltools draws a tqdm bar for every pass of every conversion (on stderr, which tqdm looks up
+    when a bar starts); adaptex reports its own progress. Failures still raise."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",

@@ -352,10 +352,6 @@ def elastic_attention_mil(context, node, variant: str):
     context.add(mb.identity(x=o, name=node.name), node.name)
 
 
-OPS = ("adaptex::budgeted_attention", "adaptex::conditional_ffn", "adaptex::conditional_attention",
-       "adaptex::elastic_attention")
-
-
 def register_translations(emitters: dict) -> None:
     """Register, for this conversion, a translation of every adaptex op that calls the emitter its
     lowering chose for each node ({FX node name: emit(context, node)}). The table is held by the
@@ -370,5 +366,7 @@ def register_translations(emitters: dict) -> None:
             raise ExportError(f"no Core ML lowering was chosen for node {node.name}; export through adaptex")
         emit(context, node)
 
-    for op in OPS:
+    from adaptex.graphs.ops import OPS
+
+    for op in OPS:  # every adaptex op: its emitter comes from the registry (a missing cell refuses first)
         register_torch_op(translate, torch_alias=[op], override=True)
