@@ -31,15 +31,50 @@ def load(name_or_dir: str | Path | None = None):
 
 
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
-           precision: str | None = None, dynamic_shapes=None, **options) -> dict:
+           precision: str | None = None, dynamic_shapes=None, *, fp16_audit: bool = True, say=None,
+           **options) -> dict:
     """Export `model` to `path`: ONNX (`.onnx`), Core ML (`.mlpackage`) or TensorRT (`.plan`, or the
     TensorRT-bound `.onnx` with onnx_only=True). Returns the artifact's metadata.
 
     example_inputs: a tuple with one tensor per forward argument (batch >= 2), or None for a model from
-    adaptex.load. The decisions become outputs named `decisions.<module path>.<field>`."""
+    adaptex.load. The decisions become outputs named `decisions.<module path>.<field>`.
+    An fp16 Core ML package is audited before it is written (runtimes/audit.py: fp16 arithmetic
+    throughout, as the Neural Engine may compute); one that fails is refused with the layer and the
+    range or drift. fp16_audit=False writes it unaudited."""
     from adaptex.exporter.export import export as _export
+    from adaptex.exporter.export import resolve
 
-    return _export(model, example_inputs, path, target, variant, precision, dynamic_shapes, **options)
+    contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
+                                options.pop("input_names", None))
+    if t.name != "coreml" or prec != "fp16":
+        return _export(model, example_inputs, path, target, variant, prec, dynamic_shapes, contract=contract,
+                       say=say, **options)
+    return _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, fp16_audit, say,
+                           options)
+
+
+def _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, audit, say, options):
+    """Write the fp16 package beside `path`, audit it, and only then put it in place."""
+    from adaptex.exporter.errors import ExportError
+    from adaptex.exporter.export import export as _export
+    from adaptex.exporter.targets.coreml import package
+    from adaptex.graphs import files
+    from adaptex.runtimes.audit import describe, fp16_audit
+
+    package.check_output(Path(path))
+    with files.atomic_directory(path) as work:
+        meta = _export(model, example_inputs, work, "coreml", variant, prec, dynamic_shapes, contract=contract,
+                       say=say, **options)
+        if audit:
+            (say or (lambda m: None))("auditing the fp16 package (fp16 arithmetic throughout) ...")
+            task = ((getattr(model, "adaptex_source", None) or {}).get("training") or {}).get("task")
+            result = fp16_audit(work, model, contract, task=task)
+            if not result.passed:
+                raise ExportError(f"--precision fp16 refused: under fp16 arithmetic throughout (as the Neural "
+                                  f"Engine may compute), {result.reason}; export with --precision fp32 "
+                                  "(or pass --no-fp16-audit to accept the risk)")
+            (say or (lambda m: None))(describe(result))
+    return meta
 
 
 def _feeds(inputs: Iterable, names: list[str]) -> list[dict[str, np.ndarray]]:
@@ -62,12 +97,12 @@ def _array(v) -> np.ndarray:
     return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
 
 
-def _reference(path, model, inputs, threads):
+def _reference(path, model, inputs, threads, **runner_options):
     from adaptex.runtimes.open import open_artifact
     from adaptex.runtimes.source import check_source, contract_of, load_source_model
     from adaptex.runtimes.torch_ref import TorchRunner
 
-    runner = open_artifact(path, threads)
+    runner = open_artifact(path, threads, **runner_options)
     meta = runner.meta
     info = None
     if model is None:
@@ -86,15 +121,19 @@ def _reference(path, model, inputs, threads):
 
 
 def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 200, seed: int = 0,
-          atol: float | None = None, rtol: float | None = None, threads: int | None = None, progress=None):
+          atol: float | None = None, rtol: float | None = None, threads: int | None = None, progress=None,
+          compute_units: str | None = None, fp16_accumulation: str | None = None, ranges: bool = False):
     """Parity of the artifact at `path` against the eager `model` (default: the shipped or checkpoint
     model the artifact records), decisions first. inputs: an iterable of input tuples (one array or
     tensor per model input) or dicts by input name; a shipped model generates its own by default.
     Returns a runtimes.report.ParityReport (passed, samples, max_abs_err, unexcused_flips,
-    decision_agreement, format(), to_dict())."""
+    decision_agreement, format(), to_dict()). A Core ML package: fp16_accumulation="fp16" evaluates it
+    with fp16 arithmetic throughout (the worst case), ranges=True reports every fp16 op's largest |x|
+    and partial sums against 65504."""
     from adaptex.runtimes.parity import check as _check
 
-    runner, reference, feeds, info = _reference(path, model, inputs, threads)
+    runner, reference, feeds, info = _reference(path, model, inputs, threads, compute_units=compute_units,
+                                                accumulate=fp16_accumulation, ranges=ranges)
     return _check(runner, reference, samples=samples, task=(info.get("training") or {}).get("task"),
                   precision=runner.meta.get("precision", "fp32"), seed=seed, artifact_name=str(path),
                   inputs=feeds, atol=atol, rtol=rtol, progress=progress)

@@ -10,9 +10,21 @@ from adaptex.exporter.registry import VARIANTS
 from adaptex.graphs.family import contract_for
 
 
+def resolve(model, example_inputs, target: str, precision: str | None, dynamic_shapes=None,
+            input_names: list[str] | None = None):
+    """(the model's contract, the target, the precision it will be exported in)."""
+    t = targets.load(target)
+    contract = contract_for(model, example_inputs, dynamic_shapes, input_names)
+    prec = precision or t.default_precision(contract)
+    if prec not in t.precisions:
+        raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "
+                          f"{' or '.join(t.precisions)}")
+    return contract, t, prec
+
+
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
            precision: str | None = None, dynamic_shapes=None, *, input_names: list[str] | None = None,
-           say=None, **options) -> dict:
+           contract=None, say=None, **options) -> dict:
     """Export `model` to `path` for `target` (onnx, coreml, tensorrt); returns the artifact's metadata.
 
     A shipped family's model (from adaptex.load) needs no example inputs. Any other model needs them:
@@ -29,12 +41,11 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     if unknown:
         takes = ", ".join(o.dest for o in t.options) or "none"
         raise ExportError(f"{', '.join(sorted(unknown))}: not an option of the {target} target (it takes {takes})")
-    contract = contract_for(model, example_inputs, dynamic_shapes, input_names)
+    if contract is None:
+        contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes, input_names)
+    else:
+        prec = precision or t.default_precision(contract)
     info = getattr(model, "adaptex_source", None)
-    prec = precision or t.default_precision(contract)
-    if prec not in t.precisions:
-        raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "
-                          f"{' or '.join(t.precisions)}")
     return t.export(model, contract, Path(path), variant=variant, precision=prec,
                     source=metadata.source_of(model, info), tokenizer=(info or {}).get("tokenizer"), say=say,
                     **options)

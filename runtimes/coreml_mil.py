@@ -1,11 +1,12 @@
 """Linux-side check of a saved Core ML package: the ML program loaded back from disk and evaluated
 op by op in numpy, in the program's own precision.
 
-fp16 ops take and give fp16 values but accumulate products, sums and normalisations in fp32, as
-Core ML's fp16 kernels do. This is a MIL reference evaluation, not the Core ML runtime: it proves the saved program computes
-what the eager model computes; it does not prove how Core ML schedules it (CPU, GPU or Neural
-Engine kernels, their fp16 accumulation). Every op our packages contain has an evaluator here; an op
-without one fails loudly, by name.
+fp16 ops take and give fp16 values. By default they accumulate products, sums and normalisation
+statistics in fp32, as Core ML's CPU and GPU kernels are believed to; `accumulate="fp16"` evaluates
+the worst case, everything in fp16 (runtimes/fp16.py), which is what a package that may run on the
+Neural Engine must survive. This is a MIL reference evaluation, not the Core ML runtime: it proves
+the saved program computes what the eager model computes; it does not prove how Core ML schedules
+it. Every op our packages contain has an evaluator here; an op without one fails loudly, by name.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from adaptex.exporter.targets.coreml.package import load_spec, package_meta, read_package_meta  # noqa: F401
 from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes import fp16
 from adaptex.runtimes.base import IOSpec, Runner, limits_of
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -42,13 +44,34 @@ def _slice(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_m
         out = np.squeeze(out, axis=tuple(i for i, m in enumerate(squeeze_mask) if m))
     return out
 
+_ACCUMULATE = ["fp32"]  # the evaluation's accumulation, set by run()
+
+
+def _worst(*xs) -> bool:
+    """Evaluate in fp16 arithmetic: the worst case was asked for and the op computes in fp16."""
+    return _ACCUMULATE[-1] == "fp16" and any(getattr(x, "dtype", None) == np.float16 for x in xs)
+
+
 def _ln(x, axes=None, gamma=None, beta=None, epsilon=1e-5):
+    if _worst(x):  # mean and variance summed in fp16
+        ax = tuple(_axes(axes, x.ndim))
+        n = np.float16(np.prod([x.shape[a] for a in ax]))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            m = fp16.sum16(x, ax, keepdims=True) / n
+            d = (x - m).astype(np.float16)
+            v = fp16.sum16(d * d, ax, keepdims=True) / n
+            y = d / np.sqrt(v + np.float16(epsilon))
+            return (y * (1 if gamma is None else gamma.astype(np.float16)) + (0 if beta is None else beta.astype(np.float16))).astype(np.float16)
     x32 = x.astype(np.float32)
     ax = tuple(_axes(axes, x.ndim)); m = x32.mean(ax, keepdims=True); v = ((x32 - m) ** 2).mean(ax, keepdims=True)
     y = (x32 - m) / np.sqrt(v + np.float32(epsilon))
     return (y * (1 if gamma is None else gamma) + (0 if beta is None else beta)).astype(x.dtype)
 
 def _softmax(x, axis=-1):
+    if _worst(x):  # the sum of exps in fp16
+        with np.errstate(over="ignore", invalid="ignore"):
+            e = np.exp(x - x.max(axis, keepdims=True)).astype(np.float16)
+            return (e / fp16.sum16(e, axis, keepdims=True)).astype(np.float16)
     x32 = x.astype(np.float32)
     e = np.exp(x32 - x32.max(axis, keepdims=True)); return (e / e.sum(axis, keepdims=True)).astype(x.dtype)
 
@@ -77,8 +100,9 @@ def _scatter_nd(data, indices, updates, mode="add", validate_indices=False):
 
 
 def _cumsum(x, axis=0, exclusive=False, reverse=False):
-    """Running sum along axis (fp16 accumulates in fp32); exclusive drops the element itself."""
-    x32 = x.astype(np.float32) if x.dtype == np.float16 else x
+    """Running sum along axis (fp16 accumulates in fp32, in fp16 in the worst case); exclusive drops
+    the element itself."""
+    x32 = x.astype(np.float32) if x.dtype == np.float16 and not _worst(x) else x
     if reverse:
         x32 = np.flip(x32, int(axis))
     out = np.cumsum(x32, axis=int(axis))
@@ -92,6 +116,9 @@ def _cumsum(x, axis=0, exclusive=False, reverse=False):
 def _reduce_l2_norm(x, axes=None, keep_dims=False):
     """sqrt(sum(x^2)) over axes, accumulated in fp32 (an elastic encoder's L2-normalised embedding)."""
     ax = tuple(_axes(axes, x.ndim)) if axes is not None else None
+    if _worst(x):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.sqrt(fp16.sum16(x * x, ax, bool(keep_dims))).astype(np.float16)
     x32 = x.astype(np.float32)
     return np.sqrt(np.sum(x32 * x32, axis=ax, keepdims=bool(keep_dims))).astype(x.dtype)
 
@@ -104,8 +131,12 @@ def _floor_div(x, y):
 
 
 def _reduce(fn, x, axes, keep_dims):
-    """A reduction accumulated in fp32 for fp16 inputs, rounded back to the input's dtype."""
+    """A reduction accumulated in fp32 for fp16 inputs (fp16 in the worst case), in the input's dtype."""
     ax = tuple(_axes(axes, x.ndim)) if axes is not None else None
+    if _worst(x) and fn in (np.sum, np.mean):
+        total = fp16.sum16(x, ax, keep_dims)
+        n = np.float16(x.size // max(total.size, 1)) if fn is np.mean else None
+        return (total / n).astype(np.float16) if n is not None else total
     acc = x.astype(np.float32) if x.dtype == np.float16 else x
     return np.asarray(fn(acc, axis=ax, keepdims=bool(keep_dims))).astype(x.dtype)
 
@@ -123,7 +154,9 @@ def _slice_by_size(x, begin, size):
 
 
 def _mm(a, b, out_dtype):
-    """Products accumulate in fp32 and round to the op's dtype, as Core ML's fp16 kernels do."""
+    """Products accumulate in fp32 and round to the op's dtype (fp16 all through in the worst case)."""
+    if _worst(a, b):
+        return fp16.matmul16(a, b).astype(out_dtype)
     return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(out_dtype)
 
 
@@ -165,7 +198,7 @@ EVAL = {
     "matmul": lambda x, y, transpose_x=False, transpose_y=False: _mm(np.swapaxes(x, -1, -2) if transpose_x else x, np.swapaxes(y, -1, -2) if transpose_y else y, np.result_type(x, y)),
     "gelu": lambda x, mode="EXACT": (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype),
     "layer_norm": _ln, "softmax": _softmax,
-    "reduce_sum": lambda x, axes=None, keep_dims=False: x.sum(dtype=np.float32 if x.dtype == np.float16 else None, axis=tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)).astype(x.dtype),
+    "reduce_sum": lambda x, axes=None, keep_dims=False: _reduce(np.sum, x, axes, keep_dims),
     "reduce_max": lambda x, axes=None, keep_dims=False: x.max(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
     "shape": lambda x: np.array(x.shape, np.int32),
     "concat": lambda values, axis, interleave=False: np.concatenate([np.atleast_1d(v) for v in values], int(axis)),
@@ -205,8 +238,12 @@ def coreml_feeds(meta: dict, feeds: dict) -> dict:
 class MilReferenceRunner(Runner):
     name = "MIL reference evaluation (numpy; not the Core ML runtime)"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, accumulate: str = "fp32", track_ranges: bool = False):
         self.path = Path(path)
+        self.accumulate = accumulate
+        self.ranges = fp16.Ranges() if track_ranges else None
+        if accumulate == "fp16":
+            self.name = "MIL reference evaluation, fp16 accumulation (the worst case; numpy, not the Core ML runtime)"
         self.spec, self.program = load_program(self.path)
         self.meta = package_meta(self.spec, self.path)
         self._found: list[str] = []
@@ -216,12 +253,19 @@ class MilReferenceRunner(Runner):
         return input_specs(self.meta)
 
     def _infer(self, feeds):
-        def watch(op, outs):  # zero-size tensors fail at prediction time on some Core ML devices
+        # zero-size tensors fail at prediction time on some Core ML devices; a lowering must not make
+        # one from non-empty inputs (an empty cache fed at prefill is the documented MIN_PAST risk)
+        empty_feed = any(np.asarray(a).size == 0 for a in feeds.values())
+
+        def watch(op, outs):
+            if empty_feed:
+                return
             for var, o in zip(op.outputs, outs):
                 if o.size == 0 and len(self._found) < 20:
                     self._found.append(f"{op.op_type} {op.name} gives a zero-size tensor {var.name} of shape "
                                        f"{list(o.shape)}; Core ML may refuse it at prediction time")
-        return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds), on_op=watch))
+        return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds), on_op=watch,
+                                                accumulate=self.accumulate, ranges=self.ranges))
 
     def findings(self) -> list[str]:
         found, self._found = self._found, []
@@ -242,9 +286,41 @@ _SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose
                 "epsilon", "alpha", "beta", "interleave", "batch_dims", "validate_indices", "exclusive", "reverse")
 
 
-def run(program, feeds: dict[str, np.ndarray], on_op=None) -> dict[str, np.ndarray]:
+def _partial_bound(op_type: str, args: dict) -> float | None:
+    """A bound on the partial sums of an op that reduces (runtimes/fp16.py), else None."""
+    x = args.get("x")
+    if op_type == "matmul":
+        a = np.swapaxes(x, -1, -2) if args.get("transpose_x") else x
+        b = np.swapaxes(args["y"], -1, -2) if args.get("transpose_y") else args["y"]
+        return fp16.matmul_bound(a, b)
+    if op_type == "linear":
+        return fp16.matmul_bound(x, args["weight"].T) + float(np.abs(args.get("bias", 0)).max(initial=0))
+    if op_type in ("reduce_sum", "reduce_mean", "cumsum"):
+        return fp16.sum_bound(x, args.get("axes", args.get("axis")))
+    if op_type in ("reduce_l2_norm", "layer_norm"):
+        return fp16.sum_bound(x, args.get("axes"), square=True)
+    if op_type == "softmax":
+        ax = args.get("axis", -1)
+        return fp16.sum_bound(np.exp(x.astype(np.float32) - x.astype(np.float32).max(ax, keepdims=True)), ax)
+    return None
+
+
+def run(program, feeds: dict[str, np.ndarray], on_op=None, accumulate: str = "fp32",
+        ranges: "fp16.Ranges | None" = None) -> dict[str, np.ndarray]:
     """Evaluate the program's main function on `feeds`; returns its outputs by name. on_op(op, outputs),
-    if given, sees every evaluated op and its values (tests check the shapes a program really computes)."""
+    if given, sees every evaluated op and its values (tests check the shapes a program really computes).
+    accumulate: "fp32" (Core ML's CPU and GPU) or "fp16" (the worst case). ranges: filled with every
+    fp16 op's largest |x| and, for reductions, its partial-sum bound."""
+    if accumulate not in ("fp32", "fp16"):
+        raise AdaptexError(f"accumulation {accumulate!r}: choose fp32 or fp16")
+    _ACCUMULATE.append(accumulate)
+    try:
+        return _run(program, feeds, on_op, ranges)
+    finally:
+        _ACCUMULATE.pop()
+
+
+def _run(program, feeds, on_op, ranges):
     fn = program.functions["main"]
     env = {name: np.asarray(feeds[name]) for name in fn.inputs}
 
@@ -272,6 +348,10 @@ def run(program, feeds: dict[str, np.ndarray], on_op=None) -> dict[str, np.ndarr
         out = f(**args)
         for var, o in zip(op.outputs, out if isinstance(out, list) else [out]):
             env[var.name] = np.asarray(o)
+        if ranges is not None and env[op.outputs[0].name].dtype == np.float16:
+            finite_in = all(np.isfinite(a).all() for a in args.values()
+                            if isinstance(a, np.ndarray) and a.dtype.kind == "f")
+            ranges.note(op.name, op.op_type, env[op.outputs[0].name], _partial_bound(op.op_type, args), finite_in)
         if on_op is not None:
             on_op(op, [env[var.name] for var in op.outputs])
     return {v.name: env[v.name] for v in fn.outputs}

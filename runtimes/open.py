@@ -39,13 +39,18 @@ def read_metadata(path: str | Path) -> dict:
     return read_onnx_metadata(path)
 
 
-def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None):
-    """The runner for an artifact, by its kind. compute_units (Core ML on macOS only) is refused
-    anywhere it would be ignored."""
+def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None,
+                  accumulate: str | None = None, ranges: bool = False):
+    """The runner for an artifact, by its kind. compute_units (Core ML on macOS), accumulate and
+    ranges (the MIL reference evaluation of a Core ML package) are refused anywhere they would be
+    ignored."""
     path = Path(path)
     kind = artifact_kind(path)
     if compute_units and kind != "coreml":
         raise AdaptexError("--compute-units applies to Core ML packages (.mlpackage) only")
+    if (accumulate or ranges) and kind != "coreml":
+        raise AdaptexError("--fp16-accumulation and --ranges apply to Core ML packages (.mlpackage), which adaptex "
+                           "checks by MIL reference evaluation")
     if kind == "onnx":
         from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -55,14 +60,14 @@ def open_artifact(path: str | Path, threads: int | None = None, compute_units: s
             raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
         from adaptex.runtimes import coreml
 
-        if coreml.available():
+        if coreml.available() and not (accumulate or ranges):
             return coreml.CoreMLRunner(path, compute_units or "all")
         if compute_units:
             raise AdaptexError(f"--compute-units {compute_units} needs the Core ML runtime (macOS); without it "
                                "'adaptex check' evaluates the package's program in numpy")
         from adaptex.runtimes.coreml_mil import MilReferenceRunner
 
-        return MilReferenceRunner(path)
+        return MilReferenceRunner(path, accumulate=accumulate or "fp32", track_ranges=ranges)
     from adaptex.runtimes.tensorrt import TensorRTRunner
 
     return TensorRTRunner(path)

@@ -75,6 +75,10 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
                 feeds, info = walk.send(ref)
             except StopIteration:
                 break
+    report.ranges = getattr(artifact, "ranges", None)
+    if report.ranges is not None:
+        report.failures += [f"{name} ({r.op_type}): reaches {r.worst:.4g}, past fp16's 65504"
+                            for name, r in report.ranges.over()]
     return report
 
 

@@ -58,6 +58,7 @@ class ParityReport:
     failures: list = field(default_factory=list)
     note: str = ""
     reference: str = "eager PyTorch (hard mode)"
+    ranges: object = None  # runtimes.fp16.Ranges, when the artifact's fp16 ranges were tracked
 
     @property
     def max_abs_err(self) -> float:
@@ -98,6 +99,8 @@ class ParityReport:
             "decisions": {k: {**asdict(v), "values_seen": {str(a): b for a, b in sorted(v.values_seen.items())}}
                           for k, v in self.decisions.items()},
             "failures": self.failures[:50], "note": self.note, "reference": self.reference,
+            **({"fp16_ranges": self.ranges.to_dict(), "fp16_over_limit": [n for n, _ in self.ranges.over()]}
+               if self.ranges is not None else {}),
         }
 
     def format(self) -> str:
@@ -118,6 +121,8 @@ class ParityReport:
             lines.append(f"  FAIL {f}")
         if len(self.failures) > 10:
             lines.append(f"  ... and {len(self.failures) - 10} more failures")
+        if self.ranges is not None:
+            lines += self.ranges.format()
         verdict = "PASSED" if self.passed else "FAILED"
         lines.append(f"  {verdict}: decision agreement {self.decision_agreement:.4f}, "
                      f"unexcused flips {self.unexcused_flips}, max abs error {self.max_abs_err:.2e}")

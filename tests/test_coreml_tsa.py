@@ -333,4 +333,4 @@ def test_tsa_packages_default_to_fp32_bodies():
     from adaptex.graphs.family import family_contract
 
     assert target.default_precision(family_contract(TSAConfig(vocab_size=32))) == "fp32"
-    assert target.default_precision(family_contract(BudgetFormerConfig())) == "fp16"
+    assert target.default_precision(family_contract(BudgetFormerConfig())) == "fp32"  # its fp16 fails the audit

@@ -17,8 +17,11 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"adaptex"}, top
-    for room in ("graphs", "exporter", "runtimes", "cli"):
-        assert f"adaptex/{room}/__init__.py" in names, room
+    for room in ("graphs", "exporter", "runtimes"):  # every subpackage of every room is in the wheel
+        for init in (ROOT / room).rglob("__init__.py"):
+            rel = init.relative_to(ROOT).as_posix()
+            assert f"adaptex/{rel}" in names, f"{rel} is missing from the wheel: list its package in pyproject.toml"
+    assert "adaptex/cli/__init__.py" in names
     assert "adaptex/graphs/zoo/budgetformer-graded/model.safetensors" in names  # the shipped models ride along
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -63,7 +63,7 @@ def patch_classifier(seed: int = 0, spread: float = 8.0) -> PatchClassifier:
             if isinstance(block.attn, ann.BudgetedAttention):
                 block.attn.router.budget[2].weight.mul_(spread)
                 block.attn.router.scorer[2].weight.mul_(spread)
-        model.head[1].weight.mul_(6)
+        model.head[1].weight.mul_(4)
     return model.eval()
 
 

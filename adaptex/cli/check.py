@@ -21,6 +21,11 @@ def add_parser(sub) -> None:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
                    help="Core ML packages on macOS: which units Core ML may use (default all)")
+    s.add_argument("--fp16-accumulation", default=None, choices=["fp32", "fp16"],
+                   help="Core ML packages: evaluate fp16 ops accumulating in fp32 (Core ML's CPU and GPU; the "
+                        "default) or in fp16 throughout (the worst case, as the Neural Engine may)")
+    s.add_argument("--ranges", action="store_true",
+                   help="Core ML packages: report every fp16 op's largest |x| and partial sums against 65504")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=run)
 
@@ -31,10 +36,13 @@ def run(args) -> int:
 
     at_least(args, samples=1, threads=0, atol=0, rtol=0)
     set_threads(args.threads)
-    runner = open_artifact(args.artifact, args.threads, args.compute_units)  # refuses a flag it would ignore
+    options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges)
+    runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
     inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
     report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
-                   samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads)
+                   samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads,
+                   compute_units=args.compute_units, fp16_accumulation=args.fp16_accumulation,
+                   ranges=args.ranges)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.passed else EXIT_FAILED

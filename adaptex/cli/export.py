@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     s.add_argument("--precision", default=None,
                    help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 or fp32, default fp16, "
                         "fp32 for decoders; tensorrt: fp32 or fp16)")
+    s.add_argument("--no-fp16-audit", action="store_true",
+                   help="coreml fp16: write the package without the worst-case fp16 audit (fp16 arithmetic "
+                        "throughout, as the Neural Engine may compute) that refuses an unsafe one")
     s.add_argument("--inputs", default=None,
                    help="MODULE:FUNCTION models: an .npz of example inputs by name (batch >= 2), if the function "
                         "returns the model alone")
@@ -29,8 +32,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
+    from adaptex.api import export
     from adaptex.exporter import targets
-    from adaptex.exporter.export import export
     from adaptex.exporter.registry import VARIANTS
 
     if args.variant not in VARIANTS:
@@ -50,7 +53,10 @@ def run(args) -> int:
         example = tuple(torch.from_numpy(a) for a in batches[0].values())
     name = getattr(model, "adaptex_source", {}).get("name") or args.model
     say(f"exporting {name or type(model).__name__} to {args.target} ({args.variant}) ...")
-    meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say, **given)
+    if args.no_fp16_audit and args.target != "coreml":
+        raise UsageError("--no-fp16-audit applies to --target coreml only")
+    meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say,
+                  fp16_audit=not args.no_fp16_audit, **given)
     say(f"wrote {args.output}: {len(meta['outputs'])} outputs ({len(meta['decisions'])} decisions), "
         f"lowerings {meta['lowerings']}")
     return 0

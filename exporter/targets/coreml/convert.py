@@ -31,7 +31,8 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
             def kept(op) -> bool:
                 # the prefix also by output name: translations such as aten.linear's name the result
                 # after the FX node while the op keeps a counter name (linear_4)
-                return (op.name in keep or op.name.startswith(precision.FP32_PREFIXES)
+                return (op.name in keep or op.op_type in precision.FP32_OP_TYPES
+                        or op.name.startswith(precision.FP32_PREFIXES)
                         or any(v.name.startswith(precision.FP32_PREFIXES) for v in op.outputs))
 
             def between(op) -> bool:

@@ -21,6 +21,11 @@ from adaptex.graphs.nn import ConditionalBlock, class_name, routing_class_names
 
 # MIL ops whose name (or an output's name) starts with one of these stay fp32 in an fp16 package
 FP32_PREFIXES = ("route_", "resid_")
+# normalisation statistics stay fp32 in every fp16 package: a LayerNorm's sum of squares over 256
+# channels passes 65504 once its input reaches |x| ~ 16, and the Neural Engine's reductions are
+# reported to overflow at that boundary (runtimes/fp16.py); shipped budgetformer-graded's fp16 package
+# flipped 113 decisions under fp16 accumulation before this
+FP32_OP_TYPES = ("layer_norm", "batch_norm", "instance_norm", "l2_norm", "reduce_l2_norm", "rms_norm")
 
 
 def _types(node) -> list[str]:
