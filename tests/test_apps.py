@@ -287,3 +287,39 @@ def test_javascript_tokenizers_equal_the_python_ones(artifacts):
     for task, meta in metas.items():
         for text, ids in zip(TRICKY, js[task]):
             assert ids == py_tokenize(meta, text), f"{meta['tokenizer']['kind']} tokenizer on {text!r}"
+
+
+# --- tokenizer specs (graphs.tokenizers) -------------------------------------------------------------------
+
+def test_graded_words_tokenizer_follows_the_task_vocabulary():
+    from adaptex.graphs.tasks import GradedCues
+    from adaptex.graphs.tokenizers import encode_words
+
+    task = GradedCues(num_classes=4, vocab_size=64)
+    spec = task.tokenizer()
+    ids = encode_words(spec, "  the A 2\tsat B 0 on 3\nx ")
+    assert ids[1:3] == [task.MARK_A, task.VALUE0 + 2] and ids[4:6] == [task.MARK_B, task.VALUE0]
+    assert ids[7] == task.VALUE0 + 3 and len(ids) == 9
+    fillers = [i for k, i in enumerate(ids) if k in (0, 3, 6, 8)]
+    assert all(task.filler0 <= i < task.vocab_size for i in fillers)
+    assert encode_words(spec, "the") == encode_words(spec, "the the")[:1], "a word maps to one filler id"
+    assert len(set(encode_words(spec, " ".join(f"w{i}" for i in range(50))))) > 20, "fillers should vary by word"
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda tj: tj["model"].update(type="BPE"), "its model is 'BPE', not WordPiece"),
+    (lambda tj: tj["normalizer"].update(type="NFC"), "its normalizer is 'NFC'"),
+    (lambda tj: tj["post_processor"].update(single=tj["post_processor"]["single"][1:]), "not the template"),
+    (lambda tj: tj["added_tokens"][0].update(lstrip=True), "added token '[PAD]' is normalised, stripped"),
+])
+def test_wordpiece_spec_names_what_it_cannot_describe(tmp_path, edit, problem):
+    from adaptex.graphs.minilm import default_model_dir
+    from adaptex.graphs.tokenizers import UnsupportedTokenizer, wordpiece_spec
+
+    tj = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    edit(tj)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(tj))
+    with pytest.raises(UnsupportedTokenizer) as e:
+        wordpiece_spec(path)
+    assert problem in str(e.value) and "\n" not in str(e.value)
