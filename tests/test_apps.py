@@ -186,15 +186,13 @@ def _save_screenshots(page, tmp_path) -> dict:
 @pytest.mark.browser
 def test_page_runs_the_three_tasks_on_load(page, runners, tmp_path):
     state = page.evaluate("adaptexApp.ready")
-    assert state["errors"] == {} and sorted(state["results"]) == sorted(MODELS), (state, page.console)
-    defaults = page.evaluate("(() => { const v = (t, n) => document.querySelector(`#${t} [name=${n}]`).value;"
-                             " return {prompt: v('generate', 'prompt'), new: +v('generate', 'new'),"
-                             " text: v('classify', 'text'), a: v('embed', 'a'), b: v('embed', 'b')}; })()")
+    assert state["errors"] == {} and sorted(state["results"]) == sorted(MODELS), (state["errors"], page.console)
+    results, inputs = state["results"], state["inputs"]
+    check_generate(results["generate"], runners["generate"], inputs["generate"]["prompt"], int(inputs["generate"]["new"]))
+    check_classify(results["classify"], runners["classify"], inputs["classify"]["text"])
+    check_embed(results["embed"], runners["embed"], inputs["embed"]["a"], inputs["embed"]["b"])
+    # the page shows what it computed (last): every character coloured, the keep rate, k of H, the head map
     results = page.evaluate("adaptexApp.results")
-    check_generate(results["generate"], runners["generate"], defaults["prompt"], defaults["new"])
-    check_classify(results["classify"], runners["classify"], defaults["text"])
-    check_embed(results["embed"], runners["embed"], defaults["a"], defaults["b"])
-    # the page shows what it computed: every character coloured, the keep rate, k of H, the head map
     spans = page.evaluate("[...document.querySelectorAll('#generate pre.text span')].map(s => s.style.background)")
     assert len(spans) == len(results["generate"]["tokens"]) and all(spans)
     assert len(set(spans)) == len({t["blocks"] for t in results["generate"]["tokens"]}), "colour is not by blocks run"

@@ -108,13 +108,14 @@ async function runEmbed(form) {
 }
 
 const RUNNERS = { generate: runGenerate, classify: runClassify, embed: runEmbed };
-const app = { results: {}, errors: {}, busy: {} };
+const app = { results: {}, inputs: {}, errors: {} };
 
 async function submit(task) {
   const form = $(task, "form"), status = $(task, ".status"), button = form.querySelector("button");
   status.className = "status";
   status.textContent = "running…";
   button.disabled = true;
+  app.inputs[task] = Object.fromEntries(new FormData(form));
   try {
     const t0 = performance.now();
     const result = await RUNNERS[task](form);
@@ -146,9 +147,10 @@ app.run = (task, fields = {}) => {
   return submit(task);
 };
 
-// All three on their default inputs; one failing does not stop the others.
+// All three on their default inputs; one failing does not stop the others. Resolves with what they
+// computed from which inputs (later runs replace app.results and app.inputs, not this snapshot).
 app.ready = (async () => {
   for (const task of Object.keys(RUNNERS)) await submit(task).catch(() => {});
-  return { results: Object.keys(app.results), errors: app.errors };
+  return { results: { ...app.results }, inputs: { ...app.inputs }, errors: { ...app.errors } };
 })();
 window.adaptexApp = app;
