@@ -1,14 +1,20 @@
 # Two entry points, each self-contained on a fresh machine:
-#   make demo   venv + install + export, check and bench the shipped default model
-#   make test   venv + install + the test suite
+#   make demo   venv + install + export, check and bench the shipped default model; the three app
+#               artifacts exported into examples/web/models (then: make serve, or the one-liner it prints)
+#   make test   venv + install + the test suite (with the browser and Node tests of examples/)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ADAPTEX:= $(VENV)/bin/adaptex
 STAMP  := $(VENV)/.installed
 OUTDIR ?= build/demo
+WEB    := examples/web
+NODE   := examples/node
+PORT   ?= 8000
+APP_MODELS := tsa-charlm budgetformer-graded elastic-minilm
+SERVE  := $(PYTHON) -m http.server -d $(WEB) --bind 127.0.0.1 $(PORT)
 
-.PHONY: demo test test-slow test-gpu install clean
+.PHONY: demo test test-slow test-gpu install clean apps-deps chromium web serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +26,38 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# The apps' runtimes. Each step does nothing when already done; where it cannot run (no npm, no apt-get
+# as root) it says so, and the tests that need it are skipped with that reason.
+apps-deps: chromium $(WEB)/node_modules/.stamp $(NODE)/node_modules/.stamp
+
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	    || command -v google-chrome >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+	        || echo "note: apt-get could not install chromium: the browser tests will be skipped"; \
+	else echo "note: no Chromium and no apt-get as root: the browser tests will be skipped"; fi
+
+# --ignore-scripts: onnxruntime-node's install script fetches GPU binaries from a host these machines
+# cannot reach; the CPU binary ships inside the package.
+%/node_modules/.stamp: %/package.json %/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	    (cd $* && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) && touch $@; \
+	else echo "note: npm not found: the $* tests will be skipped"; fi
+
+# The artifacts the page and the Node script load, exported afresh (the exporter may have changed).
+web: $(STAMP) apps-deps
+	mkdir -p $(WEB)/models
+	for m in $(APP_MODELS); do $(ADAPTEX) export $$m --target onnx -o $(WEB)/models/$$m.onnx || exit 1; done
+	@if command -v node >/dev/null 2>&1 && [ -f $(NODE)/node_modules/.stamp ]; then node $(NODE)/run.mjs --new 40; fi
+	@echo; echo "serve the page:  $(SERVE)"; echo "then open        http://127.0.0.1:$(PORT)/"
+
+serve:
+	$(SERVE)
+
+demo: $(STAMP) web
 	rm -rf $(OUTDIR) && mkdir -p $(OUTDIR)
 	$(ADAPTEX) models
 	$(ADAPTEX) export --target onnx -o $(OUTDIR)/budgetformer.onnx
@@ -29,8 +66,10 @@ demo: $(STAMP)
 	$(ADAPTEX) check $(OUTDIR)/budgetformer.onnx --samples 200
 	$(ADAPTEX) bench $(OUTDIR)/budgetformer.onnx --batch 1 --seq 128 --threads 1
 	$(ADAPTEX) bench $(OUTDIR)/budgetformer.dense.onnx --batch 1 --seq 128 --threads 1
+	@echo; echo "the apps: serve the page with  $(SERVE)  (or make serve), open http://127.0.0.1:$(PORT)/;"
+	@echo "          node $(NODE)/run.mjs runs the same three tasks in Node"
 
-test: $(STAMP)
+test: $(STAMP) apps-deps
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: $(STAMP)

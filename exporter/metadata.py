@@ -164,7 +164,7 @@ def format_metadata(meta: dict) -> str:
             for name, spec in val.items():
                 lines.append(f"  {name:<30} {spec['kind']:<10} {spec['layer']}")
         elif key == "tokenizer" and isinstance(val, dict):
-            lines.append(f"{key}: {val.get('type', 'included')} ({len(json.dumps(val))} bytes)")
+            lines.append(f"{key}: {val.get('kind') or val.get('type', 'included')} ({len(json.dumps(val))} bytes)")
         elif isinstance(val, dict):
             lines.append(f"{key}:")
             for k, v in val.items():

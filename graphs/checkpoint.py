@@ -92,6 +92,12 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
         raise CheckpointError(f"{w_path}: weights do not match config.json (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}); the two files come from different runs")
     net.eval()
+    if "tokenizer" not in info:  # derived for apps, so that every artifact of it can tokenise text
+        from adaptex.graphs.tokenizers import for_checkpoint
+
+        spec = for_checkpoint(info, net)
+        if spec is not None:
+            info["tokenizer"] = spec
     info["path"] = str(path.absolute())
     info["sha256"] = file_hash(w_path)
     info["config_sha256"] = file_hash(cfg_path)

@@ -52,6 +52,14 @@ class GradedCues:
         self.min_len, self.max_len = min_len, max_len
         self.filler0 = self.VALUE0 + num_classes
 
+    def tokenizer(self) -> dict:
+        """Text for apps: words "A" and "B" are the markers, "0".."C-1" the values, and any other
+        word is filler (graphs.tokenizers, kind `words`)."""
+        from adaptex.graphs.tokenizers import words_spec
+
+        vocab = {"A": self.MARK_A, "B": self.MARK_B, **{str(v): self.VALUE0 + v for v in range(self.num_classes)}}
+        return words_spec(vocab, self.PAD, (self.filler0, self.vocab_size - 1))
+
     def _example(self, rng: np.random.Generator, level: int, length: int) -> tuple[list[int], int]:
         C = self.num_classes
         seq = list(rng.integers(self.filler0, self.vocab_size, size=length))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +33,31 @@ def _tensorrt_reason() -> str | None:
     return None
 
 
-RUNTIME_REASONS = {"coreml_runtime": _coreml_runtime_reason, "tensorrt": _tensorrt_reason}
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _browser_reason() -> str | None:
+    from tests.cdp import find_chromium
+
+    if importlib.util.find_spec("websocket") is None:
+        return "websocket-client is not installed (pip install -e '.[test]')"
+    if find_chromium() is None:
+        return "Chromium is not installed (make test installs Debian's chromium with apt-get when it runs as root)"
+    if not (EXAMPLES / "web/node_modules/onnxruntime-web/dist").is_dir():
+        return "onnxruntime-web is not installed (make test runs npm install --ignore-scripts in examples/web)"
+    return None
+
+
+def _node_reason() -> str | None:
+    if shutil.which("node") is None:
+        return "Node.js is not installed"
+    if not (EXAMPLES / "node/node_modules/onnxruntime-node").is_dir():
+        return "onnxruntime-node is not installed (make test runs npm install --ignore-scripts in examples/node)"
+    return None
+
+
+RUNTIME_REASONS = {"coreml_runtime": _coreml_runtime_reason, "tensorrt": _tensorrt_reason,
+                   "browser": _browser_reason, "node": _node_reason}
 
 
 def pytest_collection_modifyitems(config, items):

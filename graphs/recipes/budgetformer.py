@@ -180,4 +180,6 @@ def run(opts, say):
         "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
         "summary_table": table,
     }
+    if hasattr(task, "tokenizer"):
+        extra["tokenizer"] = task.tokenizer()
     return TrainResult(model, extra, table)

@@ -1,0 +1,133 @@
+"""Tokenizer specs: what an app needs to turn text into a model's input ids, as plain JSON data.
+
+An artifact carries its model's spec as metadata["tokenizer"], so an app in any language tokenises
+from the artifact alone (examples/web/adaptex.mjs implements every kind below for the browser and
+Node). A spec is data, never code. Kinds:
+
+  ids        no text form: the inputs are token ids (the copy and sort tasks)
+  chars      one id per character: itos[i] is id i's character; ids below 2 are pad and unknown
+  words      words split on runs of the `separators` characters; `vocab` maps the words the task
+             knows to ids, and any other word maps into the filler ids [first, last] by a 32-bit
+             polynomial hash of its code points (h = (h * 31 + c) mod 2**32; id = first + h mod
+             (last - first + 1)), so that unknown words look like the varied filler of training
+  wordpiece  BERT WordPiece as a tokenizer.json with a BertNormalizer, a BertPreTokenizer, a WordPiece
+             model and a "[CLS] $A [SEP]" template describes it, in a compact form: the vocabulary as
+             a list (id i is vocab[i]), the normaliser's switches, the special tokens matched in the
+             raw text, and the ids that frame a text
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from adaptex.graphs.errors import CheckpointError
+
+
+def words_spec(vocab: dict[str, int], pad: int, filler: tuple[int, int], separators: str = " \t\n\r") -> dict:
+    first, last = filler
+    if not 0 <= first <= last:
+        raise ValueError(f"filler range [{first}, {last}] is empty; pass first <= last")
+    return {"kind": "words", "pad": pad, "vocab": dict(vocab), "filler": [first, last], "separators": separators}
+
+
+def encode_words(spec: dict, text: str) -> list[int]:
+    """A `words` spec applied to `text` (the reference the JavaScript encoder is tested against)."""
+    first, last = spec["filler"]
+    ids = []
+    for word in re.split("[" + re.escape(spec["separators"]) + "]+", text):
+        if not word:
+            continue
+        if word in spec["vocab"]:
+            ids.append(spec["vocab"][word])
+            continue
+        h = 0
+        for ch in word:
+            h = (h * 31 + ord(ch)) & 0xFFFFFFFF
+        ids.append(first + h % (last - first + 1))
+    return ids
+
+
+class UnsupportedTokenizer(CheckpointError):
+    """A tokenizer.json that uses a feature the compact wordpiece spec does not describe."""
+
+
+def wordpiece_spec(path: str | os.PathLike) -> dict:
+    """The compact `wordpiece` spec of a BERT tokenizer.json; UnsupportedTokenizer names the first
+    feature it cannot describe (an app would tokenise differently from the model's own tokenizer)."""
+    path = Path(path)
+    try:
+        tj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable tokenizer.json ({type(e).__name__}); pass the "
+                              "tokenizer.json that ships with the weights") from None
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise UnsupportedTokenizer(f"{path}: {what}; apps can only tokenise a BERT WordPiece tokenizer.json "
+                                       "(BertNormalizer, BertPreTokenizer, WordPiece, [CLS] $A [SEP])")
+
+    model, norm, pre = tj.get("model") or {}, tj.get("normalizer") or {}, tj.get("pre_tokenizer") or {}
+    need(model.get("type") == "WordPiece", f"its model is {model.get('type')!r}, not WordPiece")
+    need(norm.get("type") == "BertNormalizer", f"its normalizer is {norm.get('type')!r}, not BertNormalizer")
+    need(pre.get("type") == "BertPreTokenizer", f"its pre-tokenizer is {pre.get('type')!r}, not BertPreTokenizer")
+    vocab = model.get("vocab") or {}
+    itos = [None] * len(vocab)
+    for token, i in vocab.items():
+        need(isinstance(i, int) and 0 <= i < len(itos) and itos[i] is None, f"vocabulary id {i!r} is not in 0..{len(itos) - 1} or repeats")
+        itos[i] = token
+    need(model.get("unk_token") in vocab, f"its unknown token {model.get('unk_token')!r} is not in the vocabulary")
+    special = {}
+    for t in tj.get("added_tokens") or []:
+        need(not (t.get("normalized") or t.get("lstrip") or t.get("rstrip") or t.get("single_word")),
+             f"added token {t.get('content')!r} is normalised, stripped or whole-word")
+        special[t["content"]] = t["id"]
+    frame = _template_frame(tj.get("post_processor") or {}, vocab)
+    need(frame is not None, "its post-processor is not the template [CLS] $A [SEP]")
+    lowercase = bool(norm.get("lowercase", True))
+    strip = norm.get("strip_accents")
+    return {
+        "kind": "wordpiece", "vocab": itos, "unk": vocab[model["unk_token"]],
+        "prefix": model.get("continuing_subword_prefix", "##"),
+        "max_input_chars_per_word": int(model.get("max_input_chars_per_word", 100)),
+        # BertNormalizer: strip_accents null means "follow lowercase"
+        "clean_text": bool(norm.get("clean_text", True)), "handle_chinese_chars": bool(norm.get("handle_chinese_chars", True)),
+        "strip_accents": lowercase if strip is None else bool(strip), "lowercase": lowercase,
+        "special": special, "cls": frame[0], "sep": frame[1],
+        "pad": vocab.get("[PAD]", 0),
+    }
+
+
+def _template_frame(post: dict, vocab: dict) -> tuple[int, int] | None:
+    """(first id, last id) of a single-sequence template "X $A Y"; None for any other processor."""
+    single = post.get("single") if post.get("type") == "TemplateProcessing" else None
+    if not single or len(single) != 3 or "Sequence" not in single[1]:
+        return None
+    ends = []
+    for piece in (single[0], single[2]):
+        name = (piece.get("SpecialToken") or {}).get("id")
+        ids = ((post.get("special_tokens") or {}).get(name) or {}).get("ids")
+        if not ids or len(ids) != 1:
+            return None
+        ends.append(ids[0])
+    return ends[0], ends[1]
+
+
+def for_checkpoint(info: dict, model) -> dict | None:
+    """The spec a checkpoint's artifacts should carry when its config.json records none: a shipped
+    classifier's task knows its vocabulary, and an elastic encoder's comes from its backbone's
+    tokenizer.json (too large to copy into every config.json). None when there is no text form."""
+    cfg = getattr(model, "cfg", None)
+    if info.get("family") == "elastic" and getattr(cfg, "backbone", None) == "minilm":
+        from adaptex.graphs.minilm import TOKENIZER, default_model_dir
+
+        try:
+            return wordpiece_spec(Path(cfg.backbone_path or default_model_dir()) / TOKENIZER)
+        except UnsupportedTokenizer:
+            return None  # the model still loads and exports; apps then feed ids themselves
+    if info.get("family") == "budgetformer" and (info.get("training") or {}).get("task") == "graded":
+        from adaptex.graphs.tasks import GradedCues
+
+        return GradedCues(num_classes=cfg.num_classes, vocab_size=cfg.vocab_size).tokenizer()
+    return None
