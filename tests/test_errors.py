@@ -43,7 +43,7 @@ def _broken_checkpoint(tmp_path, config: str | None, weights: bytes):
 
 
 @pytest.mark.parametrize("case, match", [("no_weights", "model.safetensors is missing"),
-                                         ("bad_config", "corrupt config"),
+                                         ("bad_config", "config.json: not valid JSON"),
                                          ("bad_weights", "corrupt weights"),
                                          ("mismatch", "weights do not match config.json"),
                                          ("shape", "weights do not match config.json")])
