@@ -140,12 +140,14 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
 
 
 def bench(path, model=None, inputs: Iterable | None = None, *, batch: int = 1, seq: int = 128, past: int = 0,
-          threads: int = 1, warmup: int = 10, runs: int | None = None, progress=None) -> dict:
-    """Latency of the artifact at `path` against the dense graphs of the same weights, as `adaptex
-    bench` prints it (a dict). inputs: the inputs to time (the first is used; a shipped model makes
-    its own of `batch` x `seq`)."""
+          threads: int = 1, warmup: int = 10, runs: int | None = None, blocks: int = 5, profile: bool = False,
+          progress=None) -> dict:
+    """Latency of the artifact at `path` against every dense graph of the same weights, the fastest
+    being the yardstick, as `adaptex bench` prints it (a dict). inputs: the inputs to time (the first is
+    used; a shipped model makes its own of `batch` x `seq`)."""
     from adaptex.runtimes.bench import run_bench
 
     runner, reference, feeds, info = _reference(path, model, inputs, threads)
     return run_bench(path, reference.model, info, batch=batch, seq=seq, threads=threads, warmup=warmup, runs=runs,
-                     progress=progress, past=past, feeds=feeds[0] if feeds else None, contract=reference.contract)
+                     progress=progress, past=past, feeds=feeds[0] if feeds else None, contract=reference.contract,
+                     blocks=blocks, profile=profile)

@@ -1,15 +1,52 @@
 """The dense graphs an adaptive artifact is timed against, built from the same weights.
 
-- dense: the model with no routing at all (every head, every token, full attention), exported by
-  the stock exporter with its optimiser on (its contract's `dense` counterpart mode);
-- naive: the model's plain inference path (the decisions taken, everything computed and the skipped
-  work masked: what a stock exporter makes of the model without adaptex), the `naive` mode.
+The yardstick is the fastest dense graph a user could ship for these weights, so bench builds
+several and times them all (runtimes/bench.py):
+
+- `dense`: the model with no routing at all (every head, every token, full attention; its
+  contract's `dense` counterpart mode), by today's stock exporter (`torch.onnx.export(dynamo=True)`,
+  its optimiser on);
+- `dense-legacy`: the same module by the TorchScript exporter (`dynamo=False`), whose graphs ONNX
+  Runtime's fusions were written against;
+- `original`, `original-legacy`: where the model wraps a pretrained checkpoint, that checkpoint's
+  own `transformers` module (plus the model's pooling) by both exporters;
+- `+ortopt`: each of those through `onnxruntime.transformers.optimizer.optimize_model`, kept where it
+  fused something (SkipLayerNormalization, BiasGelu, Attention, ...);
+- `naive`: the model's plain inference path (the decisions taken, everything computed and the
+  skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
+  it is what adaptex replaces.
+
+Exports are cached per weights (their hash) and library versions, so a sweep or a second bench of
+the same checkpoint does not export again.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
 import logging
+import os
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+# what ONNX Runtime's transformer optimizer reports; these mean it fused something the session's own
+# optimisations would not (LayerNormalization alone the session fuses by itself)
+_FUSIONS = ("EmbedLayerNormalization", "Attention", "MultiHeadAttention", "Gelu", "FastGelu", "BiasGelu",
+            "GemmFastGelu", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding",
+            "GroupQueryAttention")
+
+
+@dataclass
+class Graph:
+    """One graph bench times: its name, file (None: not built, and why), how it was made, and
+    whether it is a dense candidate for the yardstick."""
+    name: str
+    path: str | None
+    how: str
+    reason: str | None = None
+    dense: bool = True
 
 
 def _first_line(e: Exception) -> str:
@@ -17,27 +54,205 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def onnx_counterparts(model, contract, workdir: Path) -> dict[str, tuple[str | None, str | None]]:
-    """Each counterpart as an ONNX file by the stock exporter: name -> (path, reason if none)."""
+@contextlib.contextmanager
+def _quiet():
+    """Exporters and the ORT optimizer print progress and warnings; bench prints its own."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _export_both(module, example, dynamic_shapes, input_names, output_names, stem: Path,
+                 names: tuple[str, str], how: str) -> tuple[list[Graph], object]:
+    """`module` by the dynamo exporter and by the legacy one; the axes the legacy export marks dynamic
+    are the ones torch.export found (by input name)."""
     import torch
 
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    out = {}
-    for name, mode in contract.counterpart_modes.items():
-        path = Path(workdir) / f"{name}.onnx"
+    out, ep = [], None
+    dyn_name, legacy_name = names
+    path = stem.parent / f"{dyn_name}.onnx"
+    try:
+        with torch.no_grad(), _quiet():
+            ep = torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
+            prog = torch.onnx.export(ep, (), dynamo=True, optimize=True, verbose=False,
+                                     input_names=input_names, output_names=output_names)
+        prog.save(str(path))
+        out.append(Graph(dyn_name, str(path), f"{how}, torch.onnx.export(dynamo=True)"))
+    except Exception as e:
+        out.append(Graph(dyn_name, None, f"{how}, torch.onnx.export(dynamo=True)",
+                         reason=f"stock export failed: {_first_line(e)}"))
+    path = stem.parent / f"{legacy_name}.onnx"
+    how_legacy = f"{how}, torch.onnx.export(dynamo=False, opset 17)"
+    try:
+        axes = _dynamic_axes(ep, example, input_names) if ep is not None else {}
+        with torch.no_grad(), _quiet():
+            torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17,
+                              input_names=input_names, output_names=output_names, dynamic_axes=axes)
+        out.append(Graph(legacy_name, str(path), how_legacy))
+    except Exception as e:
+        out.append(Graph(legacy_name, None, how_legacy, reason=f"legacy export failed: {_first_line(e)}"))
+    return out, ep
+
+
+def _dynamic_axes(ep, example, input_names) -> dict:
+    """{input name: {axis: name}} for every axis torch.export left symbolic."""
+    import torch
+
+    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    user = [nodes[n].meta["val"] for n in ep.graph_signature.user_inputs]
+    axes = {}
+    for name, val in zip(input_names, user):
+        dyn = {a: str(s.node.expr) for a, s in enumerate(val.shape)
+               if isinstance(s, torch.SymInt) and not s.node.expr.is_number}
+        if dyn:
+            axes[name] = dyn
+    return axes
+
+
+def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int) -> Graph:
+    """`graph` through ORT's transformer optimizer: kept when it fused something."""
+    name = f"{graph.name}+ortopt"
+    how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r})"
+    if graph.path is None:
+        return Graph(name, None, how, reason=f"no {graph.name} graph to optimise")
+    try:
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        with _quiet(), contextlib.redirect_stderr(io.StringIO()):
+            opt = optimize_model(graph.path, model_type=model_type, num_heads=num_heads, hidden_size=hidden)
+            fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if k in _FUSIONS and v}
+        if not fused:
+            return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
+        path = Path(graph.path).with_name(f"{name}.onnx")
+        opt.save_model_to_file(str(path))
+        return Graph(name, str(path), how + " fused " + ", ".join(f"{v} {k}" for k, v in sorted(fused.items())))
+    except Exception as e:
+        return Graph(name, None, how, reason=f"ORT's transformer optimizer failed: {_first_line(e)}")
+
+
+def _heads_hidden(contract) -> tuple[int, int]:
+    cfg = contract.cfg
+    heads = getattr(cfg, "num_heads", 0) or 0
+    hidden = getattr(cfg, "d_model", 0) or (heads * getattr(cfg, "head_dim", 0))
+    return int(heads), int(hidden or 0)
+
+
+def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
+    """Every dense candidate and the naive export, as ONNX files in `workdir`."""
+    say = say or (lambda msg: None)
+    workdir = Path(workdir)
+    mode = contract.counterpart_modes["dense"]
+    say("exporting the dense graph (dynamo and legacy exporters) ...")
+    graphs, _ = _export_both(contract.wrapper(model, mode), contract.example_inputs(mode),
+                             contract.dynamic_shapes(mode), contract.input_names(mode), contract.output_names(mode),
+                             workdir / "dense", ("dense", "dense-legacy"),
+                             "the model with every head, token and position computed")
+    original = contract.original(model)
+    if original is not None:
+        say(f"exporting the original model ({original.source}) ...")
+        more, _ = _export_both(original.module, original.example, original.dynamic_shapes, original.input_names,
+                               original.output_names, workdir / "original", ("original", "original-legacy"),
+                               original.source)
+        graphs += more
+    model_type = getattr(contract, "ort_model_type", None)
+    if model_type:
+        say("applying ONNX Runtime's transformer optimizer ...")
+        heads, hidden = _heads_hidden(contract)
+        opt = [_ort_optimized(g, model_type, heads, hidden) for g in graphs if g.name.startswith("dense")]
+        if original is not None:
+            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size)
+                    for g in graphs if g.name.startswith("original")]
+        graphs += opt
+    naive_mode = contract.counterpart_modes.get("naive")
+    if naive_mode:
+        say("exporting the naive graph (the model's masked inference path) ...")
+        path = workdir / "naive.onnx"
+        how = "the model's plain inference path (decisions taken, skipped work masked), torch.onnx.export(dynamo=True)"
         try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ep = torch.export.export(contract.wrapper(model, mode), contract.example_inputs(mode),
-                                         dynamic_shapes=contract.dynamic_shapes(mode))
+            import torch
+
+            with torch.no_grad(), _quiet():
+                ep = torch.export.export(contract.wrapper(model, naive_mode), contract.example_inputs(naive_mode),
+                                         dynamic_shapes=contract.dynamic_shapes(naive_mode))
                 prog = torch.onnx.export(ep, (), dynamo=True, optimize=True, verbose=False,
-                                         input_names=contract.input_names(mode),
-                                         output_names=contract.output_names(mode))
+                                         input_names=contract.input_names(naive_mode),
+                                         output_names=contract.output_names(naive_mode))
             prog.save(str(path))
-            out[name] = (str(path), None)
+            graphs.append(Graph("naive", str(path), how, dense=False))
         except Exception as e:
-            out[name] = (None, f"stock export failed: {_first_line(e)}")
-    return out
+            graphs.append(Graph("naive", None, how, reason=f"stock export failed: {_first_line(e)}", dense=False))
+    return graphs
+
+
+def onnx_counterparts(model, contract, workdir: Path) -> dict[str, tuple[str | None, str | None]]:
+    """The stock `dense` and `naive` exports: name -> (path, reason if none)."""
+    return {g.name: (g.path, g.reason) for g in onnx_candidates(model, contract, workdir)
+            if g.name in ("dense", "naive")}
+
+
+# --- the cache ---------------------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    """$ADAPTEX_CACHE_DIR, else $XDG_CACHE_HOME/adaptex, else ~/.cache/adaptex."""
+    if os.environ.get("ADAPTEX_CACHE_DIR"):
+        return Path(os.environ["ADAPTEX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "adaptex"
+
+
+def _cache_key(model, contract, kind: str) -> str:
+    import onnxruntime
+    import torch
+
+    from adaptex.exporter.metadata import state_hash, version
+
+    try:
+        cfg = contract.config_dict()
+    except Exception:
+        cfg = {}
+    text = json.dumps({"kind": kind, "family": contract.family, "model": type(model).__name__, "config": cfg,
+                       "weights": state_hash(model), "adaptex": version(), "torch": torch.__version__,
+                       "onnxruntime": onnxruntime.__version__}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def cached_onnx_candidates(model, contract, workdir: Path, say=None, cache: bool = True) -> list[Graph]:
+    """`onnx_candidates`, from the cache when these weights were exported before by these versions
+    (written whole or not at all: a directory swap)."""
+    if not cache:
+        return onnx_candidates(model, contract, workdir, say)
+    from adaptex.graphs import files
+
+    entry = cache_root() / "counterparts" / _cache_key(model, contract, "onnx")
+    manifest = entry / "graphs.json"
+    if manifest.is_file():
+        try:
+            graphs = [Graph(**g) for g in json.loads(manifest.read_text())]
+            for g in graphs:
+                if g.path is not None:
+                    g.path = str(entry / g.path)
+                    if not Path(g.path).is_file():
+                        raise FileNotFoundError(g.path)
+            (say or (lambda m: None))(f"dense graphs from the cache ({entry})")
+            return graphs
+        except (OSError, TypeError, ValueError):
+            pass  # a damaged entry: build it again
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with files.atomic_directory(entry) as new:
+            new.mkdir()
+            graphs = onnx_candidates(model, contract, new, say)
+            rows = [dict(asdict(g), path=Path(g.path).name if g.path else None) for g in graphs]
+            (new / "graphs.json").write_text(json.dumps(rows, indent=1))
+    except OSError:  # an unwritable cache: export into the bench's own directory
+        return onnx_candidates(model, contract, workdir, say)
+    for g in graphs:
+        if g.path is not None:
+            g.path = str(entry / Path(g.path).name)
+    return graphs
 
 
 def coreml_counterparts(model, contract, workdir: Path, precision: str, min_target: str) -> dict:

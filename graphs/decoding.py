@@ -18,6 +18,7 @@ class DecoderContract(Contract):
 
     decoder = True
     coreml_default_precision = "fp32"
+    ort_model_type = "gpt2"
 
     @property
     def heads_dims(self) -> tuple[int, int]:

@@ -58,6 +58,21 @@ class Reference:
     aux: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass
+class Original:
+    """A pretrained checkpoint's own module, wrapped to take the artifact's inputs and give its first
+    output: what a user exports without adaptex (bench times it as a dense candidate)."""
+    module: torch.nn.Module
+    example: tuple
+    dynamic_shapes: tuple
+    input_names: list[str]
+    output_names: list[str]
+    source: str  # e.g. "transformers BertModel from <dir> + mean pooling"
+    model_type: str = "bert"  # for ONNX Runtime's transformer optimizer
+    num_heads: int = 0
+    hidden_size: int = 0
+
+
 class Contract:
     """A model's I/O contract. Subclasses fill in the family-specific parts; the defaults suit a
     model whose inputs the caller supplies (no parity or bench input generator, no FLOP model)."""
@@ -67,6 +82,7 @@ class Contract:
     decoder = False  # prefill then decode steps over a KV cache
     recipe: str | None = None  # graphs.recipes name, for `adaptex train`
     counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports
+    ort_model_type = "bert"  # bench: the model_type ONNX Runtime's transformer optimizer tries on the dense graph
     coreml_default_precision = "fp16"
     # what an fp16 Core ML package keeps in fp32 besides the routing (exporter.targets.coreml.precision)
     coreml_fp32_roles: tuple[str, ...] = ()
@@ -167,6 +183,11 @@ class Contract:
         return None
 
     def bench_feeds(self, task: str | None, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict | None:
+        return None
+
+    def original(self, model: torch.nn.Module):
+        """Where the model wraps a pretrained checkpoint: that checkpoint's own module as an
+        Original (bench times its stock export as a dense candidate), else None."""
         return None
 
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict | None:

@@ -1,17 +1,23 @@
-"""Latency: an adaptive artifact against the dense counterpart and the naive stock export.
+"""Latency: an adaptive artifact against the fastest dense graph a user could ship for its weights.
 
-- dense counterpart: the same weights as an ordinary dense Transformer (fused QKV, every head, every
-  token, full attention, no routers), exported by the stock exporter with its optimiser on, and run
-  with ONNX Runtime's optimisations on: the fastest ordinary graph, not the adaptive graph at k = H.
-- naive export: the stock exporter on the model's plain PyTorch inference path (every head computed,
-  unselected ones masked), which is what a user gets without adaptex.
-Timing interleaves the sessions in one process (a round of each per iteration), so drifting load on
-a shared machine hits all of them alike; peak memory is measured per artifact in a process of its
-own, so one session does not hide another's.
+The yardstick is not one dense export but the fastest of several (exporter/counterparts.py): the
+stock dynamo export, the legacy TorchScript export, the original pretrained module's export where
+the model has one, and ONNX Runtime's transformer optimizer on each where it fuses. bench times them
+all and reports every ratio against the fastest. The naive export (the model's masked inference
+path) is reported beside them: it is what adaptex replaces, not a yardstick.
+
+How it times (medians of interleaved runs, because these machines are shared and noisy):
+- every graph runs once per round, in an order shuffled each round, so drifting load hits all alike;
+- the rounds fall into independent blocks, and the latency ratio and realisation are computed per
+  block: reported as the median over blocks with the min-max interval, never as one figure;
+- a dense candidate whose warm-up is far behind the fastest one is dropped before timing (reported
+  with its warm-up figure), so the time goes to the graphs that can be the yardstick;
+- peak memory is measured per graph in a process of its own, so one session does not hide another's.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,18 +31,35 @@ from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import session_options
 
+PRUNE_FACTOR = 1.3  # a dense candidate this much slower than the fastest in warm-up is not timed
+
 
 @dataclass
 class Timing:
     name: str
     path: str | None
+    how: str = ""
+    dense: bool = True  # a candidate for the yardstick
     times_ms: list = field(default_factory=list)
+    block_of: list = field(default_factory=list)  # the block each time belongs to
     reason: str | None = None  # why there is no measurement
     peak_rss_mb: float | None = None
     size_mb: float | None = None
 
     def pct(self, q: float) -> float | None:
         return float(np.percentile(self.times_ms, q)) if self.times_ms else None
+
+    def block_medians(self) -> list[float]:
+        t, b = np.asarray(self.times_ms), np.asarray(self.block_of)
+        return [float(np.median(t[b == i])) for i in sorted(set(self.block_of))]
+
+    def stats(self) -> dict | None:
+        if not self.times_ms:
+            return None
+        t = np.asarray(self.times_ms)
+        return {"n": int(t.size), "mean_ms": float(t.mean()), "std_ms": float(t.std(ddof=1)) if t.size > 1 else 0.0,
+                "min_ms": float(t.min()), "p50_ms": self.pct(50), "p90_ms": self.pct(90), "p95_ms": self.pct(95),
+                "p99_ms": self.pct(99), "max_ms": float(t.max())}
 
 
 def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
@@ -54,89 +77,13 @@ def _size_mb(path: str) -> float:
     return p.stat().st_size / 2**20
 
 
-def _onnx_graphs(artifact, model, contract, tmp: Path, threads: int, say) -> tuple[list[Timing], dict, str]:
+def _ort_runner(path: str, threads: int):
     import onnxruntime as ort
 
-    from adaptex.exporter.counterparts import onnx_counterparts
-
-    say("exporting the dense counterpart and the naive stock export ...")
-    counterparts = onnx_counterparts(model, contract, tmp)
-    timings = [Timing("adaptive", str(artifact))]
-    for name in ("dense", "naive"):
-        path, reason = counterparts[name]
-        timings.append(Timing(name, path, reason=reason))
-    runs = {}
-    for t in timings:
-        if t.path:
-            sess = ort.InferenceSession(t.path, session_options(threads), providers=["CPUExecutionProvider"])
-            names = [o.name for o in sess.get_outputs()]
-            takes = {i.name for i in sess.get_inputs()}  # a dense graph takes no decisions (head_modes)
-            runs[t.name] = (lambda feeds, sess=sess, names=names, takes=takes:
-                            dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in takes}))))
-    return timings, runs, f"onnxruntime {ort.__version__} (CPU)"
-
-
-def _coreml_graphs(artifact, model, contract, meta: dict, tmp: Path, compute_units: str, say):
-    import coremltools as ct
-
-    from adaptex.exporter.counterparts import coreml_counterparts
-    from adaptex.runtimes import coreml
-
-    if not coreml.available():
-        raise AdaptexError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' "
-                           "verifies the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
-    say(f"converting the dense counterpart and the naive export with stock coremltools ({meta.get('precision')}) ...")
-    counterparts = coreml_counterparts(model, contract, tmp, meta.get("precision", "fp16"),
-                                       meta.get("min_target", "iOS17"))
-    timings = [Timing("adaptive", str(artifact))]
-    for name in ("dense", "naive"):
-        path, reason = counterparts[name]
-        timings.append(Timing(name, path, reason=reason))
-    adaptive = coreml.CoreMLRunner(artifact, compute_units)
-    adaptive.activate()
-    runs = {"adaptive": adaptive.infer}
-    for t in timings[1:]:
-        if t.path:
-            runs[t.name] = coreml.load_predictor(t.path, compute_units)
-    return timings, runs, f"Core ML runtime ({compute_units}), coremltools {ct.__version__}"
-
-
-def _tensorrt_graphs(artifact, model, contract, info: dict, meta: dict, tmp: Path, say):
-    """The engine, against a dense engine built from the same checkpoint with the same profile and
-    precision, and the stock export's engine where TensorRT builds one. Timed by CUDA events."""
-    from adaptex.exporter.counterparts import onnx_counterparts
-    from adaptex.exporter.metadata import source_of
-    from adaptex.exporter.targets import tensorrt
-    from adaptex.exporter.targets.tensorrt.engine import build_engine
-    from adaptex.runtimes.tensorrt import TensorRTRunner
-
-    prof, precision = meta["tensorrt"]["profile"], meta.get("precision", "fp32")
-    say(f"building the dense counterpart engine ({precision}) ...")
-    timings = [Timing("adaptive", str(artifact))]
-    data, dmeta = tensorrt.bound_onnx(model, contract, source_of(model, info), variant="dense")
-    dmeta["tensorrt"]["profile"] = prof
-    dense = tmp / "dense.plan"
-    build_engine(data, dmeta, dense, precision=precision, timing_cache=None, say=say)
-    timings.append(Timing("dense", str(dense)))
-    naive, reason = onnx_counterparts(model, contract, tmp)["naive"]
-    if naive:
-        try:
-            build_engine(Path(naive).read_bytes(), dmeta, tmp / "naive.plan", precision=precision,
-                         timing_cache=None, say=say, pin=False)
-            timings.append(Timing("naive", str(tmp / "naive.plan")))
-        except Exception as e:
-            timings.append(Timing("naive", None, reason=f"TensorRT did not build the stock export: "
-                                                        f"{str(e).splitlines()[0][:160]}"))
-    else:
-        timings.append(Timing("naive", None, reason=reason))
-    runs, clocks = {}, {}
-    for t in timings:
-        if t.path:
-            r = TensorRTRunner(t.path).activate()
-            runs[t.name], clocks[t.name] = r.run_raw, (lambda r=r: r.last_ms)
-    import tensorrt as trt
-
-    return timings, runs, f"TensorRT {trt.__version__} ({precision}, CUDA-event timing)", clocks
+    sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    takes = {i.name for i in sess.get_inputs()}  # a dense graph takes no decisions (head_modes)
+    return lambda feeds: dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in takes})))
 
 
 def _typed(feeds: dict, specs: dict) -> dict:
@@ -145,139 +92,411 @@ def _typed(feeds: dict, specs: dict) -> dict:
             (v.astype(specs[k].dtype) if k in specs else v) for k, v in feeds.items()}
 
 
-def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
-              warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
-              progress=None, compute_units: str = "all", past: int = 0, feeds: dict | None = None,
-              contract=None) -> dict:
-    """Time the artifact against its dense counterpart and the naive stock export, interleaved; the
-    FLOP ratio its decisions imply (where its contract has a FLOP model) and the realisation."""
-    from adaptex.runtimes.open import artifact_kind, open_artifact
-
-    kind = artifact_kind(artifact)
-    runner = open_artifact(artifact, threads) if kind != "coreml" else None
-    meta = runner.meta if runner is not None else _coreml_meta(artifact)
-    contract = contract or family_contract(model)
-    if past and not contract.decoder:
-        raise AdaptexError("--past applies to decoders only: it times decode steps on a KV cache")
-    say = progress or (lambda msg: None)
-    task = (info.get("training") or {}).get("task")
-    if feeds is None:
-        feeds = contract.bench_feeds(task, batch, seq, past)
-        if feeds is None:
-            raise AdaptexError("this model has no input generator for benchmarks; pass the inputs to time "
-                               "(adaptex.bench(path, model, inputs=[...]))")
-    else:
-        batch, seq = _batch_seq(feeds, batch, seq)
-    if runner is not None:
-        specs = runner.input_metadata()
-    else:
-        from adaptex.runtimes.coreml_mil import input_specs
-
-        specs = input_specs(meta)
-    feeds = _typed(feeds, specs)
-    from adaptex.runtimes.base import limits_of, validate_feeds
-
-    if "_prefill" not in feeds:
-        validate_feeds({k: v for k, v in feeds.items()}, specs, limits_of(meta))
-    elif past + seq > (limits_of(meta).max_sequence if limits_of(meta) else past + seq):
-        raise AdaptexError(f"{past} cached + {seq} new tokens = {past + seq} exceed the model's maximum "
-                           f"{limits_of(meta).max_sequence}; lower --past or --seq")
-    with files.temp_dir("bench") as tmp:
-        clocks = {}  # name -> the device time of its last run (TensorRT: CUDA events), else wall time
-        if kind == "coreml":
-            timings, fns, runtime = _coreml_graphs(artifact, model, contract, meta, tmp, compute_units, say)
-        elif kind == "tensorrt":
-            timings, fns, runtime, clocks = _tensorrt_graphs(artifact, model, contract, info, meta, tmp, say)
-        else:
-            timings, fns, runtime = _onnx_graphs(artifact, model, contract, tmp, threads, say)
-        live = [t for t in timings if t.name in fns]
-        if "_prefill" in feeds:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
-            pre_feeds = feeds.pop("_prefill")
-            pre = fns["adaptive"](pre_feeds)
-            feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items() if k.startswith("present.")})
-            extra = {k: v for k, v in pre_feeds.items() if k in contract.extra_inputs()} if contract.decoder else {}
-            feeds.update(_typed(contract.next_extra(pre, 0, extra), specs) if contract.decoder else {})
-        adaptive_out = fns["adaptive"](feeds)
-        say(f"warming up ({warmup} runs each) ...")
-        per_round = 0.0
-        for t in live:
-            t0 = time.perf_counter()
-            for _ in range(warmup):
-                fns[t.name](feeds)
-            per_round += (time.perf_counter() - t0) / max(warmup, 1)
-        n = runs or int(min(500, max(30, time_budget_s / max(per_round, 1e-6))))
-        say(f"timing {n} interleaved rounds ...")
-        for _ in range(n):
-            for t in live:
-                t0 = time.perf_counter_ns()
-                fns[t.name](feeds)
-                wall = (time.perf_counter_ns() - t0) / 1e6
-                t.times_ms.append(clocks[t.name]() if t.name in clocks else wall)
-        del fns
-        say("measuring peak memory in separate processes ...")
-        npz = tmp / "inputs.npz"
-        np.savez(npz, **feeds)
-        for t in live:
-            t.size_mb = _size_mb(t.path)
-            t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, compute_units)
-
-    # FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
-    # artifact (what its graph computes: the dense variant everything; the sparse one, in a batch, the
-    # batch's largest count for every sample). Realisation is measured against the decisions, so
-    # work a lowering wastes counts against it.
-    flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, meta.get("variant"), seq, past) or {}
-    flop_ratio = flops.pop("flop_ratio", None)
-    executed_ratio = flops.pop("executed_flop_ratio", None)
-    ad, de, na = timings
-    lat_ratio = ad.pct(50) / de.pct(50) if de.times_ms else None
-    realisation = ((1 - lat_ratio) / (1 - flop_ratio)) if lat_ratio is not None and flop_ratio is not None \
-        and flop_ratio < 0.99 else None
-    return {
-        "artifact": str(artifact), "runtime": runtime, "variant": meta.get("variant"), "family": meta.get("family"),
-        "batch": batch, "seq": seq, "threads": threads, "runs": len(ad.times_ms), "warmup": warmup,
-        "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
-        "throughput_seq_per_s": batch * 1000.0 / ad.pct(50),
-        "dense_p50_ms": de.pct(50), "dense_p90_ms": de.pct(90), "dense_p99_ms": de.pct(99),
-        "dense_reason": de.reason,
-        "naive_p50_ms": na.pct(50), "naive_p90_ms": na.pct(90), "naive_p99_ms": na.pct(99),
-        "naive_reason": na.reason,
-        "past": past, **flops,
-        "flop_ratio": flop_ratio, "executed_flop_ratio": executed_ratio,
-        "latency_ratio": lat_ratio, "realisation": realisation,
-        "naive_latency_ratio": (na.pct(50) / de.pct(50)) if na.times_ms and de.times_ms else None,
-        "size_mb": {t.name: t.size_mb for t in timings},
-        "peak_rss_mb": {t.name: t.peak_rss_mb for t in timings},
-    }
-
-
-def _coreml_meta(artifact) -> dict:
-    from adaptex.runtimes.open import read_metadata
-
-    return read_metadata(artifact)
-
-
 def _batch_seq(feeds: dict, batch: int, seq: int) -> tuple[int, int]:
     first = np.asarray(next(iter(feeds.values())))
     return (int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq) if first.ndim else (batch, seq)
 
 
-def format_bench(r: dict) -> str:
-    def f(x, spec="8.3f"):
-        return format(x, spec) if x is not None else "     n/a"
+class Bench:
+    """One artifact against its dense candidates: the graphs are built (or read from the cache) once,
+    then timed at any number of (batch, seq, past, threads) points. Use as a context manager."""
 
-    lines = [f"bench: {r['artifact']} ({r['variant']}) on {r['runtime']}",
-             f"  batch={r['batch']} seq={r['seq']} threads={r['threads']} runs={r['runs']} "
-             f"(interleaved, after {r['warmup']} warm-up runs each)",
-             f"  {'graph':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'seq/s':>9} {'size MB':>8} {'peak RSS MB':>12}"]
-    for name, key in (("adaptive", ""), ("dense", "dense_"), ("naive", "naive_")):
-        p50 = r[f"{key}p50_ms"] if key else r["p50_ms"]
-        if p50 is None:
-            lines.append(f"  {name:<10} {'-':>8}  ({r[f'{name}_reason']})")
+    def __init__(self, artifact: str | Path, model, info: dict, *, contract=None, compute_units: str = "all",
+                 progress=None, cache: bool = True):
+        from adaptex.runtimes.open import artifact_kind, read_metadata
+
+        self.artifact, self.model, self.info = str(artifact), model, info or {}
+        self.kind = artifact_kind(artifact)
+        self.meta = read_metadata(artifact)
+        self.contract = contract or family_contract(model)
+        self.compute_units, self.cache = compute_units, cache
+        self.say = progress or (lambda msg: None)
+        self._tmp_cm = files.temp_dir("bench")
+        self.tmp = self._tmp_cm.__enter__()
+        self.graphs: list[Timing] | None = None
+        self.runtime = ""
+        self._fns: dict = {}  # (name, threads) -> callable(feeds) -> outputs
+        self._clocks: dict = {}  # name -> the device time of its last run (TensorRT: CUDA events)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._fns.clear()
+        self._tmp_cm.__exit__(None, None, None)
+
+    # --- the graphs --------------------------------------------------------------------------------
+    def _build(self) -> None:
+        if self.graphs is not None:
+            return
+        adaptive = Timing("adaptive", self.artifact, how=f"the {self.meta.get('variant')} artifact", dense=False)
+        if self.kind == "coreml":
+            self.graphs = [adaptive] + self._coreml_graphs()
+        elif self.kind == "tensorrt":
+            self.graphs = [adaptive] + self._tensorrt_graphs()
+        else:
+            import onnxruntime as ort
+
+            from adaptex.exporter.counterparts import cached_onnx_candidates
+
+            cands = cached_onnx_candidates(self.model, self.contract, self.tmp, self.say, cache=self.cache)
+            self.graphs = [adaptive] + [Timing(g.name, g.path, how=g.how, dense=g.dense, reason=g.reason)
+                                        for g in cands]
+            self.runtime = f"onnxruntime {ort.__version__} (CPU)"
+
+    def _coreml_graphs(self) -> list[Timing]:
+        import coremltools as ct
+
+        from adaptex.exporter.counterparts import coreml_counterparts
+        from adaptex.runtimes import coreml
+
+        if not coreml.available():
+            raise AdaptexError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' "
+                               "verifies the package by MIL reference evaluation, and 'adaptex bench' times .onnx "
+                               "artifacts")
+        meta = self.meta
+        self.say(f"converting the dense counterpart and the naive export with stock coremltools "
+                 f"({meta.get('precision')}) ...")
+        counterparts = coreml_counterparts(self.model, self.contract, self.tmp, meta.get("precision", "fp16"),
+                                           meta.get("min_target", "iOS17"))
+        out = [Timing(name, path, how=f"stock coremltools conversion of the {name} model", dense=name != "naive",
+                      reason=reason) for name, (path, reason) in counterparts.items()]
+        adaptive = coreml.CoreMLRunner(self.artifact, self.compute_units)
+        adaptive.activate()
+        self._fns[("adaptive", None)] = adaptive.infer
+        for t in out:
+            if t.path:
+                self._fns[(t.name, None)] = coreml.load_predictor(t.path, self.compute_units)
+        self.runtime = f"Core ML runtime ({self.compute_units}), coremltools {ct.__version__}"
+        return out
+
+    def _tensorrt_graphs(self) -> list[Timing]:
+        """A dense engine built from the same checkpoint with the same profile and precision, and the
+        stock export's engine where TensorRT builds one. Timed by CUDA events."""
+        import tensorrt as trt
+
+        from adaptex.exporter.counterparts import onnx_counterparts
+        from adaptex.exporter.metadata import source_of
+        from adaptex.exporter.targets import tensorrt
+        from adaptex.exporter.targets.tensorrt.engine import build_engine
+        from adaptex.runtimes.tensorrt import TensorRTRunner
+
+        meta, tmp, say = self.meta, self.tmp, self.say
+        prof, precision = meta["tensorrt"]["profile"], meta.get("precision", "fp32")
+        say(f"building the dense counterpart engine ({precision}) ...")
+        data, dmeta = tensorrt.bound_onnx(self.model, self.contract, source_of(self.model, self.info), variant="dense")
+        dmeta["tensorrt"]["profile"] = prof
+        build_engine(data, dmeta, tmp / "dense.plan", precision=precision, timing_cache=None, say=say)
+        out = [Timing("dense", str(tmp / "dense.plan"), how="the dense model's engine, same profile and precision")]
+        naive, reason = onnx_counterparts(self.model, self.contract, tmp)["naive"]
+        how = "TensorRT's engine of the stock export of the masked inference path"
+        if naive:
+            try:
+                build_engine(Path(naive).read_bytes(), dmeta, tmp / "naive.plan", precision=precision,
+                             timing_cache=None, say=say, pin=False)
+                out.append(Timing("naive", str(tmp / "naive.plan"), how=how, dense=False))
+            except Exception as e:
+                out.append(Timing("naive", None, how=how, dense=False,
+                                  reason=f"TensorRT did not build the stock export: {str(e).splitlines()[0][:160]}"))
+        else:
+            out.append(Timing("naive", None, how=how, dense=False, reason=reason))
+        for t in [Timing("adaptive", self.artifact)] + out:
+            if t.path:
+                r = TensorRTRunner(t.path).activate()
+                self._fns[(t.name, None)], self._clocks[t.name] = r.run_raw, (lambda r=r: r.last_ms)
+        self.runtime = f"TensorRT {trt.__version__} ({precision}, CUDA-event timing)"
+        return out
+
+    def _fn(self, t: Timing, threads: int):
+        if self.kind != "onnx":
+            return self._fns.get((t.name, None))
+        key = (t.name, threads)
+        if key not in self._fns:
+            self._fns[key] = _ort_runner(t.path, threads)
+        return self._fns[key]
+
+    # --- the inputs --------------------------------------------------------------------------------
+    def _feeds(self, batch: int, seq: int, past: int, feeds: dict | None, specs: dict) -> tuple[dict, int, int]:
+        from adaptex.runtimes.base import limits_of, validate_feeds
+
+        contract, meta = self.contract, self.meta
+        if past and not contract.decoder:
+            raise AdaptexError("--past applies to decoders only: it times decode steps on a KV cache")
+        if feeds is None:
+            feeds = contract.bench_feeds((self.info.get("training") or {}).get("task"), batch, seq, past)
+            if feeds is None:
+                raise AdaptexError("this model has no input generator for benchmarks; pass the inputs to time "
+                                   "(adaptex.bench(path, model, inputs=[...]))")
+        else:
+            batch, seq = _batch_seq(feeds, batch, seq)
+        feeds = _typed(dict(feeds), specs)
+        limits = limits_of(meta)
+        if "_prefill" not in feeds:
+            validate_feeds(dict(feeds), specs, limits)
+        elif limits and past + seq > limits.max_sequence:
+            raise AdaptexError(f"{past} cached + {seq} new tokens = {past + seq} exceed the model's maximum "
+                               f"{limits.max_sequence}; lower --past or --seq")
+        return feeds, batch, seq
+
+    def _specs(self) -> dict:
+        if self.kind == "coreml":
+            from adaptex.runtimes.coreml_mil import input_specs
+
+            return input_specs(self.meta)
+        from adaptex.runtimes.open import open_artifact
+
+        return open_artifact(self.artifact, 1).input_metadata()
+
+    # --- one point ---------------------------------------------------------------------------------
+    def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
+            warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
+            memory: bool = True, profile: bool = False, prune: bool = True) -> dict:
+        """Time every graph at one point; the dict `format_bench` prints."""
+        self._build()
+        say, contract = self.say, self.contract
+        feeds, batch, seq = self._feeds(batch, seq, past, feeds, self._specs())
+        graphs = [Timing(t.name, t.path, how=t.how, dense=t.dense, reason=t.reason) for t in self.graphs]
+        fns = {t.name: self._fn(t, threads) for t in graphs if t.path}
+        fns = {k: v for k, v in fns.items() if v is not None}
+        if "_prefill" in feeds:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
+            pre_feeds = feeds.pop("_prefill")
+            pre = fns["adaptive"](pre_feeds)
+            feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items()
+                          if k.startswith("present.")})
+            extra = {k: v for k, v in pre_feeds.items() if k in contract.extra_inputs()} if contract.decoder else {}
+            if contract.decoder:
+                feeds.update(_typed(contract.next_extra(pre, 0, extra), self._specs()))
+        adaptive_out = fns["adaptive"](feeds)
+
+        live = [t for t in graphs if t.name in fns]
+        say(f"warming up {len(live)} graphs ({warmup} runs each) ...")
+        warm = {}
+        for t in live:
+            ts = []
+            for _ in range(max(warmup, 1)):
+                t0 = time.perf_counter()
+                fns[t.name](feeds)
+                ts.append((time.perf_counter() - t0) * 1e3)
+            warm[t.name] = min(ts)
+        dense_warm = [warm[t.name] for t in live if t.dense]
+        if prune and warmup >= 3 and dense_warm:
+            best = min(dense_warm)
+            for t in live:
+                if t.dense and warm[t.name] > PRUNE_FACTOR * best:
+                    t.reason = (f"not timed: {warm[t.name]:.2f} ms in warm-up, {warm[t.name] / best:.2f}x the "
+                                f"fastest dense candidate (pruned above {PRUNE_FACTOR}x)")
+            live = [t for t in live if t.reason is None]
+        per_round = sum(warm[t.name] for t in live) / 1e3
+        n = runs or int(min(500, max(30, time_budget_s / max(per_round, 1e-6))))
+        nblocks = max(1, min(blocks, n // 5))
+        sizes = [n // nblocks + (1 if i < n % nblocks else 0) for i in range(nblocks)]
+        say(f"timing {n} rounds of {len(live)} graphs in {nblocks} interleaved blocks ...")
+        rng = np.random.default_rng(0)
+        for b, size in enumerate(sizes):
+            for _ in range(size):
+                for i in rng.permutation(len(live)):
+                    t = live[i]
+                    t0 = time.perf_counter_ns()
+                    fns[t.name](feeds)
+                    wall = (time.perf_counter_ns() - t0) / 1e6
+                    t.times_ms.append(self._clocks[t.name]() if t.name in self._clocks else wall)
+                    t.block_of.append(b)
+        profiles = None
+        if profile:
+            if self.kind != "onnx":
+                raise AdaptexError("--profile reads ONNX Runtime's profiler: it applies to .onnx artifacts")
+            say("profiling the adaptive graph and the fastest dense graph ...")
+            fastest = _fastest(graphs)
+            profiles = {t.name: profile_onnx(t.path, feeds, threads, self.tmp)
+                        for t in graphs if t.name == "adaptive" or (fastest and t.name == fastest.name)}
+        if memory:
+            say("measuring peak memory in separate processes ...")
+            npz = self.tmp / "inputs.npz"
+            np.savez(npz, **feeds)
+            fastest = _fastest(graphs)
+            for t in live:
+                t.size_mb = _size_mb(t.path)
+                if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
+                    t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, self.compute_units)
+        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.meta.get("variant"),
+                               seq, past) or {}
+        return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
+                       blocks=nblocks, profiles=profiles)
+
+
+def _fastest(graphs: list[Timing]) -> Timing | None:
+    timed = [t for t in graphs if t.dense and t.times_ms]
+    return min(timed, key=lambda t: t.pct(50)) if timed else None
+
+
+def _interval(values: list[float]) -> list[float] | None:
+    return [float(min(values)), float(max(values))] if len(values) > 1 else None
+
+
+def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past, threads, warmup, blocks,
+            profiles) -> dict:
+    """FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
+    artifact (the dense variant everything; the sparse one, in a batch, the batch's largest count for
+    every sample). Realisation is measured against the decisions, so work a lowering wastes counts
+    against it; ratios per block, reported as the median and the min-max over blocks."""
+    flops = dict(flops)
+    flop_ratio = flops.pop("flop_ratio", None)
+    executed_ratio = flops.pop("executed_flop_ratio", None)
+    ad = graphs[0]
+    fastest = _fastest(graphs)
+    naive = next((t for t in graphs if t.name == "naive"), None)
+
+    def per_block(t: Timing) -> list[float]:
+        return [a / f for a, f in zip(ad.block_medians(), fastest.block_medians())] if fastest else []
+
+    ratios = per_block(ad)
+    lat_ratio = float(np.median(ratios)) if ratios else None
+    realisations = [(1 - r) / (1 - flop_ratio) for r in ratios] if flop_ratio is not None and flop_ratio < 0.99 else []
+    realisation = float(np.median(realisations)) if realisations else None
+    naive_ratio = None
+    if naive is not None and naive.times_ms and fastest:
+        naive_ratio = float(np.median([a / f for a, f in zip(naive.block_medians(), fastest.block_medians())]))
+    warnings = []
+    if ad.times_ms and len(ad.times_ms) < 100:
+        warnings.append(f"{len(ad.times_ms)} runs per graph: p99 is close to the maximum; time more runs "
+                        "(--runs) for tail percentiles")
+    if blocks < 3:
+        warnings.append(f"{blocks} block(s): the interval needs at least 3 (more --runs)")
+    iv = _interval(ratios)
+    if iv and iv[0] < 1 < iv[1]:
+        warnings.append("the latency ratio's interval spans 1.0: no speed difference is established at this point")
+    if realisation is not None and realisation > 1:
+        warnings.append("realisation above 1: the artifact saves more time than its FLOPs predict; the FLOP model "
+                        "leaves out memory-bound work (softmax, elementwise traffic): see --profile")
+    cores = os.cpu_count() or 1
+    if threads and threads > cores:
+        warnings.append(f"{threads} threads on {cores} cores: the runs compete for cores")
+    stats = {t.name: t.stats() for t in graphs}
+    candidates = [{"name": t.name, "how": t.how, "dense": t.dense, "reason": t.reason,
+                   "p50_ms": t.pct(50), "ratio_to_fastest": (t.pct(50) / fastest.pct(50))
+                   if t.times_ms and fastest else None} for t in graphs[1:]]
+
+    def p(t, q):
+        return t.pct(q) if t is not None else None
+    return {
+        "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
+        "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
+        "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
+        "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
+        "throughput_seq_per_s": batch * 1000.0 / ad.pct(50),
+        "dense_name": fastest.name if fastest else None, "dense_how": fastest.how if fastest else None,
+        "dense_p50_ms": p(fastest, 50), "dense_p90_ms": p(fastest, 90), "dense_p99_ms": p(fastest, 99),
+        "dense_reason": None if fastest else "; ".join(f"{t.name}: {t.reason}" for t in graphs if t.dense),
+        "naive_p50_ms": p(naive, 50) if naive and naive.times_ms else None,
+        "naive_p90_ms": p(naive, 90) if naive and naive.times_ms else None,
+        "naive_p99_ms": p(naive, 99) if naive and naive.times_ms else None,
+        "naive_reason": naive.reason if naive else "no naive path for this model",
+        **flops,
+        "flop_ratio": flop_ratio, "executed_flop_ratio": executed_ratio,
+        "latency_ratio": lat_ratio, "latency_ratio_interval": iv,
+        "realisation": realisation, "realisation_interval": _interval(realisations),
+        "naive_latency_ratio": naive_ratio,
+        "candidates": candidates, "stats": stats,
+        "size_mb": {t.name: t.size_mb for t in graphs if t.size_mb is not None},
+        "peak_rss_mb": {t.name: t.peak_rss_mb for t in graphs if t.peak_rss_mb is not None},
+        "warnings": warnings, "profile": profiles,
+    }
+
+
+def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
+              warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
+              progress=None, compute_units: str = "all", past: int = 0, feeds: dict | None = None,
+              contract=None, blocks: int = 5, profile: bool = False, cache: bool = True) -> dict:
+    """Time the artifact against every dense candidate and the naive export, interleaved, at one point."""
+    with Bench(artifact, model, info, contract=contract, compute_units=compute_units, progress=progress,
+               cache=cache) as b:
+        return b.run(batch=batch, seq=seq, past=past, threads=threads, feeds=feeds, warmup=warmup, runs=runs,
+                     blocks=blocks, time_budget_s=time_budget_s, profile=profile)
+
+
+# --- the profiler ------------------------------------------------------------------------------------
+
+def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int = 10) -> dict:
+    """ONNX Runtime's profiler over `runs` runs: kernel time per run by op type, and split between the
+    adaptive ops (nodes inlined from adaptex:: functions, which ORT names `_inlfunc_<function>_...`)
+    and the rest of the graph."""
+    import onnx
+    import onnxruntime as ort
+
+    functions = [f.name for f in onnx.load(path, load_external_data=False).functions
+                 if f.domain.startswith("adaptex")]
+    so = session_options(threads)
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(workdir) / f"profile-{Path(path).stem}")
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    takes = {i.name for i in sess.get_inputs()}
+    feeds = {k: v for k, v in feeds.items() if k in takes}
+    warm = 3  # the first runs allocate: only the steady-state runs after them count
+    for _ in range(warm + runs):
+        sess.run(None, feeds)
+    trace = Path(sess.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink(missing_ok=True)
+    run_ends = sorted(e["ts"] + e["dur"] for e in events if e.get("name") == "model_run")
+    start = run_ends[warm - 1] if len(run_ends) >= warm else 0
+    events = [e for e in events if e.get("cat") == "Node" and e["ts"] >= start]
+    by_op, adaptive, rest = {}, 0.0, 0.0
+    for e in events:
+        if not e["name"].endswith("_kernel_time"):
             continue
-        p90 = r[f"{key}p90_ms"] if key else r["p90_ms"]
-        p99 = r[f"{key}p99_ms"] if key else r["p99_ms"]
-        lines.append(f"  {name:<10} {p50:8.3f} {p90:8.3f} {p99:8.3f} {r['batch'] * 1000 / p50:9.1f} "
-                     f"{f(r['size_mb'][name], '8.2f')} {f(r['peak_rss_mb'][name], '12.1f')}")
+        op = e.get("args", {}).get("op_name", "?")
+        ms = e.get("dur", 0) / 1e3 / runs
+        is_adaptive = any(f"_inlfunc_{f}_" in e["name"] for f in functions)
+        key = f"{op} (adaptive)" if is_adaptive else op
+        by_op[key] = by_op.get(key, 0.0) + ms
+        if is_adaptive:
+            adaptive += ms
+        else:
+            rest += ms
+    return {"runs": runs, "total_ms": adaptive + rest, "adaptive_ms": adaptive, "rest_ms": rest,
+            "by_op_ms": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+
+
+# --- printing ----------------------------------------------------------------------------------------
+
+def _f(x, spec="8.3f"):
+    return format(x, spec) if x is not None else "n/a".rjust(int(spec.split(".")[0] or 0))
+
+
+def _iv(x, iv, spec=".3f") -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:{spec}} [{iv[0]:{spec}}, {iv[1]:{spec}}]" if iv else f"{x:{spec}} (one block: no interval)"
+
+
+def format_bench(r: dict) -> str:
+    lines = [f"bench: {r['artifact']} ({r['variant']}) on {r['runtime']}",
+             f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
+             + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
+             f"(order shuffled each round), after {r['warmup']} warm-up runs each",
+             f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "
+             f"{'vs fastest':>10} {'size MB':>8} {'peak RSS MB':>11}"]
+    untimed = []
+    for name in ["adaptive"] + [c["name"] for c in r["candidates"]]:
+        s = r["stats"].get(name)
+        cand = next((c for c in r["candidates"] if c["name"] == name), None)
+        if s is None:
+            untimed.append(f"    {name}: {cand['reason'] if cand else 'not timed'}")
+            continue
+        ratio = cand["ratio_to_fastest"] if cand else (r["p50_ms"] / r["dense_p50_ms"] if r["dense_p50_ms"] else None)
+        mark = "  <- yardstick" if name == r["dense_name"] else ""
+        lines.append(f"  {name:<24} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} {s['p99_ms']:8.3f} {s['mean_ms']:8.3f} "
+                     f"{s['std_ms']:7.3f} {s['min_ms']:8.3f} {_f(ratio, '10.3f')} "
+                     f"{_f(r['size_mb'].get(name), '8.2f')} {_f(r['peak_rss_mb'].get(name), '11.1f')}{mark}")
+    if untimed:
+        lines += ["  not timed:"] + untimed
+    if r["dense_name"]:
+        lines.append(f"  yardstick: {r['dense_name']}, the fastest dense graph ({r['dense_how']})")
+    else:
+        lines.append(f"  no dense graph could be timed: {r['dense_reason']}")
     if "sa_fraction" in r:
         layers = ", ".join(f"{x:.2f}" for x in r["sa_fraction_per_layer"])
         lines.append(f"  SA heads: {100 * r['sa_fraction']:.1f}% (per layer: {layers}); dense = every head full attention")
@@ -292,34 +511,136 @@ def format_bench(r: dict) -> str:
                      f"{r['variant']} graph: {r['executed_flop_ratio']:.3f})")
     else:
         lines.append("  FLOP ratio: no FLOP model for this model (the latency ratio stands alone)")
-    lines.append(f"  latency ratio (p50 adaptive / dense): {f(r['latency_ratio'], '.3f')}")
-    lines.append(f"  realisation (1 - latency ratio) / (1 - FLOP ratio): {f(r['realisation'], '.3f')}")
+    lines.append(f"  latency ratio (adaptive / yardstick), median [min, max] over blocks: "
+                 f"{_iv(r['latency_ratio'], r['latency_ratio_interval'])}")
+    lines.append(f"  realisation (1 - latency ratio) / (1 - FLOP ratio): "
+                 f"{_iv(r['realisation'], r['realisation_interval'])}")
     if r.get("naive_latency_ratio") is not None:
-        lines.append(f"  naive export latency ratio: {r['naive_latency_ratio']:.3f}")
+        lines.append(f"  naive export / yardstick: {r['naive_latency_ratio']:.3f}")
+    if r.get("profile"):
+        lines.append(format_profile(r["profile"]))
+    lines += [f"  note: {w}" for w in r.get("warnings", [])]
+    return "\n".join(lines)
+
+
+def format_profile(profiles: dict, top: int = 12) -> str:
+    lines = ["  profile (ONNX Runtime's profiler, kernel ms per run):"]
+    for name, p in profiles.items():
+        lines.append(f"    {name}: {p['total_ms']:.3f} ms in kernels: adaptive ops {p['adaptive_ms']:.3f}, "
+                     f"the rest {p['rest_ms']:.3f}")
+        for op, ms in list(p["by_op_ms"].items())[:top]:
+            lines.append(f"      {op:<32} {ms:8.3f}  {100 * ms / max(p['total_ms'], 1e-9):5.1f}%")
     return "\n".join(lines)
 
 
 def format_sweep(rows: list[dict], skipped: list[str]) -> str:
-    """The artifact against the dense graph across sequence lengths, and where the curves cross."""
-    def f(x, spec):
-        return format(x, spec) if x is not None else "n/a".rjust(int(spec.split(".")[0]))
-
-    lines = [f"  {'T':>6} {'adaptive ms':>11} {'dense ms':>9} {'ratio':>7} {'FLOP ratio':>11} {'SA heads':>9}"]
+    """The artifact against the yardstick at each point, and where the curves cross."""
+    lines = [f"  {'thr':>3} {'B':>4} {'T':>5} {'past':>5} {'adaptive ms':>11} {'dense ms':>9} {'yardstick':<22} "
+             f"{'ratio [min, max]':>22} {'FLOP ratio':>10} {'realisation':>11}"]
     for r in rows:
-        sa = f"{100 * r['sa_fraction']:8.1f}%" if "sa_fraction" in r else f"{'-':>9}"
-        lines.append(f"  {r['seq']:6d} {r['p50_ms']:11.3f} {f(r['dense_p50_ms'], '9.3f')} "
-                     f"{f(r['latency_ratio'], '7.3f')} {f(r['flop_ratio'], '11.3f')} {sa}")
-    rows = [r for r in rows if r["latency_ratio"] is not None]
+        iv = r["latency_ratio_interval"]
+        ratio = (f"{r['latency_ratio']:.3f} [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else _f(r["latency_ratio"], "6.3f")) \
+            if r["latency_ratio"] is not None else "n/a"
+        lines.append(f"  {r['threads']:3d} {r['batch']:4d} {r['seq']:5d} {r.get('past', 0):5d} {r['p50_ms']:11.3f} "
+                     f"{_f(r['dense_p50_ms'], '9.3f')} {str(r['dense_name']):<22} {ratio:>22} "
+                     f"{_f(r['flop_ratio'], '10.3f')} {_f(r['realisation'], '11.3f')}")
     lines += [f"  {s}" for s in skipped]
-    rows = sorted(rows, key=lambda r: r["seq"])
-    cross = [(x["seq"], y["seq"]) for x, y in zip(rows, rows[1:])
-             if (x["latency_ratio"] < 1) != (y["latency_ratio"] < 1)]
-    if cross:
-        where = "; ".join(f"between T={x} and T={y}" for x, y in cross)
-        lines.append(f"  the curves cross {where}: the adaptive graph is "
-                     f"{'faster' if rows[-1]['latency_ratio'] < 1 else 'slower'} from T={cross[-1][1]}")
-    elif rows:
-        lines.append(f"  no crossing in the sweep: the adaptive graph is "
-                     f"{'faster' if rows[0]['latency_ratio'] < 1 else 'slower'} than the dense one at every length "
-                     "measured")
+    groups = {}
+    for r in rows:
+        if r["latency_ratio"] is not None:
+            groups.setdefault((r["threads"], r["batch"], r.get("past", 0)), []).append(r)
+    for (thr, B, past), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["seq"])
+        if len(rs) < 2:
+            continue
+        cross = [(x["seq"], y["seq"]) for x, y in zip(rs, rs[1:]) if (x["latency_ratio"] < 1) != (y["latency_ratio"] < 1)]
+        where = f"threads={thr} batch={B}" + (f" past={past}" if past else "")
+        if cross:
+            spans = "; ".join(f"between T={x} and T={y}" for x, y in cross)
+            lines.append(f"  {where}: the curves cross {spans}; the adaptive graph is "
+                         f"{'faster' if rs[-1]['latency_ratio'] < 1 else 'slower'} from T={cross[-1][1]}")
+        else:
+            lines.append(f"  {where}: no crossing; the adaptive graph is "
+                         f"{'faster' if rs[0]['latency_ratio'] < 1 else 'slower'} at every length measured")
     return "\n".join(lines)
+
+
+CSV_COLUMNS = ["threads", "batch", "seq", "past", "graph", "role", "yardstick", "n", "p50_ms", "p90_ms", "p95_ms",
+               "p99_ms", "mean_ms", "std_ms", "min_ms", "ratio_to_yardstick", "latency_ratio", "latency_ratio_lo",
+               "latency_ratio_hi", "flop_ratio", "realisation", "realisation_lo", "realisation_hi"]
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    """One row per graph per point (atomically: the file is whole or absent)."""
+    import csv
+    import io
+
+    from adaptex.exporter.metadata import atomic_path
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
+    w.writeheader()
+    for r in rows:
+        liv, riv = r["latency_ratio_interval"] or [None, None], r["realisation_interval"] or [None, None]
+        for name, s in r["stats"].items():
+            if s is None:
+                continue
+            cand = next((c for c in r["candidates"] if c["name"] == name), None)
+            role = "adaptive" if name == "adaptive" else ("dense" if cand and cand["dense"] else "naive")
+            w.writerow({"threads": r["threads"], "batch": r["batch"], "seq": r["seq"], "past": r.get("past", 0),
+                        "graph": name, "role": role, "yardstick": name == r["dense_name"], "n": s["n"],
+                        **{k: round(s[k], 4) for k in ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "mean_ms", "std_ms",
+                                                      "min_ms")},
+                        "ratio_to_yardstick": round(s["p50_ms"] / r["dense_p50_ms"], 4) if r["dense_p50_ms"] else None,
+                        "latency_ratio": r["latency_ratio"], "latency_ratio_lo": liv[0], "latency_ratio_hi": liv[1],
+                        "flop_ratio": r["flop_ratio"], "realisation": r["realisation"],
+                        "realisation_lo": riv[0], "realisation_hi": riv[1]})
+    with atomic_path(Path(path)) as tmp:
+        Path(tmp).write_text(buf.getvalue())
+
+
+def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
+    """Latency against sequence length for the adaptive graph, the yardstick and the naive export
+    (p50, bars: min-max of the block medians), with the realisation on a second axis; one panel per
+    (threads, batch, past)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise AdaptexError("--plot needs matplotlib: pip install 'adaptex[bench]' (or pip install matplotlib)") from None
+    from adaptex.exporter.metadata import atomic_path
+
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["threads"], r["batch"], r.get("past", 0)), []).append(r)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, ((thr, B, past), rs) in zip(axes[0], sorted(groups.items())):
+        rs = sorted(rs, key=lambda r: r["seq"])
+        T = [r["seq"] for r in rs]
+        for label, key, style in (("adaptive", "p50_ms", "o-"), ("fastest dense", "dense_p50_ms", "s-"),
+                                  ("naive", "naive_p50_ms", "^--")):
+            ys = [r[key] for r in rs]
+            if all(y is not None for y in ys):
+                ax.plot(T, ys, style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length T" + (f" (after {past} cached)" if past else ""))
+        ax.set_ylabel("p50 latency (ms)")
+        ax.set_title(f"batch {B}, {thr} thread(s)")
+        ax.grid(alpha=0.3)
+        rz = [(r["seq"], r["realisation"]) for r in rs if r["realisation"] is not None]
+        if rz:
+            ax2 = ax.twinx()
+            ax2.plot([x for x, _ in rz], [y for _, y in rz], "k:", marker="x", label="realisation")
+            ax2.set_ylabel("realisation")
+            ax2.axhline(1.0, color="grey", lw=0.5)
+            ax2.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper left", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(str(tmp), dpi=110, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)

@@ -71,6 +71,20 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(pytest.mark.skip(reason=reasons[marker]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """bench caches its dense graphs per weights; the tests' cache is their own, never the user's."""
+    import os
+
+    old = os.environ.get("ADAPTEX_CACHE_DIR")
+    os.environ["ADAPTEX_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("ADAPTEX_CACHE_DIR", None)
+    else:
+        os.environ["ADAPTEX_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny BudgetFormer whose routers spread k over 1..H (so decisions vary)."""

@@ -1,4 +1,4 @@
-"""`adaptex bench`: latency of an artifact against the dense graphs of the same weights."""
+"""`adaptex bench`: latency of an artifact against the fastest dense graph of the same weights."""
 from __future__ import annotations
 
 import json
@@ -7,86 +7,117 @@ from adaptex.cli._util import UsageError, at_least, load_model, read_inputs, say
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("bench", help="latency against the dense counterpart and the naive export")
+    s = sub.add_parser("bench", help="latency against the fastest dense graph of the same weights",
+                       description="Time an artifact against every dense graph a user could ship for the same "
+                                   "weights (stock and legacy exports, the original checkpoint's export, ONNX "
+                                   "Runtime's transformer optimizer), interleaved in independent blocks; the "
+                                   "fastest is the yardstick. Lists (--seq 32,128,512) sweep a grid.")
     s.add_argument("artifact")
     s.add_argument("--model", default=None,
                    help="the source: a checkpoint or shipped name, or MODULE:FUNCTION for a model of your own "
                         "(default: the checkpoint the artifact records)")
     s.add_argument("--inputs", default=None, help="an .npz of the inputs to time (a model of your own needs it)")
-    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--batch", default="1", help="samples per run; a list such as 1,8,64 sweeps")
     s.add_argument("--seq", default="128", help="new tokens per run (a decoder's prefill length); a list such as "
                                                  "128,512,2048 sweeps the lengths")
-    s.add_argument("--past", type=int, default=0,
-                   help="decoders: cached tokens before the timed step (decode: --seq 1 --past N)")
-    s.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (0: runtime default)")
+    s.add_argument("--past", default="0",
+                   help="decoders: cached tokens before the timed step (decode: --seq 1 --past 511); a list sweeps")
+    s.add_argument("--threads", default="1",
+                   help="ONNX Runtime intra-op threads (0: runtime default); a list such as 1,2 reports each")
     s.add_argument("--warmup", type=int, default=10)
-    s.add_argument("--runs", type=int, default=None, help="timed rounds (default: as many as fit in ~8 s, 30..500)")
+    s.add_argument("--runs", type=int, default=None,
+                   help="timed rounds per point (default: as many as fit in ~8 s, 30..500)")
+    s.add_argument("--blocks", type=int, default=5,
+                   help="independent blocks the rounds fall into; ratios are reported as the median and the "
+                        "min-max over blocks (default 5)")
+    s.add_argument("--profile", action="store_true",
+                   help="ONNX Runtime's profiler on the adaptive graph and the yardstick: kernel time by op type, "
+                        "adaptive ops against the rest")
+    s.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw latency against sequence length (adaptive, yardstick, naive) with the realisation")
+    s.add_argument("--csv", default=None, metavar="CSV", help="write every graph's figures at every point")
+    s.add_argument("--no-cache", action="store_true",
+                   help="export the dense graphs again instead of reading them from the cache "
+                        "(~/.cache/adaptex, or $ADAPTEX_CACHE_DIR)")
+    s.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement (one process per graph)")
     s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
                    help="Core ML packages on macOS: which units Core ML may use (default all)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=run)
 
 
-def _lengths(text: str) -> list[int]:
+def _ints(flag: str, text: str, low: int, example: str) -> list[int]:
     try:
-        seqs = [int(x) for x in str(text).split(",")]
+        values = [int(x) for x in str(text).split(",")]
     except ValueError:
-        raise UsageError(f"--seq {text!r}: expected a length or a comma-separated list (e.g. --seq 128,512,2048)") from None
-    if any(s < 1 for s in seqs):
-        raise UsageError(f"--seq {text!r}: every length must be at least 1")
-    return seqs
+        raise UsageError(f"{flag} {text!r}: expected a number or a comma-separated list (e.g. {flag} {example})") \
+            from None
+    if any(v < low for v in values):
+        raise UsageError(f"{flag} {text!r}: every value must be at least {low}")
+    return values
 
 
 def run(args) -> int:
     from adaptex.runtimes import coreml
-    from adaptex.runtimes.bench import format_bench, run_bench
+    from adaptex.runtimes.bench import Bench, format_bench, format_sweep, plot, write_csv
     from adaptex.runtimes.open import artifact_kind, open_artifact
     from adaptex.runtimes.source import load_source_model
 
-    at_least(args, runs=1, warmup=0, threads=0, past=0, batch=1)
-    seqs = _lengths(args.seq)
-    if artifact_kind(args.artifact) == "coreml" and not coreml.available():
+    at_least(args, runs=1, warmup=0, blocks=1)
+    seqs = _ints("--seq", args.seq, 1, "128,512,2048")
+    batches = _ints("--batch", args.batch, 1, "1,8,64")
+    pasts = _ints("--past", args.past, 0, "127,511")
+    threads = _ints("--threads", args.threads, 0, "1,2")
+    kind = artifact_kind(args.artifact)
+    if kind == "coreml" and not coreml.available():
         raise UsageError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
                          "the package by MIL reference evaluation, and 'adaptex bench' times .onnx artifacts")
-    runner = open_artifact(args.artifact, args.threads, args.compute_units)
-    set_threads(args.threads)
+    if args.profile and kind != "onnx":
+        raise UsageError("--profile reads ONNX Runtime's profiler: it applies to .onnx artifacts")
+    runner = open_artifact(args.artifact, threads[0], args.compute_units)
+    set_threads(threads[0])
+    progress = None if args.json else say
+    feeds, contract = None, None
     if args.model and ":" in args.model or args.inputs:  # a model of your own: its inputs, timed as given
-        from adaptex.api import _feeds, bench
+        from adaptex.api import _feeds, _reference
 
+        if len(seqs) * len(batches) * len(pasts) > 1:
+            raise UsageError("--inputs times the inputs as given: drop the --seq/--batch/--past lists")
+        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9) if args.inputs else None
         model = load_model(args.model)[0] if args.model else None
-        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9)
-        r = bench(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
-                  threads=args.threads, warmup=args.warmup, runs=args.runs, progress=None if args.json else say)
-        print(json.dumps(r, indent=2) if args.json else format_bench(r))
-        return 0
-    model, info = load_source_model(runner.meta, args.model)
-    if len(seqs) > 1:
-        return _sweep(args, model, info, seqs)
-    r = run_bench(args.artifact, model, info, batch=args.batch, seq=seqs[0], threads=args.threads,
-                  warmup=args.warmup, runs=args.runs, progress=None if args.json else say,
-                  compute_units=args.compute_units or "all", past=args.past)
-    print(json.dumps(r, indent=2) if args.json else format_bench(r))
-    return 0
-
-
-def _sweep(args, model, info, seqs: list[int]) -> int:
-    """One bench per length; lengths above the model's limit are reported, not run."""
-    from adaptex.runtimes.bench import format_bench, format_sweep, run_bench
-
-    rows, skipped = [], []
-    for T in seqs:
-        if T + args.past > model.cfg.max_len:
-            skipped.append(f"T={T}: above the model's limit of {model.cfg.max_len} positions; not run")
-            continue
-        say(f"--- T={T} ---")
-        r = run_bench(args.artifact, model, info, batch=args.batch, seq=T, threads=args.threads, warmup=args.warmup,
-                      runs=args.runs, progress=None if args.json else say, past=args.past)
-        rows.append(r)
-        if not args.json:
-            print(format_bench(r))
-    if args.json:
-        print(json.dumps({"sweep": rows, "skipped": skipped}, indent=2))
+        _, reference, fl, info = _reference(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"]))
+                                            if inputs else None, threads[0])
+        model, contract, feeds = reference.model, reference.contract, (fl[0] if fl else None)
     else:
-        print(f"sweep: {args.artifact} against the dense graph (batch {args.batch}, {args.threads} thread(s))")
+        model, info = load_source_model(runner.meta, args.model)
+    limit = getattr(getattr(model, "cfg", None), "max_len", None)
+    rows, skipped = [], []
+    with Bench(args.artifact, model, info, contract=contract, compute_units=args.compute_units or "all",
+               progress=progress, cache=not args.no_cache) as bench:
+        points = [(t, b, s, p) for t in threads for b in batches for p in pasts for s in seqs]
+        for i, (thr, B, T, past) in enumerate(points):
+            if limit and T + past > limit and feeds is None:
+                skipped.append(f"batch={B} T={T} past={past}: above the model's limit of {limit} positions; not run")
+                continue
+            if len(points) > 1 and progress:
+                progress(f"--- point {i + 1}/{len(points)}: threads={thr} batch={B} T={T}"
+                         + (f" past={past}" if past else "") + " ---")
+            r = bench.run(batch=B, seq=T, past=past, threads=thr, feeds=feeds, warmup=args.warmup, runs=args.runs,
+                          blocks=args.blocks, memory=not args.no_memory, profile=args.profile)
+            rows.append(r)
+            if not args.json:
+                print(format_bench(r), flush=True)
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.plot:
+        plot(rows, args.plot, title=f"{args.artifact}: adaptive against the fastest dense graph")
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 and not skipped else {"sweep": rows, "skipped": skipped}, indent=2))
+    elif len(points) > 1:
+        print(f"sweep: {args.artifact} against the fastest dense graph at each point")
         print(format_sweep(rows, skipped))
+    if args.csv and not args.json:
+        print(f"wrote {args.csv}")
+    if args.plot and not args.json:
+        print(f"wrote {args.plot}")
     return 0
