@@ -17,7 +17,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"adaptex"}, top
-    for room in ("graphs", "exporter", "runtimes", "cli"):
+    for room in ("graphs", "graphs/nn", "graphs/data", "graphs/hf", "exporter", "runtimes", "cli"):
         assert f"adaptex/{room}/__init__.py" in names, room
     assert "adaptex/graphs/zoo/budgetformer-graded/model.safetensors" in names  # the shipped models ride along
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
