@@ -85,16 +85,16 @@ class TextCorpus:
     def _window(self, split: str, rng: np.random.Generator) -> list[int]:
         need = self.seq_len + 1
         out: list[int] = []
-        first = True
+        offset = None
         for text in self.files.lines(split, int(rng.integers(0, self.files.count(split)))):
             ids = self.tok.encode(text)
-            if first and ids:
-                ids = ids[int(rng.integers(0, len(ids))):]
-                first = False
+            if offset is None and ids:  # start somewhere inside the first line, not always at its start
+                offset = int(rng.integers(0, len(ids)))
             out += ids
-            if len(out) >= need:
-                return out[:need]
-        return out  # the whole split is shorter than a window
+            if len(out) >= need + (offset or 0):
+                break
+        start = min(offset or 0, max(0, len(out) - need))  # a split shorter than a window keeps all it has
+        return out[start:start + need]
 
     def sample(self, n: int, rng: np.random.Generator, split: str = "train") -> LMBatch:
         T = self.seq_len
