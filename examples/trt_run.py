@@ -1,6 +1,6 @@
 """Load an adaptex TensorRT engine and run one input: the minimal embedding, TensorRT + cuda-python + numpy.
 
-    python examples/trt_run.py model.plan   # prints the logits and each layer's decisions (k, or keep)
+    python examples/trt_run.py model.plan   # prints the first output and every decision (k, keep or sa)
 
 The engine was built by `adaptex export --target tensorrt -o model.plan` (metadata in model.plan.json).
 Outputs with a data-dependent shape are not an issue for the shipped families: their data-dependent
@@ -12,6 +12,30 @@ import json
 import sys
 
 import numpy as np
+
+
+def example_feeds(meta: dict, tokens: int = 16) -> dict:
+    """One input of `tokens` new tokens (or positions) from the engine's metadata: ids from the model's
+    vocabulary, a mask of ones, empty caches (a prefill), zero head modes, other floats random."""
+    rng = np.random.default_rng(0)
+    sizes = {"batch": 1, "sequence": min(tokens, int(meta.get("max_sequence") or tokens)), "past_sequence": 0}
+
+    def size(d):
+        if isinstance(d, int):
+            return d
+        return sum(sizes.get(t.strip(), tokens) for t in str(d).split("+"))
+
+    vocab = (meta.get("config") or {}).get("vocab_size", 2)
+    feeds = {}
+    for name, spec in meta["inputs"].items():
+        shape, dtype = tuple(size(d) for d in spec["shape"]), np.dtype(spec["dtype"])
+        if name == "input_ids":
+            feeds[name] = rng.integers(1, vocab, size=shape).astype(dtype)
+        elif name == "attention_mask" or dtype == np.bool_:
+            feeds[name] = (np.ones if name == "attention_mask" else np.zeros)(shape, dtype)
+        else:
+            feeds[name] = rng.normal(size=shape).astype(dtype)
+    return feeds
 
 
 def main(plan_path: str) -> None:
@@ -34,21 +58,11 @@ def main(plan_path: str) -> None:
     context = engine.create_execution_context()
     stream = ok(cudart.cudaStreamCreate())
 
-    # one sequence of 16 tokens (ids from the model's vocabulary), no padding
-    rng = np.random.default_rng(0)
-    T = 16
-    feeds = {"input_ids": rng.integers(1, meta["config"]["vocab_size"], size=(1, T)).astype(np.int64),
-             "attention_mask": np.ones((1, T), np.int64)}
-    cfg = meta["config"]
-    if meta["family"] in ("tsa", "elastic_decoder"):  # a decoder's prefill: empty caches (past_sequence = 0)
-        dh = cfg["d_model"] // cfg["num_heads"]
-        feeds.update({f"past_key_values.{i}.{kv}": np.zeros((1, cfg["num_heads"], 0, dh), np.float32)
-                      for i in range(cfg["num_layers"]) for kv in ("key", "value")})
-    if meta["family"] == "elastic_decoder":  # ignored at prefill; decode steps feed back decisions.layer{i}.sa
-        feeds.update({f"head_modes.{i}": np.zeros((1, cfg["num_heads"]), bool) for i in range(cfg["num_layers"])})
+    feeds = example_feeds(meta)
     buffers = []
     for name, array in feeds.items():
-        context.set_input_shape(name, array.shape)
+        if not context.set_input_shape(name, array.shape):
+            sys.exit(f"{name}: shape {array.shape} is outside the engine's optimization profile")
         ptr = ok(cudart.cudaMalloc(max(array.nbytes, 1)))
         if array.nbytes:
             ok(cudart.cudaMemcpy(ptr, array.ctypes.data, array.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
@@ -71,10 +85,11 @@ def main(plan_path: str) -> None:
         ok(cudart.cudaMemcpy(host.ctypes.data, ptr, host.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
     for ptr in buffers:
         cudart.cudaFree(ptr)
-    print("logits:", np.round(outputs["logits"][0].reshape(-1)[:8], 3))
-    for name, (host, _) in outputs.items():
-        if name.startswith("decisions.") and name.endswith((".k", ".keep")):
-            print(f"{name}: {host.reshape(-1)[:16]}")
+    decisions = meta.get("decisions", {})
+    first = next(n for n in meta["outputs"] if not n.startswith("decisions."))  # logits, sentence_embedding, ...
+    print(f"{first}:", np.round(outputs[first][0].reshape(-1)[:8], 3))
+    for name, spec in decisions.items():  # k, keep (tokens that ran), sa (1 = streaming head)
+        print(f"{name} ({spec['kind']}): {outputs[name][0].reshape(-1)[:16].astype(int)}")
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from importlib import metadata as _pkg
 from pathlib import Path
 from typing import Iterator
 
 from adaptex.exporter.errors import ExportError
+from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 
 META_KEY = "adaptex"
@@ -196,17 +196,8 @@ def check_writable(out: str | os.PathLike, is_ours=None) -> Path:
 
 
 def _cleanup_stale(parent: Path, name: str) -> None:
-    """Remove what an interrupted write of `name` left behind in `parent` (.name.*.tmp files and
-    .name.* directories older than an hour: a concurrent write is never that old)."""
-    import time
-
-    cutoff = time.time() - 3600
-    for p in parent.glob(f".{name}.*"):
-        try:
-            if p.stat().st_mtime < cutoff:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        except OSError:
-            pass
+    """Remove what an interrupted (killed) write of `name` left behind in `parent`."""
+    files.sweep(parent, f".{name}.{files.TAG}-*")
 
 
 @contextlib.contextmanager
@@ -217,16 +208,17 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
     _cleanup_stale(parent, out.name)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=files.sibling_prefix(out), suffix=".tmp", dir=parent)
         os.close(fd)
         try:
             yield Path(tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
+            os.replace(tmp, out)
         except OSError as e:
-            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
-        os.replace(tmp, out)
+            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written, and the "
+                              "previous file, if any, is untouched") from e
     finally:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
@@ -237,28 +229,10 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp directory path beside `out` (a package directory); when the block succeeds, the
     old `out` moves aside, the new one takes its place, and only then is the old one deleted. An
     interruption at any point leaves the old or the new package at `out`, never neither."""
-    out = Path(out)
-    parent = out.absolute().parent
-    _cleanup_stale(parent, out.name)
-    work = None
     try:
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-        new = work / out.name
-        try:
+        with files.atomic_directory(out) as new:
             yield new
-        except OSError as e:
-            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from e
-        os.chmod(work, 0o755)
-        old = work / "old"
-        if out.exists():
-            os.replace(out, old)  # aside, within the same directory: an atomic rename
-        try:
-            os.replace(new, out)
-        except BaseException:
-            if old.exists() and not out.exists():
-                os.replace(old, out)  # put the old package back
-            raise
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+    except OSError as e:
+        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written, and the previous "
+                          "artifact, if any, is untouched") from e
 

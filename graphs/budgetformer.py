@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import BudgetedAttention, RoutingSchedule, masked_mean  # noqa: F401  (re-exported)
 
@@ -57,9 +58,9 @@ class BudgetFormerConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BudgetFormerConfig":
-        d = {k: v for k, v in d.items() if k != "family"}
-        return cls(**d)
+    def from_dict(cls, d: dict, where: str = "config") -> "BudgetFormerConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        return config_from_dict(cls, d, where)
 
 
 def sinusoids(n: int, d: int) -> Tensor:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from adaptex.graphs import files
 from adaptex.graphs.errors import CheckpointError
 from adaptex.graphs.family import FAMILIES, load_families
 
@@ -62,13 +61,18 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     load_families()
     try:
         info = json.loads(cfg_path.read_text())
-        family = info["family"]
-        contract = FAMILIES[family]
-        cfg_cls, model_cls = contract.config_cls, contract.model_cls
-        cfg = cfg_cls.from_dict(info["config"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path}: corrupt config ({type(e).__name__}: {e}); "
-                              "re-run 'adaptex train' to write a fresh checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); re-run 'adaptex train' to write a fresh "
+                              "checkpoint") from None
+    if not isinstance(info, dict) or "family" not in info or "config" not in info:
+        raise CheckpointError(f"{cfg_path}: a checkpoint config is an object with 'family' and 'config' keys; "
+                              "re-run 'adaptex train' to write a fresh checkpoint")
+    contract = FAMILIES.get(info["family"]) if isinstance(info["family"], str) else None
+    if contract is None:
+        raise CheckpointError(f"{cfg_path}: unknown family {info['family']!r}; adaptex loads "
+                              f"{', '.join(sorted(FAMILIES))}")
+    cfg_cls, model_cls = contract.config_cls, contract.model_cls
+    cfg = cfg_cls.from_dict(info["config"], where=f"{cfg_path} 'config'")
     try:
         state = load_file(str(w_path))
     except Exception as e:  # safetensors raises several types (SafetensorError, OSError, ...)
@@ -123,26 +127,24 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
                               "(adaptex only replaces a directory holding config.json and model.safetensors)")
     if not parent.is_dir():
         raise CheckpointError(f"{path}: parent directory {parent} does not exist; create it first")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=parent))
     try:
-        info = {"family": net.cfg.family, "config": net.cfg.to_dict(), "weights_dtype": dtype, **(extra or {})}
-        (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
-        cast = torch.float16 if dtype == "float16" else torch.float32
-        own = net.checkpoint_state() if hasattr(net, "checkpoint_state") else net.state_dict()
-        state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in own.items()}
-        save_file(state, str(tmp / WEIGHTS))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is ordinary data
-        for f in (CONFIG, WEIGHTS):
-            os.chmod(tmp / f, 0o644)
-        old = None
-        if path.exists():  # swap: the old checkpoint moves aside and is deleted only once the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=parent))
-            os.replace(path, old / "ckpt")
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with files.atomic_directory(path) as tmp:
+            tmp.mkdir()
+            info = {"family": net.cfg.family, "config": net.cfg.to_dict(), "weights_dtype": dtype, **(extra or {})}
+            (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
+            cast = torch.float16 if dtype == "float16" else torch.float32
+            own = net.checkpoint_state() if hasattr(net, "checkpoint_state") else net.state_dict()
+            state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in own.items()}
+            save_file(state, str(tmp / WEIGHTS))
+            for f in (CONFIG, WEIGHTS):
+                os.chmod(tmp / f, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{path}: writing the checkpoint failed ({e.strerror or e}); free space or choose "
+                              "another -o; the previous checkpoint, if any, is untouched") from None
+    except Exception as e:
+        if type(e).__name__ == "SafetensorError":  # a full disk while writing the weights
+            raise CheckpointError(f"{path}: writing the weights failed ({str(e).splitlines()[0][:120]}); free "
+                                  "space or choose another -o; the previous checkpoint, if any, is untouched") from None
         raise
     return path
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
@@ -48,15 +49,16 @@ class ElasticConfig:
     router_hidden: int = 64
     target_sparsity: float = 0.6
     backbone_config: dict = field(default_factory=dict)
-    family: str = "elastic"
+    family: str = field(default="elastic", init=False)
     adaptive: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ElasticConfig":
-        return cls(**{k: v for k, v in d.items() if k != "family"})
+    def from_dict(cls, d: dict, where: str = "config") -> "ElasticConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        return config_from_dict(cls, d, where)
 
 
 class ElasticEncoder(nn.Module):

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
@@ -97,8 +98,9 @@ class ElasticDecoderConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ElasticDecoderConfig":
-        return cls(**{k: v for k, v in d.items() if k != "family"})
+    def from_dict(cls, d: dict, where: str = "config") -> "ElasticDecoderConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        return config_from_dict(cls, d, where)
 
 
 class TSABackbone(TSADecoder):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import CheckpointError, InputError
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
@@ -63,8 +64,9 @@ class MiniLMConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MiniLMConfig":
-        return cls(**{k: v for k, v in d.items() if k != "family"})
+    def from_dict(cls, d: dict, where: str = "config") -> "MiniLMConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        return config_from_dict(cls, d, where)
 
 
 def full_attention(layer_index: int, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.budgetformer import sinusoids
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
@@ -71,8 +72,9 @@ class TSAConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TSAConfig":
-        return cls(**{k: v for k, v in d.items() if k != "family"})
+    def from_dict(cls, d: dict, where: str = "config") -> "TSAConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        return config_from_dict(cls, d, where)
 
 
 attention_mask_4d = causal_visibility  # (B, T, P+T) bool visibility of a decoder step

@@ -69,6 +69,10 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def input_metadata(self) -> dict[str, IOSpec]: ...
 
+    def findings(self) -> list[str]:
+        """Problems the last runs met that their outputs cannot show (a check fails on them); cleared."""
+        return []
+
     @abc.abstractmethod
     def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 

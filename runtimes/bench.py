@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import session_options
@@ -182,8 +182,7 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
     elif past + seq > (limits_of(meta).max_sequence if limits_of(meta) else past + seq):
         raise AdaptexError(f"{past} cached + {seq} new tokens = {past + seq} exceed the model's maximum "
                            f"{limits_of(meta).max_sequence}; lower --past or --seq")
-    with tempfile.TemporaryDirectory(prefix="adaptex-bench-") as tmp:
-        tmp = Path(tmp)
+    with files.temp_dir("bench") as tmp:
         clocks = {}  # name -> the device time of its last run (TensorRT: CUDA events), else wall time
         if kind == "coreml":
             timings, fns, runtime = _coreml_graphs(artifact, model, contract, meta, tmp, compute_units, say)

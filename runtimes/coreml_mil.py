@@ -220,13 +220,23 @@ class MilReferenceRunner(Runner):
         self.path = Path(path)
         self.spec, self.program = load_program(self.path)
         self.meta = package_meta(self.spec, self.path)
+        self._found: list[str] = []
         super().__init__(limits_of(self.meta))
 
     def input_metadata(self) -> dict[str, IOSpec]:
         return input_specs(self.meta)
 
     def _infer(self, feeds):
-        return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds)))
+        def watch(op, outs):  # zero-size tensors fail at prediction time on some Core ML devices
+            for var, o in zip(op.outputs, outs):
+                if o.size == 0 and len(self._found) < 20:
+                    self._found.append(f"{op.op_type} {op.name} gives a zero-size tensor {var.name} of shape "
+                                       f"{list(o.shape)}; Core ML may refuse it at prediction time")
+        return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds), on_op=watch))
+
+    def findings(self) -> list[str]:
+        found, self._found = self._found, []
+        return found
 
 
 def load_program(path: Path):

@@ -54,6 +54,7 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
             report.batches += 1
             where = f"batch {bi} " + (info["where"] or _shape_note(feeds))
             got = artifact.infer({n: np.asarray(a).astype(specs[n].dtype) for n, a in feeds.items() if n in specs})
+            report.failures += [f"{where}: {f}" for f in artifact.findings()]
             ref, bad = _decisions(report, contract, reference, feeds, info, got, where)
             decided = {d.name for d in contract.decisions(reference.mode)}
             rows = ~bad

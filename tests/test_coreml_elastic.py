@@ -95,7 +95,7 @@ def test_sparse_program_gathers_modes_and_blocks(elastic):
     for li in range(cfg.num_layers):
         pre = "elastic_attention" + (f"_{li}" if li else "")
         n_sa, n_fa = shapes[f"{pre}_sa_pairs"][0], shapes[f"{pre}_fa_pairs"][0]
-        assert n_sa + n_fa == 8 * cfg.num_heads
+        assert n_sa + n_fa == 8 * cfg.num_heads + 2  # and a spare pair per group: never an empty group
         assert shapes[f"{pre}_sa_loc_scores"] == (n_sa, -(-T // Bq), Bq, L)  # O(T * window), not T x S
         assert shapes[f"{pre}_sa_sink_scores"] == (n_sa, -(-T // Bq), Bq, cfg.sink)
         assert shapes[f"{pre}_fa_scores"] == (n_fa, T, T)
@@ -177,3 +177,18 @@ def test_op_translation_matches_eager_kernel(variant, sink, window, causal, tmp_
         seen = (torch.where(sa[:, :, None, None], sa_vis, fa) & km[:, None, None, :]).any(-1)  # (b, H, t)
         err = np.abs(got - want.numpy())[seen.numpy()]
         assert err.size and err.max() < 1e-5, (b, t, s, float(err.max()))
+
+
+def test_the_checker_flags_a_zero_size_intermediate(elastic, monkeypatch):
+    """A program that empties a tensor on some input fails the check by name (Core ML may refuse
+    zero-size tensors at prediction time; coremltools #1040, #2516), though its values are right."""
+    from adaptex.runtimes import coreml_mil as cm
+
+    runner = MilReferenceRunner(elastic[2][("sparse", "fp32")][0])
+    real = cm.EVAL["non_zero"]
+    monkeypatch.setitem(cm.EVAL, "non_zero", lambda x: real(x)[:0] if x.shape[0] > 1 else real(x))
+    ids = np.ones((2, 12), np.int32)
+    runner.infer({"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    found = runner.findings()
+    assert found and "zero-size tensor" in found[0] and "non_zero" in found[0]
+    assert runner.findings() == []  # reported once

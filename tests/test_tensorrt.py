@@ -274,3 +274,94 @@ def test_pin_routing_pins_float_routing_layers_only():
     assert pin_routing(net, plan, ROUTE_MARK, trt) == 3
     assert [lay.precision for lay in layers] == ["f32", "f32", "f32", None, None, None, None]
     assert layers[1].out_types == {0: "f32"}  # the int64 indices keep their type
+
+
+def test_checker_flags_int64_cumsum_before_10_8_and_int16_tensors():
+    from onnx import TensorProto, helper
+
+    def model(dtype, op="CumSum"):
+        x = helper.make_tensor_value_info("x", dtype, [2, 3])
+        y = helper.make_tensor_value_info("y", dtype, [2, 3])
+        axis = helper.make_tensor("axis", TensorProto.INT64, [], [1])
+        node = helper.make_node(op, ["x", "axis"] if op == "CumSum" else ["x"], ["y"])
+        g = helper.make_graph([node], "g", [x], [y], initializer=[axis] if op == "CumSum" else [])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert {v.rule for v in tensorrt_rules.lint(model(TensorProto.INT64), "10.0")} == {"cumsum-float"}
+    assert tensorrt_rules.lint(model(TensorProto.INT64), "10.8") == []
+    assert tensorrt_rules.lint(model(TensorProto.FLOAT), "10.0") == []
+    assert "tensor-dtype" in {v.rule for v in tensorrt_rules.lint(model(TensorProto.INT16, "Identity"), "10.8")}
+
+
+def test_checker_flags_function_names_that_shadow_outer_tensors_before_10_8(bound):
+    m = onnx.load(str(bound[("bf", "sparse")]))
+    assert tensorrt_rules.lint(m, "10.0") == []  # adaptex's bodies name their parameters privately
+    f = m.functions[0]
+    outer = m.graph.input[0].name
+    f.input[0] = outer  # a body whose first parameter has the name of a model input
+    for n in f.node:
+        n.input[:] = [outer if i == "BudgetedAttention.x" else i for i in n.input]
+    assert {v.rule for v in tensorrt_rules.lint(m, "10.0")} == {"function-names-private"}
+    assert tensorrt_rules.lint(m, "10.8") == []
+
+
+# charlm-dense has no adaptive op, so its variants are one graph
+SHIPPED = [(m, v) for m in ("budgetformer-graded", "tsa-charlm", "elastic-minilm", "elastic-charlm")
+           for v in ("sparse", "dense")] + [("charlm-dense", "sparse")]
+
+
+@pytest.mark.parametrize("name, variant", SHIPPED, ids=[f"{m}-{v}" for m, v in SHIPPED])
+def test_engine_plan_of_every_shipped_model(name, variant):
+    """What an engine build of each shipped model is made of, decided without TensorRT: the profile's
+    shapes at each corner (the decoders' mask is past + new), and the layers an fp16 build pins, each
+    with a float input or output (an int or bool layer's precision must be its own type)."""
+    import onnx.inliner
+
+    import adaptex
+    from adaptex.exporter.metadata import source_of
+    from adaptex.exporter.targets.tensorrt.plan import (FLOAT_TYPES, ROUTE_MARK, input_shapes, pin_plan,
+                                                        simulate_pinning, value_types)
+    from adaptex.graphs.family import family_contract
+
+    model = adaptex.load(name)
+    data, meta = tensorrt.bound_onnx(model, family_contract(model), source_of(model, model.adaptex_source),
+                                     variant=variant)
+    proto = onnx.load_from_string(data)
+    assert tensorrt_rules.lint(proto) == []
+    prof = meta["tensorrt"]["profile"]
+    shapes = {k: input_shapes(meta, prof[k]) for k in ("min", "opt", "max")}
+    for k in ("min", "opt", "max"):
+        if "past_sequence" in prof[k]:  # the mask spans past + new at every corner: a self-consistent profile
+            assert shapes[k]["attention_mask"][1] == prof[k]["past_sequence"] + prof[k]["sequence"]
+            assert shapes[k]["past_key_values.0.key"][2] == prof[k]["past_sequence"]
+    plan = pin_plan(proto)
+    assert set(meta["tensorrt"]["pin_nodes"]) == set(plan.nodes)
+    pinned, left = simulate_pinning(proto, plan)
+    inlined = onnx.inliner.inline_local_functions(proto)
+    types, nodes = value_types(inlined), {n.name: n for n in inlined.graph.node}
+    adaptive = bool(meta["decisions"])
+    assert bool(pinned) == adaptive  # an adaptive model has routing to pin; a dense one none
+    for layer in pinned:
+        n = nodes[layer]
+        assert any(types.get(v) in FLOAT_TYPES for v in list(n.input) + list(n.output)), layer
+    for layer in left:  # the routing layers left alone touch only integers and bools
+        n = nodes[layer]
+        assert ROUTE_MARK in layer and not any(types.get(v) in FLOAT_TYPES for v in list(n.input) + list(n.output))
+
+
+def test_trt_run_example_builds_valid_feeds_for_every_family(bound, checkpoints, tmp_path):
+    """examples/trt_run.py's feeds come from the engine's metadata alone; an engine's inputs are its
+    TensorRT-bound ONNX's, so ONNX Runtime accepts them for every family."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from examples.trt_run import example_feeds
+
+    paths = [bound[("bf", "sparse")], bound[("tsa", "sparse")]]
+    for fam in ("el", "eldec"):
+        path = tmp_path / f"{fam}.onnx"
+        assert main(["export", str(checkpoints / fam), "--target", "tensorrt", "--onnx-only", "-o", str(path)]) == 0
+        paths.append(path)
+    for path in paths:
+        meta = read_onnx_metadata(path)
+        out = OnnxRuntimeRunner(path).infer(example_feeds(meta))
+        assert all(name in out for name in meta["decisions"])

@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    from adaptex.graphs import files
     from adaptex.graphs.errors import AdaptexError
 
+    files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err("interrupted")
         return 130
+    except files.Terminated:
+        err("terminated")
+        return 143
     except BrokenPipeError:  # output piped into `head` and the like: the reader left, not an error
         sys.stderr.close()
         return 0

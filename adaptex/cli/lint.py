@@ -43,6 +43,7 @@ def run(args) -> int:
     else:
         for v in violations:
             print(v)
-        verdict = f"{len(violations)} violation(s)" if violations else "passes"
-        print(f"{path}: {verdict} of {len(active)} TensorRT {args.trt_version} parser rules")
+        verdict = (f"{len(violations)} violation(s) of the {len(active)}" if violations else
+                   f"passes all {len(active)}")
+        print(f"{path}: {verdict} TensorRT {args.trt_version} parser rules")
     return EXIT_FAILED if violations else 0

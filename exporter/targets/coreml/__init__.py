@@ -34,6 +34,7 @@ from adaptex.exporter.targets.coreml import precision as policy
 from adaptex.exporter.targets.coreml.convert import convert
 from adaptex.exporter.targets.coreml.package import DEFAULT_MIN_TARGET, MIN_PAST, MIN_TARGETS  # noqa: F401
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
+from adaptex.graphs import files
 
 PRECISIONS = ("fp16", "fp32")
 
@@ -72,11 +73,19 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     from adaptex.exporter.targets.coreml.mil_ops import register_translations
 
     register_translations(emitters)
-    try:
-        mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"coremltools conversion failed: {first}") from e
+    with files.tempdir_for_libraries():  # coremltools' intermediate package: deleted with it, even on SIGTERM
+        try:
+            mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ExportError(f"coremltools conversion failed: {first}") from e
+        meta = _describe_and_save(mlmodel, contract, out, variant, prec, notes, inputs, outputs, source, tokenizer,
+                                  min_target)
+    return meta
+
+
+def _describe_and_save(mlmodel, contract, out, variant, prec, notes, inputs, outputs, source, tokenizer,
+                       min_target) -> dict:
     extra = {"routing_precision": "fp32", "min_target": min_target}
     if contract.decoder:
         extra["min_past_sequence"] = MIN_PAST

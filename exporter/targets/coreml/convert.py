@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from adaptex.exporter.targets.coreml import package, precision
+from adaptex.graphs import files
 from adaptex.exporter.trace import io_specs
 
 
@@ -73,7 +74,8 @@ def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
     inputs, outputs = package.coreml_io(*io_specs(ep, contract, mode))
     precision.bool_ops_as_logical(ep)
     keep, between = precision.keep_fp32(ep, contract, adaptive=False)
-    mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
-    out = Path(out)
-    mlmodel.save(str(out))
+    with files.tempdir_for_libraries():  # coremltools' intermediate package lives there until saved
+        mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
+        out = Path(out)
+        mlmodel.save(str(out))
     return out

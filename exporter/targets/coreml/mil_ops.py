@@ -71,6 +71,44 @@ def _ffn_mil(x, ln_w, ln_b, w1, b1, w2, b2, eps: float, name: str):
     return mb.linear(x=h, weight=w2, bias=b2, name=f"{name}_fc2")
 
 
+def _spare_row(x, name: str):
+    """x with one more row of zeros along axis 0: (B, ...) -> (B+1, ...)."""
+    from coremltools.converters.mil import Builder as mb
+
+    rank = len(x.shape)
+    first = mb.slice_by_index(x=x, begin=[0] * rank, end=[1] + [0] * (rank - 1),
+                              end_mask=[False] + [True] * (rank - 1), name=f"{name}_first")
+    return mb.concat(values=[x, mb.mul(x=first, y=np.array(0, dtype=_np_dtype(x)), name=f"{name}_zeros")], axis=0,
+                     name=name)
+
+
+def _np_dtype(x):
+    from coremltools.converters.mil.mil import types
+
+    return types.nptype_from_builtin(x.dtype) if not types.is_bool(x.dtype) else np.bool_
+
+
+def _nonzero_with_spare(mask, name: str):
+    """The (N+1, 2) index pairs of a (B, X) bool mask's True entries, the last one (B, 0): the mask
+    with a spare row that is True at its first entry only, so the result is never empty."""
+    from coremltools.converters.mil import Builder as mb
+
+    X = mb.gather(x=mb.shape(x=mask), indices=np.int32(1), axis=0, name=f"{name}_X")
+    spare = mb.expand_dims(x=mb.equal(x=mb.range_1d(start=np.int32(0), end=X, step=np.int32(1)), y=np.int32(0)),
+                           axes=[0], name=f"{name}_spare")  # (1, X): True, False, ...
+    return mb.non_zero(x=mb.concat(values=[mask, spare], axis=0, name=f"{name}_mask"), name=name)
+
+
+def _drop_spare_row(y, like, name: str):
+    """y (B+1, ...) -> (B, ...), B = like's first axis."""
+    from coremltools.converters.mil import Builder as mb
+
+    rank = len(like.shape)
+    end = mb.concat(values=[mb.slice_by_index(x=mb.shape(x=like), begin=[0], end=[1]), _i32([0] * (rank - 1))],
+                    axis=0, name=f"{name}_end")
+    return mb.slice_by_index(x=y, begin=[0] * rank, end=end, end_mask=[False] + [True] * (rank - 1), name=name)
+
+
 def conditional_ffn_mil(context, node, variant: str):
     """Emit MIL for one adaptex::conditional_ffn node: y = x + keep * gate * FFN(LayerNorm(x)).
 
@@ -88,13 +126,19 @@ def conditional_ffn_mil(context, node, variant: str):
         # the kept tokens' (batch, token) indices: their count N is known at run time only. Not a flat
         # index over B*T rows: an fp16 convert casts gather_nd indices to uint16 (coremltools'
         # add_int16_cast), which a flat index overflows past 65535 tokens; b < 4096 and t < max_len fit.
-        idx = mb.non_zero(x=keep, name=r + "idx")  # (N, 2) int32
-        g = mb.gather_nd(x=gate, indices=idx, name=r + "gate_kept")  # (N,) fp32
-        xs = mb.gather_nd(x=x, indices=idx, name=f"{node.name}_kept")  # (N, d)
-        u = _ffn_mil(xs, lw, lb, w1, b1, w2, b2, eps, node.name)  # (N, d)
+        # A spare batch row (zeros) and its index (B, 0) always join the kept ones, so no tensor is
+        # ever empty when no token is kept (zero-size tensors fail at prediction time on some Core ML
+        # devices, coremltools #1040 and #2516); its result is computed and dropped.
+        x_ext = _spare_row(x, f"{node.name}_ext")  # (B+1, T, d)
+        g_ext = _spare_row(gate, r + "gate_ext")  # (B+1, T)
+        idx = _nonzero_with_spare(keep, r + "idx")  # (N+1, 2) int32
+        g = mb.gather_nd(x=g_ext, indices=idx, name=r + "gate_kept")  # (N+1,) fp32
+        xs = mb.gather_nd(x=x_ext, indices=idx, name=f"{node.name}_kept")  # (N+1, d)
+        u = _ffn_mil(xs, lw, lb, w1, b1, w2, b2, eps, node.name)  # (N+1, d)
         ys = mb.add(x=xs, y=mb.mul(x=u, y=mb.expand_dims(x=g, axes=[1], name=r + "gate_col"),
                                    name=f"{node.name}_gated"), name=f"{node.name}_new")
-        y = mb.scatter_nd(data=x, indices=idx, updates=ys, mode="update", name=node.name)  # (B, T, d)
+        y = mb.scatter_nd(data=x_ext, indices=idx, updates=ys, mode="update", name=f"{node.name}_scatter")
+        y = _drop_spare_row(y, x, node.name)  # (B, T, d)
     else:
         # every token through the FFN, its update scaled by keep * gate (zero for skipped tokens)
         u = _ffn_mil(x, lw, lb, w1, b1, w2, b2, eps, node.name)  # (B, T, d)
@@ -320,22 +364,28 @@ def _ea_sparse(q, k, v, sa, km, sink: int, window: int, causal: bool, scale: flo
     from coremltools.converters.mil import Builder as mb
 
     T, S = _ea_dims(q, k)
-    out = q
+    # a spare batch row and its pair (B, 0) join each group, so no group is ever empty when every head
+    # of a batch runs one mode (zero-size tensors fail at prediction time on some Core ML devices,
+    # coremltools #1040 and #2516); the spare row's results are computed and dropped
+    q_ext, k_ext, v_ext = (_spare_row(t, f"{name}_{n}_ext") for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    km_ext = _spare_row(km, f"{name}_km_ext")
+    out = q_ext
     for group, pick in (("fa", mb.logical_not(x=sa)), ("sa", sa)):
         g = f"{name}_{group}"
-        idx = mb.non_zero(x=pick, name=f"{g}_pairs")  # (N, 2) (batch, head); N known at run time only
-        qs, ks, vs = (mb.gather_nd(x=t, indices=idx, name=f"{g}_{n}") for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        b = mb.slice_by_index(x=idx, begin=[0, 0], end=[0, 1], end_mask=[True, False])  # (N, 1) batch index
-        ms = mb.gather_nd(x=km, indices=b, name=f"{g}_key_mask")  # (N, S)
+        idx = _nonzero_with_spare(pick, f"{g}_pairs")  # (N+1, 2) (batch, head)
+        qs, ks, vs = (mb.gather_nd(x=t, indices=idx, name=f"{g}_{n}") for t, n in ((q_ext, "q"), (k_ext, "k"),
+                                                                                  (v_ext, "v")))
+        b = mb.slice_by_index(x=idx, begin=[0, 0], end=[0, 1], end_mask=[True, False])  # (N+1, 1) batch index
+        ms = mb.gather_nd(x=km_ext, indices=b, name=f"{g}_key_mask")  # (N+1, S)
         if group == "fa":
-            vis = mb.expand_dims(x=ms, axes=[1])  # (N, 1, S)
+            vis = mb.expand_dims(x=ms, axes=[1])  # (N+1, 1, S)
             if causal:  # keys up to the query's own position
                 vis = mb.mul(x=vis, y=_ea_band(T, S, sink, window, causal)[0])
-            o = _ea_attend(qs, ks, vs, vis, scale, g)  # (N, T, dh)
+            o = _ea_attend(qs, ks, vs, vis, scale, g)  # (N+1, T, dh)
         else:
             o = _ea_streaming(qs, ks, vs, ms, T, S, sink, window, causal, scale, g)
         out = mb.scatter_nd(data=out, indices=idx, updates=o, mode="update", name=f"{g}_scatter")
-    return out
+    return _drop_spare_row(out, q, f"{name}_out")
 
 
 def elastic_attention_mil(context, node, variant: str):

@@ -127,8 +127,12 @@ def check_output(out: Path) -> None:
     parent = out.absolute().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ExportError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
-    if out.exists() and not is_package(out):
-        raise ExportError(f"{out}: exists and is not an ML package; choose a new -o")
+    if out.exists():
+        try:
+            package_meta(load_spec(out), out)
+        except AdaptexError:
+            raise ExportError(f"{out}: exists and is not an ML package written by adaptex; choose a new -o "
+                              "(adaptex only replaces artifacts it wrote)") from None
 
 
 def check_package_files(path: Path) -> None:

@@ -121,7 +121,8 @@ def conditional_residual_ops(ep) -> set[str]:
     out = set()
     for n in adaptex_nodes(ep):
         if op_name(n) == "adaptex::conditional_ffn":
-            out |= {f"{n.name}{s}" for s in ("", "_kept", "_ln", "_new")}
+            out |= {f"{n.name}{s}" for s in ("", "_kept", "_ln", "_new", "_ext", "_ext_first", "_ext_zeros",
+                                               "_scatter", "_end")}
         elif op_name(n) == "adaptex::conditional_attention":
             out |= {f"{n.name}{s}" for s in ("", "_kept", "_new")}
     return out

@@ -15,6 +15,19 @@ OPSET_VERSION = 1  # version of the adaptex op set
 ONNX_OPSET = 20
 
 
+def _private(f: onnx.FunctionProto) -> onnx.FunctionProto:
+    """Prefix the body's formal inputs and outputs with its name ("BudgetedAttention.x"): before 10.8
+    TensorRT's parser bound a function input whose name matched an outer tensor to that tensor, and a
+    model's own input may well be called x. Internal values already carry a per-body prefix."""
+    rename = {n: f"{f.name}.{n}" for n in list(f.input) + list(f.output)}
+    for seq in (f.input, f.output):
+        seq[:] = [rename[n] for n in seq]
+    for node in f.node:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+        node.output[:] = [rename.get(n, n) for n in node.output]
+    return f
+
+
 class _Body:
     """Accumulates the nodes of one function body; each call adds a node and returns its output(s)."""
 
@@ -124,12 +137,12 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
     b.nodes.append(helper.make_node("Identity", [y], ["y"]))
     b.nodes.append(helper.make_node("Identity", [k], ["k"]))
     b.nodes.append(helper.make_node("Cast", [mask_f], ["head_mask"], to=TensorProto.BOOL))
-    return helper.make_function(
+    return _private(helper.make_function(
         DOMAIN, "BudgetedAttention", INPUTS, OUTPUTS, b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["num_heads"],
         doc_string=f"adaptex::budgeted_attention, {variant} lowering (see docs/ops.md)",
-    )
+    ))
 
 
 CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
@@ -166,12 +179,12 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
         g = b("Mul", gate_flat, b("Cast", b("Reshape", keep, b.const([-1])), to=TensorProto.FLOAT))  # (B*T,)
         y = b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
     b.nodes.append(helper.make_node("Reshape", [y, shape], ["y"]))
-    return helper.make_function(
+    return _private(helper.make_function(
         DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["eps"],
         doc_string=f"adaptex::conditional_ffn, {variant} lowering (see docs/ops.md)",
-    )
+    ))
 
 
 CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"]
@@ -225,9 +238,14 @@ def conditional_attention_function(variant: str, partition: str = "topk") -> onn
             _, order = b("TopK", b("Cast", keep, to=TensorProto.FLOAT), n1, axis=1, largest=1, sorted=1,
                          outputs=2)  # (B, n): kept positions first
         else:
-            # kept token t goes to slot (kept before t), skipped token t to (count + skipped before t)
-            slot_kept = b("Sub", b("CumSum", ki, one), one)
-            slot_skip = b("Add", cnt, b("Sub", b("CumSum", b("Sub", one, ki), one), one))
+            # kept token t goes to slot (kept before t), skipped token t to (count + skipped before t).
+            # The running counts are float32 (exact below 2^24): TensorRT before 10.8 takes CumSum on
+            # floating-point tensors only.
+            kf = b("Cast", keep, to=TensorProto.FLOAT)
+            run_kept = b("Cast", b("CumSum", kf, one), to=TensorProto.INT64)
+            run_skip = b("Cast", b("CumSum", b("Sub", b.const(1.0, np.float32), kf), one), to=TensorProto.INT64)
+            slot_kept = b("Sub", run_kept, one)
+            slot_skip = b("Add", cnt, b("Sub", run_skip, one))
             slot = b("Where", keep, slot_kept, slot_skip)  # (B, T): a permutation of 0..T-1 per row
             pos = b("Add", b("Mul", ki, b.const(0)), b("Range", b.const(0), T, one))  # (B, T)
             perm = b("ScatterElements", pos, slot, pos, axis=1)  # (B, T): perm[b, slot] = t
@@ -247,12 +265,12 @@ def conditional_attention_function(variant: str, partition: str = "topk") -> onn
     else:
         upd = attend(hn, bias)  # (B, T, d)
         b.nodes.append(helper.make_node("Add", [x, b("Mul", upd, b("Unsqueeze", g, b.const([2])))], ["y"]))
-    return helper.make_function(
+    return _private(helper.make_function(
         DOMAIN, "ConditionalAttention", CA_INPUTS, ["y"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["num_heads"],
         doc_string=f"adaptex::conditional_attention, {variant} lowering (see docs/ops.md)",
-    )
+    ))
 
 
 EA_INPUTS = ["q", "k", "v", "sa", "key_mask"]
@@ -379,12 +397,12 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
         o = b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
         out = b("ScatterND", out, idx, o)
         b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
-    return helper.make_function(
+    return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["sink", "window", "causal"],
         doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
-    )
+    ))
 
 
 def register_schema() -> None:

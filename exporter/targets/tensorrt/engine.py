@@ -14,7 +14,7 @@ from pathlib import Path
 from adaptex.exporter import metadata
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.tensorrt import cuda
-from adaptex.exporter.targets.tensorrt.plan import PinPlan, input_shapes
+from adaptex.exporter.targets.tensorrt.plan import PinPlan, input_shapes, should_pin
 
 NO_TENSORRT = ("building a TensorRT engine needs TensorRT 10 and an NVIDIA GPU, and {why}; write the "
                "TensorRT-bound ONNX here with --onnx-only -o model.onnx, then build it on a GPU machine with "
@@ -36,7 +36,7 @@ def _is_float(t, trt) -> bool:
     return t is not None and t.dtype in (trt.float32, trt.float16, trt.bfloat16)
 
 
-def pin_routing(network, plan: PinPlan, mark: str, trt) -> int:
+def pin_routing(network, plan: PinPlan, mark: str, trt) -> int:  # noqa: ARG001 (mark: plan.ROUTE_MARK)
     """Require fp32 for each routing layer that has a float input or output: a layer named after a
     planned node (or carrying the routing mark: function bodies' routing), or producing a planned
     routing tensor (helper layers the parser names its own way). An int or bool layer is never
@@ -48,9 +48,8 @@ def pin_routing(network, plan: PinPlan, mark: str, trt) -> int:
             continue
         ins = [layer.get_input(j) for j in range(layer.num_inputs)]
         outs = [layer.get_output(j) for j in range(layer.num_outputs)]
-        named = mark in layer.name or any(layer.name.startswith(n) for n in plan.nodes)
-        feeds = any(o is not None and o.name in plan.tensors for o in outs)
-        if not (named or feeds) or not any(_is_float(t, trt) for t in ins + outs):
+        typed = lambda ts: [(t.name, _is_float(t, trt)) for t in ts if t is not None]
+        if not should_pin(layer.name, typed(ins), typed(outs), plan):
             continue
         layer.precision = trt.float32
         for j, o in enumerate(outs):

@@ -88,7 +88,8 @@ def mark_routing(proto: onnx.ModelProto) -> list[str]:
         n.name = f"{ROUTE_MARK}/{n.name or f'{n.op_type}_{i}'}"
         values.extend(n.output)
     for f in proto.functions:
-        sources = set(ROUTING_INPUTS.get(f.name, ()))
+        formal = BODY_INPUTS.get(f.name, [])
+        sources = {f.input[i] for i, n in enumerate(formal) if n in ROUTING_INPUTS.get(f.name, ()) and i < len(f.input)}
         body = _graph_routing(f, set(f.input) - sources, set())  # reads x or the weights
         marked = _graph_routing(f, sources, set()) - body
         for i, n in enumerate(f.node):
@@ -120,6 +121,37 @@ def value_types(proto: onnx.ModelProto) -> dict[str, int]:
                 if a.name == "value":
                     types[n.output[0]] = a.t.data_type
     return types
+
+
+def should_pin(name: str, inputs: list[tuple[str, bool]], outputs: list[tuple[str, bool]], plan: PinPlan) -> bool:
+    """Whether an fp16 build pins a layer to fp32: it is routing (named after a planned node, carrying
+    ROUTE_MARK as a function body's routing layer does, or producing a planned routing tensor) and it
+    has a float input or output. inputs/outputs: (tensor name, is float). The builder and the CPU
+    tests both decide through this one function."""
+    routing = ROUTE_MARK in name or any(name.startswith(n) for n in plan.nodes) or \
+        any(t in plan.tensors for t, _ in outputs)
+    return routing and any(is_float for _, is_float in inputs + outputs)
+
+
+def simulate_pinning(proto: onnx.ModelProto, plan: PinPlan) -> tuple[list[str], list[str]]:
+    """(pinned, left alone) routing layers of the network the parser would build, approximated by the
+    model with its local functions inlined (a layer per node, named after it): what an fp16 build of
+    this file pins, decided without TensorRT."""
+    import onnx.inliner
+
+    inlined = onnx.inliner.inline_local_functions(proto)
+    types = value_types(inlined)
+    pinned, left = [], []
+    for n in inlined.graph.node:
+        ins = [(v, types.get(v) in FLOAT_TYPES) for v in n.input if v]
+        outs = [(v, types.get(v) in FLOAT_TYPES) for v in n.output if v]
+        if n.op_type in ("Constant", "Shape"):
+            continue
+        if should_pin(n.name, ins, outs, plan):
+            pinned.append(n.name)
+        elif ROUTE_MARK in n.name:
+            left.append(n.name)
+    return pinned, left
 
 
 def pin_plan(proto: onnx.ModelProto) -> PinPlan:

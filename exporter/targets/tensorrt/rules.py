@@ -44,8 +44,11 @@ SequenceLength SequenceMap SoftmaxCrossEntropyLoss SplitToSequence StringConcat 
 TfIdfVectorizer Unique
 """.split())
 
+# TensorRT's DataType has no such tensors (NvInferRuntimeBase.h: kFLOAT, kHALF, kBF16, kINT8, kINT32,
+# kINT64, kBOOL, kUINT8, kFP8, kINT4)
 BAD_DTYPES = {TensorProto.STRING: "string", TensorProto.COMPLEX64: "complex64", TensorProto.COMPLEX128: "complex128",
-              TensorProto.UINT16: "uint16", TensorProto.UINT32: "uint32", TensorProto.UINT64: "uint64"}
+              TensorProto.UINT16: "uint16", TensorProto.UINT32: "uint32", TensorProto.UINT64: "uint64",
+              TensorProto.INT16: "int16", TensorProto.DOUBLE: "float64"}
 TOPK_MAX_K = 3840
 
 
@@ -163,8 +166,8 @@ def _topk_k_limit(node, ctx):
     if isinstance(dim, int) and dim > 0:
         return None if dim <= TOPK_MAX_K else \
             f"runtime K over an axis of {dim} > {TOPK_MAX_K} elements may exceed TensorRT's TopK limit"
-    return (f"runtime K over an axis of unknown size: nothing bounds K by {TOPK_MAX_K} (larger K crashes "
-            "rather than erroring); give the axis a static size")
+    return (f"runtime K over an axis of unknown size: nothing bounds K by {TOPK_MAX_K} (a larger K fails when "
+            "the engine runs, not when it builds); give the axis a static size")
 
 
 def _scatternd_reduction(node, ctx):
@@ -261,6 +264,15 @@ def _split_args(node, ctx):
     return None
 
 
+def _cumsum_float(node, ctx):
+    if node.op_type == "CumSum":
+        t = ctx.dtypes.get(node.input[0])
+        if t is not None and t not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            return (f"CumSum over {onnx.helper.tensor_dtype_to_string(t).split('.')[-1].lower()}: TensorRT before "
+                    "10.8 sums float32 and float16 only; cast to float (counts are exact below 2^24)")
+    return None
+
+
 def _gemm_dtype(node, ctx):
     if node.op_type in ("Gemm", "MatMul"):
         for name in node.input[:2]:
@@ -279,6 +291,9 @@ RULES: list[Rule] = [
     Rule("function-call-arity", "9.0", None,
          "a call to a local function passes as many inputs as the function declares",
          lambda n, c: None, "onnx-tensorrt ModelImporter (local function import)"),
+    Rule("function-names-private", "9.0", "10.7",
+         "a local function's formal inputs and outputs share no name with a main-graph tensor",
+         lambda n, c: None, "onnx-tensorrt Changelog 10.8 (function inputs bound to same-named outer tensors)"),
     Rule("function-attr-ref", "9.0", None,
          "attribute references in function bodies are scalars, lists or tensors (not graphs, dtypes or string lists)",
          lambda n, c: None, "onnx-tensorrt OnnxAttrs.cpp"),
@@ -299,8 +314,9 @@ RULES: list[Rule] = [
          "onnx-tensorrt docs/operators.md (10.15)"),
     Rule("squeeze-axes-omitted", None, "11.4", "Squeeze without axes has an input of static shape",
          _squeeze_axes_omitted, "TensorRT 11.5 release notes"),
-    Rule("tensor-dtype", None, None, "no string, complex or unsigned 16-64-bit tensors; uint8 only at the graph's edge",
-         _dtypes, "onnx-tensorrt docs/operators.md (types)"),
+    Rule("tensor-dtype", None, None,
+         "no string, complex, float64, int16 or unsigned 16-64-bit tensors; uint8 only at the graph's edge",
+         _dtypes, "onnx-tensorrt docs/operators.md (types); NvInferRuntimeBase.h DataType"),
     Rule("nonzero-input-type", "8.5", None, "NonZero's input is float, int or bool", _nonzero_type,
          "onnx-tensorrt NonZero importer"),
     Rule("layernorm-outputs", "8.6", None, "LayerNormalization's Mean and InvStdDev outputs are unused",
@@ -309,9 +325,11 @@ RULES: list[Rule] = [
          _split_args, "onnx-tensorrt Split importer"),
     Rule("float-matmul", None, None, "Gemm and MatMul multiply floating-point operands", _gemm_dtype,
          "onnx-tensorrt docs/operators.md (10.15)"),
+    Rule("cumsum-float", None, "10.7", "CumSum sums float32 or float16 (int32/int64 arrived in 10.8)", _cumsum_float,
+         "onnx-tensorrt docs/operators.md before 10.8 (CumSum: FP32, FP16) and its 10.8 changelog"),
 ]
 RULES_BY_NAME = {r.name: r for r in RULES}
-MODEL_RULES = {"custom-op-body", "function-call-arity", "function-attr-ref"}  # checked on the model, not per node
+MODEL_RULES = {"custom-op-body", "function-call-arity", "function-attr-ref", "function-names-private"}  # checked on the model, not per node
 
 
 # --- the walk -------------------------------------------------------------------------------------
@@ -376,8 +394,9 @@ def _where(node: onnx.NodeProto, functions: set[str], callers: dict[str, list[st
     if fn in functions:
         base, _, idx = name.rpartition("__")
         calls = callers.get(fn, [])
-        call = calls[int(idx) - 1] if idx.isdigit() and 0 < int(idx) <= len(calls) else "?"
-        return f"{node.op_type} node {base.split('/', 1)[1] if base else name} in function {fn} (called by {call})"
+        call = calls[int(idx) - 1] if idx.isdigit() and 0 < int(idx) <= len(calls) else None
+        inside = f"in function {fn}" + (f" (called by {call})" if call else "")
+        return f"{node.op_type} node {base.split('/', 1)[1] if base else name} {inside}"
     return f"{node.op_type} node {name}"
 
 
@@ -400,6 +419,16 @@ def _model_violations(named: onnx.ModelProto, active: set[str], plugins: tuple[s
         if f is not None and len(n.input) != len(f.input) and "function-call-arity" in active:
             out.append(Violation("function-call-arity", f"{n.op_type} node {n.name}",
                                  f"passes {len(n.input)} inputs to function {f.name}, which declares {len(f.input)}"))
+    if "function-names-private" in active:
+        g = named.graph
+        outer = {v.name for v in list(g.input) + list(g.output)} | {i.name for i in g.initializer} | \
+            {o for n in g.node for o in n.output}
+        for f in named.functions:
+            clash = sorted(outer & (set(f.input) | set(f.output)))
+            if clash:
+                out.append(Violation("function-names-private", f"function {f.name}",
+                                     f"its formal names {clash[:3]} are also main-graph tensors, which TensorRT "
+                                     "before 10.8 binds instead of the call's arguments; rename them"))
     if "function-attr-ref" in active:
         bad = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS, onnx.AttributeProto.STRINGS)
         for f in named.functions:
