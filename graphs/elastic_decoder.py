@@ -84,9 +84,12 @@ class ElasticDecoderConfig:
             self.head_dim, self.pad_id = self.d_model // self.num_heads, b.get("pad_id", 0)
             self.num_kv_heads = self.num_heads
         elif b:
+            from adaptex.graphs.hf.decoders import HFDecoderConfig
+
+            hb = config_from_dict(HFDecoderConfig, b, "the elastic decoder's backbone_config")
             for k in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "head_dim", "max_len",
                       "pad_id"):
-                setattr(self, k, b[k])
+                setattr(self, k, getattr(hb, k))
         if self.sink < 0 or self.window < 1:
             raise ValueError(f"sink must be >= 0 and window >= 1 (got sink={self.sink}, window={self.window})")
 

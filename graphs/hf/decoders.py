@@ -68,8 +68,11 @@ class HFDecoderConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HFDecoderConfig":
-        return cls(**d)
+    def from_dict(cls, d: dict, where: str = "config") -> "HFDecoderConfig":
+        """From a JSON object, every key checked (graphs/config.py)."""
+        from adaptex.graphs.config import from_dict as config_from_dict
+
+        return config_from_dict(cls, d, where)
 
 
 def mask_positions(mask: Tensor, T: int) -> Tensor:
