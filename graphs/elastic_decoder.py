@@ -228,8 +228,10 @@ class ElasticDecoder(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
         key_ok = attention_mask.bool()
-        # a tensor, not a Python bool, so one traced graph serves prefill and decode
-        has_past = torch.ones_like(past[0][0][:1, :1, :, 0]).sum() > 0
+        # a tensor, not a Python bool, so one traced graph serves prefill and decode; counted on the
+        # mask (P + T columns), never on the cache, whose slices are empty at prefill (Core ML may
+        # refuse a zero-size tensor)
+        has_past = torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
         decisions, presents = [], []
         for li in range(cfg.num_layers):

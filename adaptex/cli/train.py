@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
     s.add_argument("--window", type=int, default=None, help="elastic: SA heads' local window (default 32 encoder, 64 decoder)")
     s.add_argument("--max-tokens", type=int, default=None,
-                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 characters")
+                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 "
+                        "characters (a Hugging Face decoder: min(512, its positions) tokens), tsa --data 128 tokens")
     s.add_argument("--dense", action="store_true",
                    help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
     s.add_argument("--init", default=None,
@@ -48,7 +49,9 @@ def add_parser(sub) -> None:
     s.add_argument("--layers", type=int, default=None)
     s.add_argument("--d-ff", type=int, default=None)
     s.add_argument("--lambda-depth", type=float, default=None, help="tsa: weight of the depth loss (0 works)")
-    s.add_argument("--max-len", type=int, default=None, help="tsa: positions and KV cache bound")
+    s.add_argument("--max-len", type=int, default=None,
+                   help="tsa: positions and KV cache bound; budgetformer --data: positions, longer lines are cut "
+                        "(default 256)")
     s.add_argument("--s-min", type=float, default=0.25, help="budget target interval, lower end")
     s.add_argument("--s-max", type=float, default=0.375, help="budget target interval, upper end")
     s.add_argument("--threads", type=int, default=None)

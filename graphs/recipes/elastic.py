@@ -100,10 +100,9 @@ def _run_encoder(opts, say):
     return TrainResult(model, extra, table, note="the checkpoint holds the routers; the backbone stays where it is")
 
 
-def _decoder_task(opts, tokenizer, context: int):
+def _decoder_task(files, tokenizer, context: int):
     from adaptex.graphs.data import TextCorpus
 
-    files = _data_files(opts)
     return TextCorpus(files, tokenizer, context), files.describe()
 
 
@@ -128,7 +127,8 @@ def _run_decoder(opts, say):
                          "lower --max-tokens")
     data = None
     if opts.data:
-        task, data = _decoder_task(opts, from_spec(binfo.get("tokenizer") or {}, str(opts.backbone)), context)
+        task, data = _decoder_task(_data_files(opts), from_spec(binfo.get("tokenizer") or {}, str(opts.backbone)),
+                                   context)
     else:
         task = StdlibChars(context=context)
     backbone_rec = {"checkpoint": opts.backbone, "sha256": binfo["sha256"]}
@@ -146,6 +146,7 @@ def _run_hf_decoder(opts, say):
     if not opts.data:
         raise TrainError(f"--backbone {opts.backbone}: routers on a Hugging Face decoder train on your text; pass "
                          "--data FILE|DIR (a text file or a directory of them)")
+    files = _data_files(opts)  # a malformed data file stops here, before the backbone loads
     backbone, tok, binfo = load_decoder(path)
     target = 0.7 if opts.target_sparsity is None else opts.target_sparsity
     model = ElasticDecoder.from_backbone(backbone, sha256=binfo["sha256"], path=path, sink=opts.sink,
@@ -154,7 +155,7 @@ def _run_hf_decoder(opts, say):
     if context > model.cfg.max_len:
         raise TrainError(f"--max-tokens {context} exceeds the backbone's positions ({model.cfg.max_len}); "
                          "lower --max-tokens")
-    task, data = _decoder_task(opts, tok, context)
+    task, data = _decoder_task(files, tok, context)
     backbone_rec = {"path": path, "sha256": binfo["sha256"], "layout": binfo["layout"]}
     return _train_decoder(model, task, context, opts, say, f"{binfo['layout']} {path}", backbone_rec, data,
                           tok.spec(), note="the checkpoint holds the routers; the backbone stays where it is")
