@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,8 +48,13 @@ def write_tokenizer(data: Path, path: Path) -> None:
 
 
 def adaptex(*args: str) -> None:
+    """The command a user would type, run in this process (the CLI's main: same output, one start-up)."""
+    from adaptex.cli import main as cli
+
     print("$ adaptex " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "adaptex", *args], check=True)
+    rc = cli(list(args))
+    if rc:
+        sys.exit(rc)
 
 
 def classify(artifact: Path, texts: list[str]) -> None:
