@@ -19,6 +19,16 @@ from tests import hf_dirs
 DECODERS, ENCODERS = ("gpt2", "llama"), ("roberta", "distilbert")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small models on a shared machine: one intra-op thread is many times faster than two competing
+    for the cores (and the figures do not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")

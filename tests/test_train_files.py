@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from adaptex.cli import main
 from adaptex.exporter.metadata import read_onnx_metadata
@@ -14,6 +15,16 @@ from tests import hf_dirs
 
 SMALL = ["--steps", "4", "--batch-size", "4", "--d-model", "32", "--heads", "4", "--layers", "2", "--d-ff", "64",
          "--eval-size", "16", "--no-baseline", "--seed", "1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small models on a shared machine: one intra-op thread is many times faster than two competing
+    for the cores (and the figures do not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _train_export_check(tmp_path, capsys, family: str, data, *extra, export: bool = True) -> tuple[dict, dict]:
