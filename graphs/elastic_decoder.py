@@ -1,18 +1,23 @@
-"""Elastic Attention on a frozen dense decoder (backbone (a)): per layer, a router sends each head to
-causal full attention (FA) or causal streaming attention (SA: the first `sink` tokens plus the last
-`window`), once per sequence at prefill; decode steps reuse those modes.
+"""Elastic Attention on a frozen decoder: per layer, a router sends each head (each KV head under
+grouped-query attention) to causal full attention (FA) or causal streaming attention (SA: the first
+`sink` tokens plus the last `window`), once per sequence at prefill; decode steps reuse those modes.
 
-The backbone is the dense decoder adaptex trains (`graphs.tsa.TSADecoder` with adaptive=False,
-trained on the character LM; `adaptex train tsa --task charlm --dense`). Its weights are frozen and
-only the routers train, by distillation: loss = KL(full attention's next-token distribution ||
-elastic's) + lambda1 (Omega - t) + lambda2 (Omega - t)^2 (DESIGN §1), Gumbel-softmax with an annealed
-temperature and a straight-through hard decision.
+The backbone is either the dense decoder adaptex trains (`graphs.tsa.TSADecoder` with
+adaptive=False; `adaptex train tsa --task charlm --dense`; its weights ride in the checkpoint), or a
+Hugging Face GPT-2 or LLaMA directory (graphs/hf; the checkpoint stores the routers and names the
+directory by path and sha256). Both reach this model through the same steps (`embed_new`, `qkv`,
+`attn_out`, `mlp`, `head`, `dense`: graphs.hf.decoders.HFDecoder and TSABackbone below), so one
+family and one contract serve every decoder backbone. Its weights are frozen and only the routers
+train, by distillation: loss = KL(full attention's next-token distribution || elastic's) + lambda1
+(Omega - t) + lambda2 (Omega - t)^2 (DESIGN §1), Gumbel-softmax with an annealed temperature and a
+straight-through hard decision.
 
 Interface (one graph for prefill and decode, the names of Optimum's decoder-with-past export plus
-the head modes):
-- inputs: input_ids, attention_mask, past_key_values.{i}.key/value, head_modes.{i} (B, H) bool
-- outputs: logits, present.{i}.key/value, decisions.layer{i}.sa (B, H) bool, decisions.layer{i}.logits
-  (B, H, 2) [FA, SA]
+the head modes; Hkv = the KV heads, H for a decoder without grouped-query attention):
+- inputs: input_ids, attention_mask, past_key_values.{i}.key/value (B, Hkv, P, dh), head_modes.{i}
+  (B, Hkv) bool
+- outputs: logits, present.{i}.key/value, decisions.layer{i}.sa (B, Hkv) bool,
+  decisions.layer{i}.logits (B, Hkv, 2) [FA, SA]
 At prefill (an empty cache) the routers decide and `head_modes.{i}` is ignored (pass zeros); at a
 decode step (a non-empty cache) the graph uses `head_modes.{i}` as given: feed back the prefill's
 `decisions.layer{i}.sa`, as `present.*` is fed back as `past_key_values.*`.
@@ -39,12 +44,15 @@ from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-expo
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
+BACKBONES = ("tsa", "hf")
 
 
 @dataclass
 class ElasticDecoderConfig:
-    backbone_config: dict = field(default_factory=dict)  # the dense TSAConfig the routers sit on
-    backbone_sha256: str = ""  # of the dense checkpoint's weights the routers were trained on
+    backbone_config: dict = field(default_factory=dict)  # tsa: the dense TSAConfig; hf: graphs.hf.HFDecoderConfig
+    backbone_sha256: str = ""  # of the backbone weights the routers were trained on
+    backbone: str = "tsa"  # "tsa": adaptex's dense decoder, inline; "hf": a Hugging Face directory
+    backbone_path: str = ""  # hf: the directory
     sink: int = 4
     window: int = 64
     pool_tokens: int = 100
@@ -54,6 +62,7 @@ class ElasticDecoderConfig:
     vocab_size: int = 0
     d_model: int = 0
     num_heads: int = 0
+    num_kv_heads: int = 0  # the routed heads (grouped-query attention: fewer than num_heads)
     num_layers: int = 0
     head_dim: int = 0
     max_len: int = 0
@@ -63,15 +72,30 @@ class ElasticDecoderConfig:
 
     def __post_init__(self):
         b = self.backbone_config
-        if b:
+        if self.backbone not in BACKBONES:
+            raise CheckpointError(f"unknown elastic decoder backbone {self.backbone!r}; adaptex knows 'tsa' (a dense "
+                                  "adaptex decoder) and 'hf' (a GPT-2 or LLaMA directory)")
+        if b and self.backbone == "tsa":
             if b.get("adaptive", False):
                 raise CheckpointError("the elastic decoder's backbone must be a dense decoder (adaptive=false); "
                                       "train one with 'adaptex train tsa --task charlm --dense'")
             self.vocab_size, self.d_model = b["vocab_size"], b["d_model"]
             self.num_heads, self.num_layers, self.max_len = b["num_heads"], b["num_layers"], b["max_len"]
             self.head_dim, self.pad_id = self.d_model // self.num_heads, b.get("pad_id", 0)
+            self.num_kv_heads = self.num_heads
+        elif b:
+            from adaptex.graphs.hf.decoders import HFDecoderConfig
+
+            hb = config_from_dict(HFDecoderConfig, b, "the elastic decoder's backbone_config")
+            for k in ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "head_dim", "max_len",
+                      "pad_id"):
+                setattr(self, k, getattr(hb, k))
         if self.sink < 0 or self.window < 1:
             raise ValueError(f"sink must be >= 0 and window >= 1 (got sink={self.sink}, window={self.window})")
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // (self.num_kv_heads or self.num_heads)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,21 +106,82 @@ class ElasticDecoderConfig:
         return config_from_dict(cls, d, where)
 
 
-class ElasticDecoder(nn.Module):
-    """A frozen dense decoder whose causal attention each layer routes per head."""
+class TSABackbone(TSADecoder):
+    """adaptex's dense decoder in the steps the elastic decoder runs (graphs.hf.decoders.HFDecoder
+    has the same): absolute positions, pre-LN blocks, tied output embedding."""
 
-    def __init__(self, cfg: ElasticDecoderConfig):
+    def embed_new(self, input_ids: Tensor, attention_mask: Tensor, P: int):
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device) + P
+        pe = self.pos_emb(pos) if self.cfg.positions == "learned" else self.pos[pos]
+        return self.tok(input_ids) + pe[None], None
+
+    def qkv(self, li: int, h: Tensor, ctx):
+        B, T, _ = h.shape
+        H = self.cfg.num_heads
+        q, k, v = self.blocks[li].attn.qkv(self.blocks[li].ln1(h)).view(B, T, 3, H, -1).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def attn_out(self, li: int, h: Tensor, o: Tensor) -> Tensor:
+        return h + self.blocks[li].attn.proj(o)
+
+    def mlp(self, li: int, h: Tensor) -> Tensor:
+        blk = self.blocks[li]
+        return h + blk.ffn(blk.ln2(h))
+
+    def head(self, h: Tensor) -> Tensor:
+        return F.linear(self.ln_f(h), self.tok.weight)
+
+    def dense(self, input_ids: Tensor, attention_mask: Tensor | None = None, past=None):
+        logits, _, presents = self(input_ids, attention_mask, past=past, mode="dense")
+        return logits, presents
+
+
+class ElasticDecoder(nn.Module):
+    """A frozen decoder whose causal attention each layer routes per (KV) head."""
+
+    def __init__(self, cfg: ElasticDecoderConfig, backbone: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
-        self.backbone = TSADecoder(TSAConfig.from_dict(cfg.backbone_config)).eval()
+        if backbone is None:
+            if cfg.backbone != "tsa":
+                raise CheckpointError("an elastic decoder on a Hugging Face backbone loads it from its directory: "
+                                      "use ElasticDecoder.from_config")
+            backbone = TSABackbone(TSAConfig.from_dict(cfg.backbone_config))
+        self.backbone = backbone.eval()
         for p in self.backbone.parameters():
             p.requires_grad_(False)
-        self.routers = nn.ModuleList(ElasticAttention(cfg.num_heads, cfg.head_dim, cfg.sink, cfg.window, causal=True,
-                                                      router_hidden=cfg.router_hidden, pool_tokens=cfg.pool_tokens)
+        self.routers = nn.ModuleList(ElasticAttention(cfg.num_kv_heads, cfg.head_dim, cfg.sink, cfg.window, causal=True,
+                                                      router_hidden=cfg.router_hidden, pool_tokens=cfg.pool_tokens,
+                                                      kv_groups=cfg.kv_groups)
                                      for _ in range(cfg.num_layers))
 
     @classmethod
-    def from_backbone(cls, backbone: TSADecoder, sha256: str = "", **kw) -> "ElasticDecoder":
+    def from_config(cls, cfg: ElasticDecoderConfig) -> "ElasticDecoder":
+        """The backbone from where the config names it (a Hugging Face directory, checked against the
+        sha256 the routers were trained on; or inline), plus fresh routers (a checkpoint loads theirs)."""
+        if cfg.backbone == "tsa":
+            return cls(cfg)
+        from adaptex.graphs.hf import load_decoder
+
+        backbone, _, info = load_decoder(cfg.backbone_path)
+        if cfg.backbone_sha256 and info["sha256"] != cfg.backbone_sha256:
+            raise CheckpointError(f"{cfg.backbone_path}: its weights (sha256 {info['sha256'][:12]}) are not the ones "
+                                  f"these routers were trained on ({cfg.backbone_sha256[:12]}); restore that checkpoint "
+                                  "or retrain with 'adaptex train elastic --backbone DIR'")
+        if info["config"] != cfg.backbone_config:
+            raise CheckpointError(f"{cfg.backbone_path}: its config.json changed since the routers were trained; "
+                                  "restore it or retrain with 'adaptex train elastic --backbone DIR'")
+        return cls(cfg, backbone)
+
+    @classmethod
+    def from_backbone(cls, backbone: nn.Module, sha256: str = "", path: str = "", **kw) -> "ElasticDecoder":
+        """Routers on a trained dense TSADecoder (its weights copied in) or a loaded graphs.hf decoder."""
+        from adaptex.graphs.hf import HFDecoder
+
+        if isinstance(backbone, HFDecoder):
+            cfg = ElasticDecoderConfig(backbone_config=backbone.cfg.to_dict(), backbone_sha256=sha256, backbone="hf",
+                                       backbone_path=path, **kw)
+            return cls(cfg, backbone)
         if backbone.cfg.adaptive:
             raise AdaptexError("the elastic decoder needs a dense decoder backbone (this one is a TSA model); "
                                "train one with 'adaptex train tsa --task charlm --dense'")
@@ -105,27 +190,33 @@ class ElasticDecoder(nn.Module):
         net.backbone.load_state_dict(backbone.state_dict())
         return net
 
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint stores: everything for an inline backbone, the routers for a Hugging Face one."""
+        state = self.state_dict()
+        return state if self.cfg.backbone == "tsa" else {k: v for k, v in state.items() if k.startswith("routers.")}
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.backbone.eval()  # frozen
         return self
 
     def empty_past(self, B: int, device=None):
-        return self.backbone.empty_past(B, device)
+        z = torch.zeros(B, self.cfg.num_kv_heads, 0, self.cfg.head_dim, device=device)
+        return [(z, z) for _ in range(self.cfg.num_layers)]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 past: list[tuple[Tensor, Tensor]] | None = None, head_modes: list[Tensor] | None = None,
                 mode: str = "hard", tau: float = 1.0, force_sa: list[Tensor | None] | None = None):
-        """Returns logits (B, T, V), decisions (per layer {"sa": (B, H) bool, "logits": (B, H, 2) fp32,
-        "g": (B, H) the SA weight used}) and presents (per layer (key, value), (B, H, P+T, dh)).
+        """Returns logits (B, T, V), decisions (per layer {"sa": (B, Hkv) bool, "logits": (B, Hkv, 2) fp32,
+        "g": (B, Hkv) the SA weight used}) and presents (per layer (key, value), (B, Hkv, P+T, dh)).
 
-        head_modes: per layer (B, H) bool, used when the cache is non-empty (decode steps); the
+        head_modes: per layer (B, Hkv) bool, used when the cache is non-empty (decode steps); the
         routers decide at prefill. mode: soft (Gumbel, straight-through; training), hard (the op),
         hard_dense (hard decisions, dense reference kernel), full (every head FA: the backbone)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "full":
-            logits, _, presents = self.backbone(input_ids, attention_mask, past=past, mode="dense")
+            logits, presents = self.backbone.dense(input_ids, attention_mask, past)
             return logits, [], presents
         cfg, bb = self.cfg, self.backbone
         B, T = input_ids.shape
@@ -137,15 +228,14 @@ class ElasticDecoder(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=input_ids.device)
         key_ok = attention_mask.bool()
-        # a tensor, not a Python bool, so one traced graph serves prefill and decode
-        has_past = torch.ones_like(past[0][0][:1, :1, :, 0]).sum() > 0
-        pos = torch.arange(T, device=input_ids.device) + P
-        h = bb.tok(input_ids) + bb.pos[pos][None]
-        H, dh = cfg.num_heads, cfg.head_dim
+        # a tensor, not a Python bool, so one traced graph serves prefill and decode; counted on the
+        # mask (P + T columns), never on the cache, whose slices are empty at prefill (Core ML may
+        # refuse a zero-size tensor)
+        has_past = torch.ones_like(attention_mask[:1]).sum() > T
+        h, ctx = bb.embed_new(input_ids, attention_mask, P)
         decisions, presents = [], []
-        for li, blk in enumerate(bb.blocks):
-            x = blk.ln1(h)
-            q, k, v = blk.attn.qkv(x).view(B, T, 3, H, dh).permute(2, 0, 3, 1, 4)
+        for li in range(cfg.num_layers):
+            q, k, v = bb.qkv(li, h, ctx)  # (B, H, T, dh), (B, Hkv, T, dh) x 2
             k = torch.cat([past[li][0], k], dim=2)
             v = torch.cat([past[li][1], v], dim=2)
             presents.append((k, v))
@@ -154,23 +244,24 @@ class ElasticDecoder(nn.Module):
             o, dec = self.routers[li](q, k, v, key_ok, modes, has_past if modes is not None else None,
                                       mode=mode, force_sa=force, tau=tau, return_decisions=True)
             decisions.append(dec)
-            h = h + blk.attn.proj(o.transpose(1, 2).reshape(B, T, cfg.d_model))
-            h = h + blk.ffn(blk.ln2(h))
-        logits = F.linear(bb.ln_f(h), bb.tok.weight)
-        return logits, decisions, presents
+            h = bb.attn_out(li, h, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
+            h = bb.mlp(li, h)
+        return bb.head(h), decisions, presents
 
 
 def attention_flops(cfg: ElasticDecoderConfig, sa: np.ndarray, seq: int, past: int = 0) -> tuple[float, float]:
     """(elastic, full) multiply-adds of one sequence's step of `seq` new tokens after `past` cached,
-    head modes sa (L, H): projections and FFN per token, attention 2 dh per visible key (FA: the
-    causal context; SA: at most sink + window keys)."""
+    head modes sa (L, Hkv): projections and MLP per token, attention 2 dh per visible key and query
+    head (FA: the causal context; SA: at most sink + window keys); a KV head's mode covers its group."""
     b = cfg.backbone_config
     d, f = cfg.d_model, b.get("d_ff", 4 * cfg.d_model)
+    qo, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mlp = 3 if b.get("layout") == "llama" else 2  # SwiGLU: gate, up, down
     ctx = past + np.arange(1, seq + 1)  # each new token's causal context
     fa = float(ctx.sum())
     sa_ctx = float(np.minimum(ctx, cfg.sink + cfg.window).sum())
-    per_head = np.where(np.asarray(sa, bool), sa_ctx, fa) * 2 * cfg.head_dim
-    linear = cfg.num_layers * seq * (4 * d * d + 2 * d * f) + seq * d * cfg.vocab_size
+    per_head = np.where(np.asarray(sa, bool), sa_ctx, fa) * 2 * cfg.head_dim * cfg.kv_groups
+    linear = cfg.num_layers * seq * (2 * d * qo + 2 * d * kv + mlp * d * f) + seq * d * cfg.vocab_size
     return linear + float(per_head.sum()), linear + cfg.num_layers * cfg.num_heads * fa * 2 * cfg.head_dim
 
 
@@ -226,7 +317,8 @@ def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainCo
         with torch.no_grad():
             full, _, _ = model(b.input_ids, b.attention_mask, mode="full")
         logits, decisions, _ = model(b.input_ids, b.attention_mask, mode="soft", tau=tau)
-        kl = _kl(full, logits)
+        m = b.loss_mask
+        kl = _kl(full[m], logits[m])
         omega = sparsity(decisions)
         gap = omega - t
         loss = kl + lam1 * gap + lam2 * gap ** 2
@@ -243,27 +335,25 @@ def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainCo
 
 @torch.no_grad()
 def evaluate_elastic_decoder(model: ElasticDecoder, task, n: int = 64, context: int = 512, seed: int = 1,
-                             batch_size: int = 8, delta: float = 0.0) -> dict:
-    """Held-out next-character loss of full attention and of the hard elastic model (SA logits
-    shifted by -delta), the SA fraction, and the mean KL between them, on `n` windows of `context`."""
+                             batch_size: int = 8, delta: float = 0.0, split: str = "val") -> dict:
+    """Next-token loss of full attention and of the hard elastic model (SA logits shifted by -delta),
+    the SA fraction, and the mean KL between them, on `n` windows of `context` tokens of `split`
+    (the task's held-out text by default; `task.sample(n, rng, split=...)` draws them)."""
     rng = np.random.default_rng(seed)
-    data = task.val
     lf, le, kl, sa = [], [], [], []
     for start in range(0, n, batch_size):
-        bsz = min(batch_size, n - start)
-        s = rng.integers(0, len(data) - context - 1, size=bsz)
-        seq = torch.from_numpy(np.stack([data[i:i + context + 1] for i in s]).astype(np.int64))
-        ids, tgt = seq[:, :-1], seq[:, 1:]
-        full, _, _ = model(ids, mode="full")
+        b = task.sample(min(batch_size, n - start), rng, split=split)
+        ids, mask, m = b.input_ids, b.attention_mask, b.loss_mask
+        full, _, _ = model(ids, mask, mode="full")
         force = None
         if delta:
-            _, dec, _ = model(ids, mode="hard")
+            _, dec, _ = model(ids, mask, mode="hard")
             force = [(d["logits"][..., 1] - delta) > d["logits"][..., 0] for d in dec]
-        el, dec, _ = model(ids, mode="hard", force_sa=force)
-        lf.append(F.cross_entropy(full.reshape(-1, full.shape[-1]), tgt.reshape(-1)))
-        le.append(F.cross_entropy(el.reshape(-1, el.shape[-1]), tgt.reshape(-1)))
-        kl.append(_kl(full, el))
-        sa.append(torch.stack([d["sa"].float() for d in dec], 1))  # (B, L, H)
+        el, dec, _ = model(ids, mask, mode="hard", force_sa=force)
+        lf.append(F.cross_entropy(full[m], b.targets[m]))
+        le.append(F.cross_entropy(el[m], b.targets[m]))
+        kl.append(_kl(full[m], el[m]))
+        sa.append(torch.stack([d["sa"].float() for d in dec], 1))  # (B, L, Hkv)
     sa = torch.cat(sa)
     full_loss, el_loss = float(torch.stack(lf).mean()), float(torch.stack(le).mean())
     return {"full_loss": full_loss, "elastic_loss": el_loss, "loss_increase": el_loss / full_loss - 1,
@@ -274,13 +364,12 @@ def evaluate_elastic_decoder(model: ElasticDecoder, task, n: int = 64, context: 
 @torch.no_grad()
 def calibrate_decoder(model: ElasticDecoder, task, min_sparsity: float, deltas=(0.0, 0.25, 0.5, 1.0, 1.5),
                       n: int = 32, context: int = 512) -> dict:
-    """The SA-logit shift (on training text) with the lowest loss whose SA fraction stays >=
-    min_sparsity, baked into the routers' output bias (see graphs.elastic.calibrate)."""
-    class _Train:  # evaluate on training text: the held-out split stays held out
-        val = task.train
+    """The SA-logit shift (on training text: the held-out split stays held out) with the lowest loss
+    whose SA fraction stays >= min_sparsity, baked into the routers' output bias (see
+    graphs.elastic.calibrate)."""
     best = None
     for delta in deltas:
-        r = evaluate_elastic_decoder(model, _Train, n=n, context=context, seed=7, delta=delta)
+        r = evaluate_elastic_decoder(model, task, n=n, context=context, seed=7, delta=delta, split="train")
         if r["sa_fraction"] >= min_sparsity and (best is None or r["elastic_loss"] < best["elastic_loss"]):
             best = {**r, "delta": delta}
     best = best or {"delta": 0.0}
@@ -290,15 +379,18 @@ def calibrate_decoder(model: ElasticDecoder, task, min_sparsity: float, deltas=(
             "min_sparsity": min_sparsity, "windows": n, "split": "train"}
 
 
-def summary_table_decoder(r: dict, cfg: ElasticDecoderConfig) -> str:
+def summary_table_decoder(r: dict, cfg: ElasticDecoderConfig, name: str = "the dense charlm decoder",
+                          on_file: bool = False) -> str:
     per_layer = ", ".join(f"{x:.2f}" for x in r["sa_fraction_per_layer"])
+    unit, where = ("token", "held-out lines of the data") if on_file else ("character", "json, email packages")
+    heads = "SA KV heads" if cfg.kv_groups > 1 else "SA heads"
     return "\n".join([
-        f"Elastic decoder on the dense charlm decoder (sink {cfg.sink}, window {cfg.window}, "
+        f"Elastic decoder on {name} (sink {cfg.sink}, window {cfg.window}, "
         f"target SA fraction {cfg.target_sparsity:.2f})",
-        f"held-out windows: {r['n']} x {r['context']} characters (json, email packages)",
-        f"SA heads: {100 * r['sa_fraction']:.1f}% (per layer: {per_layer})",
-        f"next-character loss: full attention {r['full_loss']:.4f}, elastic {r['elastic_loss']:.4f} "
-        f"({100 * r['loss_increase']:+.2f}%); KL(full || elastic) {r['kl']:.4f} nats/char",
+        f"held-out windows: {r['n']} x {r['context']} {unit}s ({where})",
+        f"{heads}: {100 * r['sa_fraction']:.1f}% (per layer: {per_layer})",
+        f"next-{unit} loss: full attention {r['full_loss']:.4f}, elastic {r['elastic_loss']:.4f} "
+        f"({100 * r['loss_increase']:+.2f}%); KL(full || elastic) {r['kl']:.4f} nats/{unit}",
     ])
 
 
@@ -306,7 +398,7 @@ def summary_table_decoder(r: dict, cfg: ElasticDecoderConfig) -> str:
 
 @register_family
 class ElasticDecoderFamily(DecoderContract):
-    """Elastic decoders' artifacts: the decoder I/O plus head_modes.{i} (B, H) bool inputs (used at
+    """Elastic decoders' artifacts: the decoder I/O plus head_modes.{i} (B, Hkv) bool inputs (used at
     decode steps: feed back the prefill's decisions), then per layer decisions.layer{i}.sa and .logits.
     Core ML packages take and give the head modes as float32 0/1 (it has no bool features)."""
 
@@ -314,12 +406,16 @@ class ElasticDecoderFamily(DecoderContract):
     config_cls, model_cls = ElasticDecoderConfig, ElasticDecoder
     counterpart_modes = {"dense": "full", "naive": "hard_dense"}
 
+    @property
+    def heads_dims(self) -> tuple[int, int]:
+        return self.cfg.num_kv_heads, self.cfg.head_dim  # the cache holds the KV heads
+
     def extra_inputs(self, mode: str = "hard") -> list[str]:
         adaptive = self.cfg.adaptive and mode in ADAPTIVE_MODES
         return [f"head_modes.{i}" for i in range(self.cfg.num_layers)] if adaptive else []
 
     def extra_example(self, batch: int, mode: str) -> list[Tensor]:
-        return [torch.rand(batch, self.cfg.num_heads) < 0.5 for _ in self.extra_inputs(mode)]
+        return [torch.rand(batch, self.cfg.num_kv_heads) < 0.5 for _ in self.extra_inputs(mode)]
 
     def recorded(self, mode: str = "hard") -> list[RecordedOutput]:
         if not self.cfg.adaptive or mode not in ADAPTIVE_MODES:
@@ -334,10 +430,15 @@ class ElasticDecoderFamily(DecoderContract):
 
     def routing_meta(self) -> dict:
         cfg = self.cfg
-        return {"sink": cfg.sink, "window": cfg.window, "backbone": "dense decoder",
-                "backbone_sha256": cfg.backbone_sha256, "kv_cache_bound": cfg.max_len,
+        meta = {"sink": cfg.sink, "window": cfg.window, "backbone_sha256": cfg.backbone_sha256,
+                "backbone": "dense decoder" if cfg.backbone == "tsa" else cfg.backbone_config["layout"],
+                "kv_cache_bound": cfg.max_len,
                 "head_modes": "routed at prefill (empty cache); decode steps take head_modes.{i} = the prefill's "
                               "decisions.layer{i}.sa"}
+        if cfg.kv_groups > 1:
+            meta["routing"] = (f"per KV head: each of the {cfg.num_kv_heads} KV heads' mode covers its "
+                               f"{cfg.kv_groups} query heads")
+        return meta
 
     def io_descriptions(self) -> dict[str, str]:
         from adaptex.graphs.elastic import head_mode_descriptions
@@ -346,7 +447,7 @@ class ElasticDecoderFamily(DecoderContract):
         cfg = self.cfg
         d = head_mode_descriptions(cfg, decoder_descriptions(cfg))
         for i in range(cfg.num_layers):
-            d[f"head_modes.{i}"] = (f"layer {i}: the head modes a decode step uses [batch, {cfg.num_heads}]: the "
+            d[f"head_modes.{i}"] = (f"layer {i}: the head modes a decode step uses [batch, {cfg.num_kv_heads}]: the "
                                     f"prefill's decisions.layer{i}.sa (ignored at prefill: pass zeros)")
         return d
 
@@ -356,7 +457,7 @@ class ElasticDecoderFamily(DecoderContract):
         return min(self.cfg.max_len, 600)
 
     def initial_extra(self, B: int) -> dict:
-        return {f"head_modes.{i}": np.zeros((B, self.cfg.num_heads), bool) for i in range(self.cfg.num_layers)}
+        return {f"head_modes.{i}": np.zeros((B, self.cfg.num_kv_heads), bool) for i in range(self.cfg.num_layers)}
 
     def next_extra(self, outputs: dict, P: int, extra: dict) -> dict:
         if P:  # decode steps reuse the prefill's head modes

@@ -11,3 +11,7 @@ class CheckpointError(AdaptexError):
 
 class InputError(AdaptexError):
     """Runner inputs of the wrong name, dtype, rank or size."""
+
+
+class DataError(AdaptexError):
+    """A data file (or tokenizer file) that cannot be read as training data, named with its line."""

@@ -63,6 +63,7 @@ class StdlibChars:
 
     name = "charlm"
     packages_val = ("json", "email")  # held out
+    splits = True  # sample() takes split="train" | "val"
 
     def __init__(self, context: int = 128):
         self.seq_len = context

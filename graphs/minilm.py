@@ -44,11 +44,21 @@ class MiniLMConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_id: int = 0
+    # "absolute": token i at position i (BERT, DistilBERT); "from_mask": real tokens numbered from
+    # pad_id + 1, padding at pad_id (RoBERTa), counted on the attention mask
+    positions: str = "absolute"
     family: str = field(default="minilm", init=False)
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if self.positions not in ("absolute", "from_mask"):
+            raise ValueError(f"positions must be 'absolute' or 'from_mask', got {self.positions!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input: the position table's rows, less RoBERTa's offset."""
+        return self.max_positions - (self.pad_id + 1 if self.positions == "from_mask" else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +119,8 @@ class MiniLMEncoder(nn.Module):
         d = cfg.d_model
         self.word_embeddings = nn.Embedding(cfg.vocab_size, d)
         self.position_embeddings = nn.Embedding(cfg.max_positions, d)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, d)
+        # DistilBERT has no token types
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.embed_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(MiniLMLayer(cfg) for _ in range(cfg.num_layers))
 
@@ -122,12 +133,17 @@ class MiniLMEncoder(nn.Module):
             raise InputError(f"input_ids and attention_mask must both be (batch, seq); got "
                              f"{list(input_ids.shape)} and {list(attention_mask.shape)}")
         t = input_ids.shape[1]
-        if t > self.cfg.max_positions:
-            raise position_limit_error(t, self.cfg.max_positions)
+        if t > self.cfg.max_tokens:
+            raise position_limit_error(t, self.cfg.max_tokens)
         attention_fn = attention_fn or full_attention
-        positions = torch.arange(t, device=input_ids.device)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings.weight[0])  # single-segment input: token type 0 everywhere
+        if self.cfg.positions == "from_mask":
+            m = (attention_mask != 0).long()
+            positions = torch.cumsum(m, dim=1) * m + self.cfg.pad_id  # (B, T)
+        else:
+            positions = torch.arange(t, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings.weight[0]  # single-segment input: token type 0 everywhere
         x = self.embed_norm(x)
         key_mask = attention_mask != 0
         for i, layer in enumerate(self.layers):
@@ -148,7 +164,7 @@ class MiniLMTokenizer:
     The shipped tokenizer.json pads every text to 128 and truncates at 128; both are switched off
     here: padding is to the longest text in the batch, and truncation happens only on request."""
 
-    def __init__(self, path: str | os.PathLike, max_positions: int = 512):
+    def __init__(self, path: str | os.PathLike, max_positions: int = 512, pad_id: int | None = None):
         from tokenizers import Tokenizer
 
         self.path = Path(path)
@@ -160,7 +176,7 @@ class MiniLMTokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         self.max_positions = max_positions
-        pad = self._tok.token_to_id("[PAD]")
+        pad = self._tok.token_to_id("[PAD]") if pad_id is None else pad_id
         self.pad_id = 0 if pad is None else pad
 
     @property
@@ -283,9 +299,11 @@ def _legacy_names(name: str) -> str:
     return name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
 
 
-def _load_weights(net: MiniLMEncoder, path: Path) -> None:
+def _load_weights(net: MiniLMEncoder, path: Path, name_fn=None, what: str = "BERT") -> None:
+    """Our parameters from a checkpoint whose names `name_fn` gives (default: BERT's)."""
     from safetensors.torch import load_file
 
+    name_fn = name_fn or _hf_name
     try:
         state = load_file(str(path))
     except Exception as e:  # safetensors raises several types (SafetensorError, OSError, ...)
@@ -295,21 +313,21 @@ def _load_weights(net: MiniLMEncoder, path: Path) -> None:
     prefix = next((k[: -len(anchor)] for k in state if k.endswith(anchor)), None)
     if prefix is None:
         raise CheckpointError(f"{path}: no {anchor} tensor found (keys start {sorted(state)[:3]}); "
-                              "expected BERT weights as saved by transformers' BertModel")
+                              f"expected {what} weights as saved by transformers")
     state = {_legacy_names(k[len(prefix):]): v for k, v in state.items() if k.startswith(prefix)}
     mapped, missing = {}, []
     for name, param in net.named_parameters():
-        src = state.get(_hf_name(name))
+        src = state.get(name_fn(name))
         if src is None:
-            missing.append(_hf_name(name))
+            missing.append(name_fn(name))
         elif tuple(src.shape) != tuple(param.shape):
-            raise CheckpointError(f"{path}: {prefix}{_hf_name(name)} has shape {list(src.shape)}, config.json "
+            raise CheckpointError(f"{path}: {prefix}{name_fn(name)} has shape {list(src.shape)}, config.json "
                                   f"implies {list(param.shape)}; the two files come from different models")
         else:
             mapped[name] = src.float()
     if missing:
-        raise CheckpointError(f"{path}: {len(missing)} BERT tensors missing (e.g. {prefix}{missing[0]}); "
-                              "expected a complete BertModel state")
+        raise CheckpointError(f"{path}: {len(missing)} {what} tensors missing (e.g. {prefix}{missing[0]}); "
+                              f"expected a complete {what} state")
     net.load_state_dict(mapped, strict=True)
 
 

@@ -264,7 +264,9 @@ class TSAFamily(DecoderContract):
 
 def decoder_descriptions(cfg) -> dict[str, str]:
     """Descriptions of a decoder's cache I/O (shared by the TSA and elastic decoder contracts)."""
-    H, dh, L = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.max_len
+    # the cache holds the KV heads (fewer than the query heads under grouped-query attention)
+    H = getattr(cfg, "num_kv_heads", 0) or cfg.num_heads
+    dh, L = getattr(cfg, "head_dim", 0) or cfg.d_model // cfg.num_heads, cfg.max_len
     d = {"input_ids": f"token ids [batch, sequence], the new tokens of this step; past + sequence <= {L}",
          "attention_mask": ("1 for real tokens, 0 for padding [batch, past_sequence + sequence]: the previous "
                             "step's mask extended by the new tokens"),

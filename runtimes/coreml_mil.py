@@ -67,6 +67,17 @@ def _ln(x, axes=None, gamma=None, beta=None, epsilon=1e-5):
     y = (x32 - m) / np.sqrt(v + np.float32(epsilon))
     return (y * (1 if gamma is None else gamma) + (0 if beta is None else beta)).astype(x.dtype)
 
+def _gelu(x, mode="EXACT"):
+    """MIL gelu in each of its modes (GPT-2's gelu_new converts to TANH_APPROXIMATION)."""
+    x64 = x.astype(np.float64)
+    if mode == "TANH_APPROXIMATION":
+        y = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    elif mode == "SIGMOID_APPROXIMATION":
+        y = x64 / (1 + np.exp(-1.702 * x64))
+    else:
+        y = 0.5 * x64 * (1 + _erf(x64 / math.sqrt(2)))
+    return y.astype(x.dtype)
+
 def _softmax(x, axis=-1):
     if _worst(x):  # the sum of exps in fp16
         with np.errstate(over="ignore", invalid="ignore"):
@@ -196,7 +207,7 @@ EVAL = {
     "floor": lambda x: np.floor(x), "clip": lambda x, alpha, beta: np.clip(x, alpha, beta),
     "sigmoid": lambda x: (1 / (1 + np.exp(-x))).astype(x.dtype),
     "matmul": lambda x, y, transpose_x=False, transpose_y=False: _mm(np.swapaxes(x, -1, -2) if transpose_x else x, np.swapaxes(y, -1, -2) if transpose_y else y, np.result_type(x, y)),
-    "gelu": lambda x, mode="EXACT": (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype),
+    "gelu": lambda x, mode="EXACT": _gelu(x, mode),
     "layer_norm": _ln, "softmax": _softmax,
     "reduce_sum": lambda x, axes=None, keep_dims=False: _reduce(np.sum, x, axes, keep_dims),
     "reduce_max": lambda x, axes=None, keep_dims=False: x.max(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),

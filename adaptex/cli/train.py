@@ -13,16 +13,28 @@ def add_parser(sub) -> None:
     s.add_argument("family", help="model family: budgetformer, tsa or elastic")
     s.add_argument("--task", default=None, help="budgetformer: graded (default) or stdlib; "
                                                 "tsa: copy (default), sort or charlm")
+    s.add_argument("--data", default=None, metavar="FILE|DIR",
+                   help="train on your data instead of --task: budgetformer a JSONL file (each line {\"text\": ..., "
+                        "\"label\": ...} or {\"ids\": [...], \"label\": ...}); tsa and elastic a text file or a "
+                        "directory of them. Streamed, never loaded whole; about 10%% of the lines held out by a hash "
+                        "of each line unless --eval is given")
+    s.add_argument("--eval", dest="eval_data", default=None, metavar="FILE|DIR",
+                   help="held-out data in --data's format (default: the hash-held-out lines of --data)")
+    s.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                   help="a tokenizer.json (the tokenizers library) for text in --data; default: characters "
+                        "seen in the data (an elastic backbone brings its own tokenizer)")
     s.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     s.add_argument("--backbone", default="minilm",
-                   help="elastic: the frozen backbone: minilm (the packaged all-MiniLM-L6-v2), a BERT directory, "
-                        "or a dense decoder checkpoint (adaptex train tsa --task charlm --dense)")
+                   help="elastic: the frozen backbone: minilm (the packaged all-MiniLM-L6-v2), a Hugging Face "
+                        "directory (config.json, model.safetensors, tokenizer.json) of BERT, RoBERTa, DistilBERT, "
+                        "GPT-2 or LLaMA layout, or a dense decoder checkpoint (adaptex train tsa --dense)")
     s.add_argument("--target-sparsity", type=float, default=None,
                    help="elastic: target fraction of SA heads (default 0.6 encoder, 0.7 decoder)")
     s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
     s.add_argument("--window", type=int, default=None, help="elastic: SA heads' local window (default 32 encoder, 64 decoder)")
     s.add_argument("--max-tokens", type=int, default=None,
-                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 characters")
+                   help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 "
+                        "characters (a Hugging Face decoder: min(512, its positions) tokens), tsa --data 128 tokens")
     s.add_argument("--dense", action="store_true",
                    help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
     s.add_argument("--init", default=None,
@@ -37,7 +49,9 @@ def add_parser(sub) -> None:
     s.add_argument("--layers", type=int, default=None)
     s.add_argument("--d-ff", type=int, default=None)
     s.add_argument("--lambda-depth", type=float, default=None, help="tsa: weight of the depth loss (0 works)")
-    s.add_argument("--max-len", type=int, default=None, help="tsa: positions and KV cache bound")
+    s.add_argument("--max-len", type=int, default=None,
+                   help="tsa: positions and KV cache bound; budgetformer --data: positions, longer lines are cut "
+                        "(default 256)")
     s.add_argument("--s-min", type=float, default=0.25, help="budget target interval, lower end")
     s.add_argument("--s-max", type=float, default=0.375, help="budget target interval, upper end")
     s.add_argument("--threads", type=int, default=None)
@@ -59,12 +73,14 @@ def run(args) -> int:
         raise UsageError(f"{out}: exists and is not a checkpoint directory; choose a new -o "
                          "(adaptex only replaces a directory holding config.json and model.safetensors)")
     parent = out.absolute().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+    existing = next(p for p in (parent, *parent.parents) if p.exists())  # -o creates the missing directories
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"{out}: {existing} is not a writable directory; choose another -o")
     set_threads(args.threads)
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
     result = train(args.family, opts, say)
     print(result.table)
+    parent.mkdir(parents=True, exist_ok=True)  # only now: a failed run leaves nothing behind
     checkpoint.save(out, result.model, result.extra, dtype=args.save_dtype)
     say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})" + (f"; {result.note.format(out=out)}" if result.note else ""))
     return 0

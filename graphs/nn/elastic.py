@@ -76,15 +76,34 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
     outputs by a straight-through Gumbel-softmax sample at temperature `tau` (anneal it).
     A decoder routes once at prefill and reuses the modes at decode steps: pass them as head_modes
     (B, H) bool, with use_modes (a bool scalar tensor; None: always) choosing them over the routed
-    ones inside one traced graph. Decisions: sa (B, H) bool, logits (B, H, 2)."""
+    ones inside one traced graph. Decisions: sa (B, H) bool, logits (B, H, 2).
+
+    Grouped-query attention (kv_groups > 1): num_heads counts the KV heads; q has num_heads *
+    kv_groups heads, k and v num_heads. A decision is per KV head, shared by its group of query
+    heads: the router reads keys, which exist per KV head, and an SA KV head then needs only its
+    sink and window in the cache, which a per-query-head decision would not allow as soon as one
+    query head of the group stayed FA."""
 
     def __init__(self, num_heads: int, head_dim: int, sink: int = 4, window: int = 32, causal: bool = False,
-                 router_hidden: int = 64, pool_tokens: int = 100, edge_pooling: bool | None = None):
+                 router_hidden: int = 64, pool_tokens: int = 100, edge_pooling: bool | None = None,
+                 kv_groups: int = 1):
         if sink < 0 or window < 1:
             raise ValueError(f"sink must be >= 0 and window >= 1 (got sink={sink}, window={window})")
+        if kv_groups < 1:
+            raise ValueError(f"kv_groups must be >= 1 (got {kv_groups})")
         super().__init__(num_heads, head_dim, router_hidden, pool_tokens,
                          edge_pooling=causal if edge_pooling is None else edge_pooling)
         self.sink, self.window, self.causal, self.tau = sink, window, causal, 1.0
+        self.kv_groups = kv_groups
+
+    def _groups(self, t: Tensor) -> Tensor:
+        """(B, Hkv, ...) -> (B, Hkv * kv_groups, ...): a KV head's keys, values or mode for each
+        query head of its group (plain expand and reshape: every target lowers them)."""
+        g = self.kv_groups
+        if g == 1:
+            return t
+        B, Hk = t.shape[:2]
+        return t[:, :, None].expand(B, Hk, g, *t.shape[2:]).reshape(B, Hk * g, *t.shape[2:])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, head_modes: Tensor | None = None,
                 use_modes: Tensor | None = None, *, mode: str | None = None, force_sa: Tensor | None = None,
@@ -95,16 +114,18 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
 
     def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:
         key_mask = key_mask.bool()
+        kq, vq = self._groups(k), self._groups(v)  # (B, H, S, dh) for the query heads
         if mode == "dense":  # every head full attention: the backbone itself
             fa = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
-            return ea.elastic_attention_dense_reference(q, k, v, fa, key_mask, self.sink, self.window, self.causal), {}
-        logits = self.route(k, key_mask)  # (B, H, 2)
+            return ea.elastic_attention_dense_reference(q, kq, vq, fa, key_mask, self.sink, self.window, self.causal), {}
+        logits = self.route(k, key_mask)  # (B, Hkv, 2)
         if mode in SOFT_MODES:
-            g = F.gumbel_softmax(logits, tau=tau or self.tau, hard=True)[..., 1]  # (B, H): 1 = SA, ST gradient
+            g = F.gumbel_softmax(logits, tau=tau or self.tau, hard=True)[..., 1]  # (B, Hkv): 1 = SA, ST gradient
             sa = g > 0.5
-            fa_o, sa_o = (ea.elastic_attention_dense_reference(q, k, v, torch.full_like(sa, m), key_mask, self.sink,
-                                                               self.window, self.causal) for m in (False, True))
-            o = fa_o + (sa_o - fa_o) * g[:, :, None, None].to(q.dtype)
+            fa_o, sa_o = (ea.elastic_attention_dense_reference(q, kq, vq, self._groups(torch.full_like(sa, m)),
+                                                               key_mask, self.sink, self.window, self.causal)
+                          for m in (False, True))
+            o = fa_o + (sa_o - fa_o) * self._groups(g)[:, :, None, None].to(q.dtype)
             self.record({"sa": sa, "logits": logits}, aux={"g": g})
             return o, {"sa": sa, "logits": logits, "g": g}
         sa = logits[..., 1] > logits[..., 0]
@@ -124,7 +145,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         if force_sa is not None:
             sa = force_sa.bool()
         fn = ea.elastic_attention if mode in ("hard", "eager") else ea.elastic_attention_dense_reference
-        o = fn(q, k, v, sa, key_mask, self.sink, self.window, self.causal)
+        o = fn(q, kq, vq, self._groups(sa), key_mask, self.sink, self.window, self.causal)
         self.record({"sa": sa, "logits": logits}, margins={"sa": margin} if margin is not None else None)
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
 

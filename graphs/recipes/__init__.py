@@ -22,6 +22,9 @@ class TrainError(AdaptexError):
 @dataclass
 class TrainOptions:
     task: str | None = None
+    data: str | None = None  # a JSONL (budgetformer) or text file or directory (tsa, elastic)
+    eval_data: str | None = None  # held-out data (default: the hash rule on --data's lines)
+    tokenizer: str | None = None  # a tokenizer.json for text data (default: characters from the data)
     backbone: str = "minilm"
     target_sparsity: float | None = None
     sink: int = 4
@@ -50,6 +53,10 @@ class TrainOptions:
         if (self.steps is not None and self.steps < 1) or (self.batch_size is not None and self.batch_size < 1) \
                 or self.eval_size < 1:
             raise TrainError("--steps, --batch-size and --eval-size must be at least 1")
+        if self.data is not None and self.task is not None:
+            raise TrainError(f"--task {self.task} and --data {self.data}: pass one (a generated task or your file)")
+        if self.data is None and (self.eval_data is not None or self.tokenizer is not None):
+            raise TrainError("--eval and --tokenizer go with --data FILE; pass the training data too")
 
 
 @dataclass

@@ -154,32 +154,44 @@ def run(opts, say):
 
     defaults = dict(steps=3000, batch_size=64, lr=2e-3, d_model=256, heads=8, layers=2, d_ff=1024, task="graded")
     o = {k: getattr(opts, k) if getattr(opts, k) is not None else v for k, v in defaults.items()}
-    task = get_task(o["task"])
+    max_len = (opts.max_len or 256) if opts.data else 256  # positions; longer lines of a file are cut
+    if opts.data:  # the user's JSONL: evaluated on its held-out lines (every model on the same ones)
+        from adaptex.graphs.data import JsonlClassification
+
+        task = JsonlClassification(opts.data, opts.eval_data, opts.tokenizer, max_len=max_len)
+        held, eval_size, labels = task.held_out(), min(opts.eval_size, task.eval_count), task.labels
+    else:
+        task = get_task(o["task"])
+        held, eval_size, labels = task, opts.eval_size, []
     try:
         cfg = BudgetFormerConfig(vocab_size=task.vocab_size, num_classes=task.num_classes, d_model=o["d_model"],
-                                 num_heads=o["heads"], num_layers=o["layers"], d_ff=o["d_ff"],
-                                 s_min=opts.s_min, s_max=opts.s_max)
+                                 num_heads=o["heads"], num_layers=o["layers"], d_ff=o["d_ff"], max_len=max_len,
+                                 s_min=opts.s_min, s_max=opts.s_max, labels=labels)
     except ValueError as e:
         raise TrainError(f"{e}; adjust --d-model/--heads or --s-min/--s-max") from None
-    tc = TrainConfig(steps=o["steps"], batch_size=o["batch_size"], lr=o["lr"], seed=opts.seed, eval_size=opts.eval_size)
+    tc = TrainConfig(steps=o["steps"], batch_size=o["batch_size"], lr=o["lr"], seed=opts.seed, eval_size=eval_size)
     t0 = time.perf_counter()
     model = train_model(cfg, task, tc, desc="budgetformer")
     checkpoint.round_weights(model, opts.save_dtype)  # evaluate exactly what gets stored
-    adaptive = evaluate(model, task, tc.eval_size)
-    soft = soft_eval(model, task, tc)
+    adaptive = evaluate(model, held, tc.eval_size)
+    soft = soft_eval(model, held, tc)
     baseline = None
     if not opts.no_baseline:
         base = train_model(BudgetFormerConfig.from_dict({**cfg.to_dict(), "adaptive": False}), task, tc,
                            desc="baseline    ")
-        baseline = evaluate(base, task, tc.eval_size)
+        baseline = evaluate(base, held, tc.eval_size)
     table = summary_table(task, adaptive, soft, baseline)
+    what = f"{opts.data}" if opts.data else f"the {task.name} task"
     extra = {
-        "description": opts.description or f"BudgetFormer trained on the {task.name} task",
+        "description": opts.description or f"BudgetFormer trained on {what}",
         "training": {"task": task.name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
                      "torch": torch.__version__},
         "evaluation": {"budgetformer": adaptive, "soft_mode": soft, "baseline": baseline},
         "summary_table": table,
     }
-    if hasattr(task, "tokenizer"):
+    if opts.data:
+        extra["training"].update(task.describe())
+        extra["tokenizer"] = task.tokenizer_spec()
+    elif hasattr(task, "tokenizer"):  # the graded task's word tokenizer (apps read it from the metadata)
         extra["tokenizer"] = task.tokenizer()
     return TrainResult(model, extra, table)

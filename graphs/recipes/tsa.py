@@ -103,7 +103,7 @@ def evaluate_tsa(model: TSADecoder, task, n: int = 2000, seed: int = 12345, mode
     model.eval()
     losses, tok_ok, tok_n, seq_ok, alphas = [], 0, 0, 0, []
     for i in range(0, n, batch_size):
-        kw = {"split": "val"} if task.name == "charlm" else {}
+        kw = {"split": "val"} if getattr(task, "splits", False) else {}
         b = task.sample(min(batch_size, n - i), rng, **kw)
         logits, decisions, _ = model(b.input_ids, b.attention_mask, mode=mode)
         losses.append(float(_lm_loss(logits, b)))
@@ -134,7 +134,7 @@ PAPER = {"copy": "54.9% saved at full accuracy", "sort": "22.5% saved",
 
 def summary_table_tsa(task_name: str, hard: dict, soft: dict, baseline: dict | None) -> str:
     """TSA (hard, soft) against the dense decoder, with the paper's figure for the task."""
-    lm = task_name == "charlm"
+    lm = task_name in ("charlm", "file")
     head = f"{'model':<34} {'val loss':>9} {'tok acc':>8} {'seq acc':>8} {'alpha':>6} {'ops saved':>9}"
     rows = [head, "-" * len(head)]
     for name, r in (("TSA (hard, deployed)", hard), ("TSA (soft, training mode)", soft),
@@ -146,8 +146,18 @@ def summary_table_tsa(task_name: str, hard: dict, soft: dict, baseline: dict | N
     if baseline is not None and lm:
         rows.append(f"loss increase of the deployed TSA over the dense decoder: "
                     f"{100 * (hard['loss'] / baseline['loss'] - 1):+.2f}%")
-    rows.append(f"paper (TSA, {task_name}): {PAPER[task_name]}")
+    if task_name in PAPER:
+        rows.append(f"paper (TSA, {task_name}): {PAPER[task_name]}")
     return "\n".join(rows)
+
+
+def file_task(opts, context: int):
+    """The user's text as next-token windows of `context` tokens, and what the checkpoint records of it."""
+    from adaptex.graphs.data import TextCorpus, TextFiles, text_tokenizer
+
+    files = TextFiles(opts.data, opts.eval_data, collect_chars=not opts.tokenizer)
+    task = TextCorpus(files, text_tokenizer(files, opts.tokenizer), context)
+    return task, files.describe()
 
 
 # The dense decoder the elastic decoder sits on: the charlm decoder's size, trained at a longer
@@ -162,21 +172,26 @@ def run(opts, say):
     from adaptex.graphs.lm_tasks import LM_TASKS, get_lm_task
     from adaptex.graphs.recipes import TrainError, TrainResult
 
-    task_name = opts.task or "copy"
-    if task_name not in LM_TASKS:
-        raise TrainError(f"unknown task {task_name!r} for tsa; choose one of {', '.join(LM_TASKS)}")
-    p = dict(PRESETS[task_name])
+    task_name = "file" if opts.data else (opts.task or "copy")
+    if task_name not in LM_TASKS + ("file",):
+        raise TrainError(f"unknown task {task_name!r} for tsa; choose one of {', '.join(LM_TASKS)}, or --data FILE")
+    p = dict(PRESETS["charlm" if opts.data else task_name])  # a user's text: the character LM's model
     for arg, key in (("d_model", "d_model"), ("heads", "num_heads"), ("layers", "num_layers"), ("d_ff", "d_ff"),
                      ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
                      ("lambda_depth", "lambda_depth"), ("max_len", "max_len")):
         if getattr(opts, arg, None) is not None:
             p[key] = getattr(opts, arg)
     if opts.dense:
-        if task_name != "charlm":
+        if task_name not in ("charlm", "file"):
             raise TrainError("--dense trains the dense charlm decoder (the elastic decoder's backbone); "
-                             "use --task charlm")
+                             "use --task charlm or --data FILE")
         return _run_dense(opts, p)
-    task = get_lm_task(task_name)
+    data = None
+    if opts.data:
+        task, data = file_task(opts, opts.max_tokens or 128)
+        p["max_len"] = opts.max_len or max(p["max_len"], task.seq_len)
+    else:
+        task = get_lm_task(task_name)
     try:
         cfg = TSAConfig(vocab_size=task.vocab_size, d_model=p["d_model"], num_heads=p["num_heads"],
                         num_layers=p["num_layers"], d_ff=p["d_ff"], max_len=p["max_len"], positions=p["positions"])
@@ -190,7 +205,7 @@ def run(opts, say):
     t0 = time.perf_counter()
     model = train_tsa(cfg, task, tc, desc="tsa     ")
     checkpoint.round_weights(model, opts.save_dtype)  # evaluate exactly what gets stored
-    n_eval = min(tc.eval_size, 400) if task_name == "charlm" else tc.eval_size
+    n_eval = min(tc.eval_size, 400) if task_name in ("charlm", "file") else tc.eval_size
     hard = evaluate_tsa(model, task, n_eval, mode="hard")
     soft = evaluate_tsa(model, task, n_eval, mode="soft")
     baseline = None
@@ -200,9 +215,9 @@ def run(opts, say):
         baseline = evaluate_tsa(base, task, n_eval, mode="hard")
     table = summary_table_tsa(task_name, hard, soft, baseline)
     extra = {
-        "description": opts.description or f"TSA decoder trained on the {task_name} task",
+        "description": opts.description or f"TSA decoder trained on {opts.data or f'the {task_name} task'}",
         "training": {"task": task_name, "train_config": tc.__dict__, "seconds": round(time.perf_counter() - t0, 1),
-                     "torch": torch.__version__},
+                     "torch": torch.__version__, **(data or {})},
         "evaluation": {"tsa_hard": hard, "tsa_soft": soft, "baseline": baseline},
         "tokenizer": task.tokenizer(),
         "summary_table": table,
@@ -220,7 +235,7 @@ def _run_dense(opts, preset: dict):
     max_len = opts.max_len or DENSE_DECODER["max_len"]
     if context > max_len:
         raise TrainError(f"--max-tokens {context} (the training context) exceeds --max-len {max_len}; raise --max-len")
-    task = StdlibChars(context=context)
+    task, data = file_task(opts, context) if opts.data else (StdlibChars(context=context), None)
     try:
         cfg = TSAConfig(vocab_size=task.vocab_size, d_model=preset["d_model"], num_heads=preset["num_heads"],
                         num_layers=preset["num_layers"], d_ff=preset["d_ff"], max_len=max_len, adaptive=False)
@@ -245,10 +260,11 @@ def _run_dense(opts, preset: dict):
     ev = evaluate_tsa(model, task, n, mode="dense", batch_size=20)
     table = (f"dense decoder: held-out loss {ev['loss']:.4f}, token accuracy {ev['token_accuracy']:.4f} "
              f"({n} windows of {context} characters)")
+    what = f"language model on {opts.data}" if opts.data else "character LM on the Python stdlib sources"
     extra = {
-        "description": opts.description or f"dense decoder, character LM on the Python stdlib sources, context {context}",
-        "training": {"task": "charlm", "context": context, "train_config": tc.__dict__, "init": opts.init,
-                     "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__},
+        "description": opts.description or f"dense decoder, {what}, context {context}",
+        "training": {"task": task.name, "context": context, "train_config": tc.__dict__, "init": opts.init,
+                     "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__, **(data or {})},
         "evaluation": {"dense": ev}, "tokenizer": task.tokenizer(),
     }
     return TrainResult(model, extra, table, note="train elastic routers on it with "
