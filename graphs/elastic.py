@@ -405,6 +405,14 @@ class ElasticFamily(Contract):
         ids = rng.integers(1, cfg.vocab_size, size=(batch, seq)).astype(np.int64)
         return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
+    def original(self, model: nn.Module):
+        """The backbone's own transformers model with the same pooling (an inline test backbone has none)."""
+        if self.cfg.backbone == "inline":
+            return None
+        from adaptex.graphs.hf.encoders import original_encoder
+
+        return original_encoder(self.cfg.backbone_path or None, self.cfg.max_len)
+
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5

@@ -71,6 +71,8 @@ class Original:
     model_type: str = "bert"  # for ONNX Runtime's transformer optimizer
     num_heads: int = 0
     hidden_size: int = 0
+    legacy_module: torch.nn.Module | None = None  # for the legacy exporter, if not `module` (eager attention)
+    legacy_source: str = ""
 
 
 class Contract:

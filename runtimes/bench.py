@@ -31,7 +31,7 @@ from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import session_options
 
-PRUNE_FACTOR = 1.3  # a dense candidate this much slower than the fastest in warm-up is not timed
+PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
 
 
 @dataclass
@@ -421,13 +421,22 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
 
 def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int = 10) -> dict:
     """ONNX Runtime's profiler over `runs` runs: kernel time per run by op type, and split between the
-    adaptive ops (nodes inlined from adaptex:: functions, which ORT names `_inlfunc_<function>_...`)
-    and the rest of the graph."""
+    adaptive ops (the nodes of adaptex:: functions) and the rest of the graph. ORT inlines functions
+    and keeps a named node's name inside the inlined one, so the profiled copy names every function
+    node `adaptex|<function>|<index>` (the computation is the same)."""
     import onnx
     import onnxruntime as ort
 
-    functions = [f.name for f in onnx.load(path, load_external_data=False).functions
-                 if f.domain.startswith("adaptex")]
+    model = onnx.load(path)
+    tagged = False
+    for f in model.functions:
+        if f.domain.startswith("adaptex"):
+            for i, node in enumerate(f.node):
+                node.name = f"adaptex|{f.name}|{i}"
+            tagged = True
+    if tagged:
+        path = str(Path(workdir) / f"profiled-{Path(path).name}")
+        onnx.save(model, path)
     so = session_options(threads)
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(workdir) / f"profile-{Path(path).stem}")
@@ -449,7 +458,7 @@ def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int 
             continue
         op = e.get("args", {}).get("op_name", "?")
         ms = e.get("dur", 0) / 1e3 / runs
-        is_adaptive = any(f"_inlfunc_{f}_" in e["name"] for f in functions)
+        is_adaptive = "adaptex|" in e["name"]
         key = f"{op} (adaptive)" if is_adaptive else op
         by_op[key] = by_op.get(key, 0.0) + ms
         if is_adaptive:

@@ -16,7 +16,7 @@ from pathlib import Path
 from adaptex.graphs.errors import CheckpointError
 from adaptex.graphs.hf.common import CONFIG, TOKENIZER, WEIGHTS, check_dir, need, read_config, refuse, sha256
 from adaptex.graphs.minilm import (MiniLMConfig, MiniLMEncoder, MiniLMTokenizer, _check_pipeline, _hf_name,
-                                   _load_weights, load_minilm)
+                                   _load_weights, default_model_dir, load_minilm)
 
 ENCODERS = ("bert", "roberta", "distilbert")
 
@@ -103,3 +103,46 @@ def load_encoder(path=None) -> tuple[MiniLMEncoder, MiniLMTokenizer, dict]:
     info = {"layout": kind, "path": str(path.absolute()), "sha256": sha256(path), "config": cfg.to_dict(),
             "pooling": "mean", "normalize": True}
     return net, tok, info
+
+
+def original_encoder(path, max_positions: int):
+    """The directory's own `transformers` model (AutoModel, its default attention) with the mean
+    pooling and L2 normalisation the elastic encoder computes: what a user exports without adaptex.
+    As graphs.family.Original, for bench's dense candidates; needs transformers."""
+    import torch
+
+    from adaptex.graphs.family import Original
+
+    try:
+        from transformers import AutoModel
+    except ImportError:
+        raise CheckpointError("the original model's export needs transformers (pip install transformers)") from None
+    path = Path(path) if path else default_model_dir()
+    hf = AutoModel.from_pretrained(str(path)).eval()
+    # the legacy exporter with eager attention is the path ONNX Runtime's BERT optimizer fuses (Attention)
+    eager = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, input_ids, attention_mask):
+            states = self.net(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            m = attention_mask.unsqueeze(-1).to(states.dtype)
+            pooled = (states * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, dim=-1)
+
+    ids = torch.randint(5, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    mask[-1, 8:] = 0
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("sequence", min=1, max=max_positions)
+    c = hf.config
+    return Original(Pooled(hf).eval(), (ids, mask), ({0: batch, 1: seq}, {0: batch, 1: seq}),
+                    ["input_ids", "attention_mask"], ["sentence_embedding"],
+                    f"transformers {type(hf).__name__} from {path.name} + mean pooling",
+                    model_type="bert", num_heads=int(getattr(c, "num_attention_heads", getattr(c, "n_heads", 0))),
+                    hidden_size=int(getattr(c, "hidden_size", getattr(c, "dim", 0))),
+                    legacy_module=Pooled(eager).eval(),
+                    legacy_source=f"transformers {type(hf).__name__} (eager attention) from {path.name} + mean pooling")

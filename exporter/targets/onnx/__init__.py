@@ -19,6 +19,7 @@ from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import lookup
 from adaptex.exporter.targets import Target, register_target
 from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import passes
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 
@@ -50,6 +51,8 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed: {first}") from e
     proto = _optimize_main_graph(prog.model_proto)
+    if target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
+        passes.layernorm_rows(proto)
     proto.functions.extend(functions.values())
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
