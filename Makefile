@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel that lies on disk.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,coreml]'
+	$(PY) -m pip install --quiet -e '.[test,coreml,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
