@@ -96,7 +96,7 @@ def run(args) -> int:
                progress=progress, cache=not args.no_cache) as bench:
         points = [(t, b, s, p) for t in threads for b in batches for p in pasts for s in seqs]
         for i, (thr, B, T, past) in enumerate(points):
-            if limit and T + past > limit and feeds is None:
+            if limit and T + past > limit and feeds is None and len(points) > 1:  # one point: its error
                 skipped.append(f"batch={B} T={T} past={past}: above the model's limit of {limit} positions; not run")
                 continue
             if len(points) > 1 and progress:
@@ -107,6 +107,8 @@ def run(args) -> int:
             rows.append(r)
             if not args.json:
                 print(format_bench(r), flush=True)
+    if not rows:
+        raise UsageError(f"every point is above the model's limit of {limit} positions: lower --seq/--past")
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:
