@@ -366,8 +366,8 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     if blocks < 3:
         warnings.append(f"{blocks} block(s): the interval needs at least 3 (more --runs)")
     iv = _interval(ratios)
-    if iv and iv[0] < 1 < iv[1]:
-        warnings.append("the latency ratio's interval spans 1.0: no speed difference is established at this point")
+    if iv and iv[0] <= 1 <= iv[1]:
+        warnings.append("the latency ratio's interval reaches 1.0: no speed difference is established at this point")
     if realisation is not None and realisation > 1:
         warnings.append("realisation above 1: the artifact saves more time than its FLOPs predict; the FLOP model "
                         "leaves out memory-bound work (softmax, elementwise traffic): see --profile")
