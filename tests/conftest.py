@@ -94,7 +94,7 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory):
     """Tiny checkpoints of every family: BudgetFormer ("bf"), TSA decoder ("tsa"), elastic encoder
     ("el") and elastic decoder ("eldec"), in one directory (returned)."""
@@ -106,3 +106,37 @@ def family_checkpoints(tmp_path_factory):
     checkpoint.save(d / "el", zoo.tiny_elastic(), {"description": "test elastic encoder"})
     checkpoint.save(d / "eldec", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     return d
+
+
+class Artifacts:
+    """Exports of the family checkpoints, each made on first use and shared by the whole session
+    (an export costs seconds; many tests read the same one). Each records its checkpoint as its
+    source, so `adaptex check ART` finds the reference by itself."""
+
+    def __init__(self, checkpoints: Path, root: Path):
+        self.checkpoints, self.root, self._made = checkpoints, root, {}
+
+    def __call__(self, family: str, target: str = "onnx", variant: str = "sparse", precision: str | None = None) -> Path:
+        key = (family, target, variant, precision)
+        if key not in self._made:
+            from adaptex.graphs import checkpoint
+
+            suffix = {"onnx": ".onnx", "tensorrt": ".trt.onnx", "coreml": ".mlpackage"}[target]
+            path = self.root / f"{family}.{variant}.{precision or 'default'}{suffix}"
+            model, info = checkpoint.load(self.checkpoints / family)
+            options = {"onnx_only": True} if target == "tensorrt" else {}
+            zoo.export(model, info, path, target, variant=variant, precision=precision, **options)
+            self._made[key] = path
+        return self._made[key]
+
+    def model(self, family: str):
+        from adaptex.graphs import checkpoint
+
+        return checkpoint.load(self.checkpoints / family)[0]
+
+
+@pytest.fixture(scope="session")
+def artifacts(family_checkpoints, tmp_path_factory) -> Artifacts:
+    """artifacts(family, target="onnx", variant="sparse", precision=None) -> the path of that export of
+    family_checkpoints' tiny model ("bf", "tsa", "el", "eldec"); artifacts.model(family) its model."""
+    return Artifacts(family_checkpoints, tmp_path_factory.mktemp("artifacts"))
