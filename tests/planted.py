@@ -106,6 +106,23 @@ def ffn_on_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalFFN")
     return proto
 
 
+def queries_of_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalAttention") -> onnx.ModelProto:
+    """ConditionalAttention (sparse): the skipped tokens' query rows ordered first and attended
+    instead of the kept ones' (TopK of the keep mask taken smallest-first; in the TensorRT body's
+    CumSum partition, the kept and skipped slots swapped)."""
+    f = function(proto, fname)
+    topk = [n for n in f.node if n.op_type == "TopK"]
+    if topk:
+        attr = next(a for a in topk[0].attribute if a.name == "largest")
+        attr.i = 0
+        return proto
+    keep = f.input[2]
+    slot = [n for n in f.node if n.op_type == "Where" and n.input[0] == keep]
+    assert len(slot) == 1, "the CumSum partition picks a slot per token by keep once"
+    slot[0].input[1], slot[0].input[2] = slot[0].input[2], slot[0].input[1]
+    return proto
+
+
 def sa_heads_as_fa(proto: onnx.ModelProto, fname: str = "ElasticAttention") -> onnx.ModelProto:
     """ElasticAttention (sparse): every (batch, head) pair attends fully, whatever its reported mode."""
     f = function(proto, fname)

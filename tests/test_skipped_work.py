@@ -79,10 +79,20 @@ def test_the_runtime_attends_with_k_heads(artifacts, target):
 # --- TSA: the skipped tokens ----------------------------------------------------------------------------
 
 def _tsa_feeds(artifacts) -> dict:
+    """A prefill in which every gated block keeps some tokens and skips others (the untrained tiny
+    routers decide mostly by position: 24 tokens mix both in each block)."""
+    import torch
+
     from adaptex.graphs.family import family_contract
 
     model = artifacts.model("tsa")
-    return _prefill(12, family_contract(model), model.cfg.vocab_size, seed=3)
+    for seed in range(50):
+        feeds = _prefill(24, family_contract(model), model.cfg.vocab_size, seed)
+        with torch.no_grad():
+            _, decisions, _ = model(torch.from_numpy(feeds["input_ids"]))
+        if all(d["keep"].any() and not d["keep"].all() for d in decisions):
+            return feeds
+    raise AssertionError("no input of 50 mixes kept and skipped tokens in every block")
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
@@ -92,7 +102,7 @@ def test_query_rows_and_ffn_inputs_of_skipped_tokens_are_never_read(artifacts, t
     clean = planted.load(artifacts("tsa", target, variant))
     want = planted.run(clean, feeds)
     keeps = _layers(want, "keep")
-    assert all(k.any() and not k.all() for k in keeps), "every gated block should keep some tokens and skip others"
+    assert all(k.any() and not k.all() for k in keeps)
     poisoned = planted.load(artifacts("tsa", target, variant))
     planted.poison_skipped(poisoned, "ConditionalAttention", ("hn", "gate"))
     planted.poison_skipped(poisoned, "ConditionalFFN", ("gate",))
