@@ -124,12 +124,13 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-def test_tensorrt_bound_onnx_lints_and_passes(artifacts, capsys):
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_tensorrt_bound_onnx_lints_and_passes(artifacts, capsys, variant):
     import onnx
 
     from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 
-    out = artifacts("el", "tensorrt")
+    out = artifacts("el", "tensorrt", variant)
     assert tensorrt_rules.lint(onnx.load(str(out))) == []
     capsys.readouterr()
     assert main(["check", str(out), "--samples", "24"]) == 0
