@@ -106,23 +106,13 @@ def test_trace_keeps_one_node_per_op_per_gated_block():
 
 
 @pytest.fixture(scope="module")
-def tsa_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tsa") / "tiny-tsa"
-    checkpoint.save(path, zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
-                                            "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
-    return path
+def tsa_checkpoint(family_checkpoints):
+    return family_checkpoints / "tsa"
 
 
 @pytest.fixture(scope="module")
-def tsa_onnx(tsa_checkpoint, tmp_path_factory):
-    from adaptex.exporter.targets import onnx as target
-
-    model, info = checkpoint.load(tsa_checkpoint)
-    out = {}
-    for variant in ("sparse", "dense"):
-        out[variant] = tmp_path_factory.mktemp("tsa-onnx") / f"tsa.{variant}.onnx"
-        zoo.export(model, info, out[variant], variant=variant)
-    return out
+def tsa_onnx(artifacts):
+    return {variant: artifacts("tsa", "onnx", variant) for variant in ("sparse", "dense")}
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
