@@ -36,6 +36,7 @@ class TSATrainConfig:
     lambda_lr: float = 0.02  # dual ascent step: lambda += lambda_lr * (hard keep rate - target_keep)
     router_bias: float = -1.0  # the routers' output bias at init (p = sigmoid(bias) for every token)
     router_lr_mult: float = 1.0  # the routers' learning rate over the rest's
+    router_init: str = "bias"  # "importance": fit fresh routers to skip what the start model's blocks change least
 
 
 def _lm_loss(logits, batch) -> torch.Tensor:
@@ -79,6 +80,59 @@ def _kl_tokens(teacher_logits, logits, mask) -> torch.Tensor:
     return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
 
 
+@torch.no_grad()
+def _block_inputs_and_updates(model: TSADecoder, b):
+    """Per block of the (dense-mode) model: its input and its output, (B, T, d) each."""
+    h, bias = model.embed(b.input_ids, b.attention_mask, 0)
+    out = []
+    for blk in model.blocks:
+        new, _ = blk(h, bias, None, None, None, mode="dense")
+        out.append((h, new))
+        h = new
+    return out
+
+
+def init_routers_by_importance(model: TSADecoder, task, rng: np.random.Generator, target_keep: float,
+                               batches: int = 8, batch_size: int = 32, fit_steps: int = 300,
+                               kept_p: float = 0.05) -> dict:
+    """A router initialisation that lets tokens leave: on a few batches of the start model (dense), score
+    every token's next-block update by its size relative to the token's state, ||f_{l+1}(h)|| / ||h||;
+    fit router l to skip the (1 - target_keep) of tokens with the smallest, then scale its last layer
+    (p = 0.5 stays where it is) until the median kept token's p is `kept_p`, so that kept tokens'
+    updates are barely scaled. Returns the fitted keep rates."""
+    feats = [[] for _ in model.routers]
+    scores = [[] for _ in model.routers]
+    for _ in range(batches):
+        b = task.sample(batch_size, rng)
+        real = b.attention_mask.bool()
+        io = _block_inputs_and_updates(model, b)
+        for li in range(len(model.routers)):
+            h = io[li][1]  # what router li sees: block li's output
+            upd = io[li + 1][1] - io[li + 1][0]  # block li+1's update
+            feats[li].append(h[real])
+            scores[li].append((upd.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-6))[real])
+    keeps = []
+    for li, router in enumerate(model.routers):
+        X, r = torch.cat(feats[li]), torch.cat(scores[li])
+        y = (r <= torch.quantile(r, 1.0 - target_keep)).float()  # 1: skip
+        opt = torch.optim.Adam(router.parameters(), lr=3e-3)
+        for _ in range(fit_steps):
+            idx = torch.from_numpy(rng.integers(0, len(X), size=min(4096, len(X))))
+            loss = F.binary_cross_entropy_with_logits(router.net(X[idx]).squeeze(-1), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            z = router.net(X).squeeze(-1)
+            kept = z[z <= 0]
+            if len(kept):
+                scale = float(min(20.0, max(1.0, math.log(kept_p / (1 - kept_p)) / min(float(kept.median()), -1e-3))))
+                router.net[2].weight.mul_(scale)
+                router.net[2].bias.mul_(scale)
+            keeps.append(float((router.probability(X) <= router.threshold).float().mean()))
+    return {"keep_per_router": keeps}
+
+
 def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
               init: dict | None = None, session=None, teacher=None, phase: str | None = None) -> TSADecoder:
     """Train from scratch, or from `init` (a state dict: e.g. a trained dense decoder's weights, the
@@ -99,6 +153,8 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
         missing, unexpected = model.load_state_dict(init, strict=False)
         if unexpected or any(not k.startswith("routers.") for k in missing):
             raise ValueError(f"init weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.adaptive and tc.router_init == "importance" and init is not None:
+        init_routers_by_importance(model, task, rng, tc.target_keep if tc.target_keep is not None else 0.85)
     opt, sched = optimizer(model, tc)
     st_from = int(tc.steps * (1 - tc.st_frac))
     state = {"lambda": 0.0 if tc.target_keep is not None else tc.lambda_depth}
@@ -213,7 +269,7 @@ DENSE_DECODER = dict(context=512, max_len=4096, steps=1400, batch_size=8, lr=2e-
 # the routers, straight-through hard decisions throughout (the controller sees real skips), and
 # lambda by dual ascent on the hard keep rate toward --ops-saved (default 15%).
 WARM = dict(steps=300, batch_size=32, lr=3e-4, router_lr_mult=10.0, router_bias=-2.5, lambda_lr=0.02,
-            st_frac=1.0, warmup=50, ops_saved=0.15)
+            st_frac=1.0, warmup=50, ops_saved=0.15, router_init="importance")
 
 
 def _load_init(opts):
@@ -346,7 +402,7 @@ def run(opts, say, session=None):
         if not 0.0 < target < 1.0 - 1.0 / cfg.num_layers:
             raise TrainError(f"--ops-saved {target}: must lie in (0, {1 - 1 / cfg.num_layers:.3f}) (block 0 always runs)")
         tc.distill, tc.target_keep = 1.0, 1.0 - target * cfg.num_layers / (cfg.num_layers - 1)
-        for k in ("router_lr_mult", "router_bias", "lambda_lr", "st_frac", "warmup"):
+        for k in ("router_lr_mult", "router_bias", "lambda_lr", "st_frac", "warmup", "router_init"):
             setattr(tc, k, WARM[k])
     elif opts.ops_saved is not None:
         raise TrainError("--ops-saved goes with --init (a warm start's target); from scratch use --lambda-depth")
