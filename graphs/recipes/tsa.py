@@ -268,7 +268,7 @@ DENSE_DECODER = dict(context=512, max_len=4096, steps=1400, batch_size=8, lr=2e-
 # (kept tokens' updates scaled by 0.92: the start stays close to the dense model), a larger rate for
 # the routers, straight-through hard decisions throughout (the controller sees real skips), and
 # lambda by dual ascent on the hard keep rate toward --ops-saved (default 15%).
-WARM = dict(steps=300, batch_size=32, lr=3e-4, router_lr_mult=10.0, router_bias=-2.5, lambda_lr=0.02,
+WARM = dict(steps=300, batch_size=32, lr=3e-4, router_lr_mult=10.0, router_bias=-2.5, lambda_lr=1.0,
             st_frac=1.0, warmup=50, ops_saved=0.15, router_init="importance")
 
 
