@@ -88,7 +88,7 @@ def test_train_writes_a_loadable_checkpoint_and_a_summary(tmp_path, capsys, task
                           "--d-ff", "32", "--eval-size", "64")
     assert code == 0, err
     assert "heads used" in text and "standard Transformer, same size" in text and "mean s" in text
-    assert "budgetformer 6/6" in err and "baseline" in err  # progress for both runs
+    assert "budgetformer: 100%" in err and "baseline: 100%" in err and "6/6" in err  # progress for both runs
     from adaptex.graphs import checkpoint
 
     model, info = checkpoint.load(out)
