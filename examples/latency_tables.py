@@ -1,7 +1,7 @@
 """Every latency table in the docs, regenerated: each shipped model's ONNX artifact against the
 fastest dense graph of its weights, over the grid the docs quote.
 
-    python examples/latency_tables.py                      # all shipped models, 1 and 2 threads
+    python examples/latency_tables.py                      # all shipped models, 1 thread
     python examples/latency_tables.py --models tsa-charlm --threads 1
     python examples/latency_tables.py --quick              # batch 1, two lengths: a smoke run
 
@@ -11,8 +11,8 @@ interleaved bench (runtimes/bench.py): every graph once per round in shuffled or
 blocks, ratios as the median and min-max over blocks. At batch 1 every dense candidate is timed; at
 larger batches the three fastest of the same length at batch 1 (a large batch of the slow ones
 would take most of the run). Writes docs/results/latency.md (the tables), latency.csv (every graph
-at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at 1 and 2
-threads takes about an hour on 2 cores.
+at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
+takes about half an hour on 2 cores (`--threads 1,2` adds a column of runs).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default="1")
     ap.add_argument("--quick", action="store_true", help="batch 1, T 32 and 128, one decode point")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="where latency.md and latency.csv go")
     ap.add_argument("--images", default=str(ROOT / "docs" / "images"))

@@ -32,21 +32,33 @@ def calls(proto: onnx.ModelProto, name: str) -> list[onnx.NodeProto]:
     return [n for n in proto.graph.node if n.op_type == name and n.domain == "adaptex"]
 
 
+def walk(nodes):
+    """(container, node) for every node of a body, the If branches' nodes included (the ONNX Runtime
+    lowerings of TSA's ops dispatch on the kept count: none, all, or some tokens kept)."""
+    for n in nodes:
+        yield nodes, n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from walk(a.g.node)
+
+
 def producer(nodes, value: str) -> onnx.NodeProto:
-    found = [n for n in nodes if value in n.output]
+    found = [n for _, n in walk(nodes) if value in n.output]
     assert found, f"nothing produces {value}"
     return found[0]
 
 
 def only(nodes, op_type: str) -> onnx.NodeProto:
-    found = [n for n in nodes if n.op_type == op_type]
+    found = [n for _, n in walk(nodes) if n.op_type == op_type]
     assert len(found) == 1, f"expected one {op_type}, found {len(found)}"
     return found[0]
 
 
 def _insert_after(nodes, anchor: onnx.NodeProto, new: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
-    """Insert `new` right after `anchor` (node lists are topologically ordered); returns the inserted
-    nodes as they now live in the list (the messages passed in are copied)."""
+    """Insert `new` right after `anchor`, in the body or branch that holds it (node lists are
+    topologically ordered); returns the inserted nodes as they now live in the list (the messages
+    passed in are copied)."""
+    nodes = next(c for c, n in walk(nodes) if n == anchor)
     at = next(i for i, n in enumerate(nodes) if n == anchor) + 1
     for j, n in enumerate(new):
         nodes.insert(at + j, n)
@@ -55,7 +67,7 @@ def _insert_after(nodes, anchor: onnx.NodeProto, new: list[onnx.NodeProto]) -> l
 
 def _rewire(nodes, old: str, new: str) -> int:
     n = 0
-    for node in nodes:
+    for _, node in walk(nodes):
         for i, v in enumerate(node.input):
             if v == old:
                 node.input[i] = new
@@ -111,13 +123,13 @@ def queries_of_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalA
     instead of the kept ones' (TopK of the keep mask taken smallest-first; in the TensorRT body's
     CumSum partition, the kept and skipped slots swapped)."""
     f = function(proto, fname)
-    topk = [n for n in f.node if n.op_type == "TopK"]
+    topk = [n for _, n in walk(f.node) if n.op_type == "TopK"]
     if topk:
         attr = next(a for a in topk[0].attribute if a.name == "largest")
         attr.i = 0
         return proto
     keep = f.input[2]
-    slot = [n for n in f.node if n.op_type == "Where" and n.input[0] == keep]
+    slot = [n for _, n in walk(f.node) if n.op_type == "Where" and n.input[0] == keep]
     assert len(slot) == 1, "the CumSum partition picks a slot per token by keep once"
     slot[0].input[1], slot[0].input[2] = slot[0].input[2], slot[0].input[1]
     return proto
@@ -202,11 +214,43 @@ def decode_ignores_head_modes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 # --- probes -------------------------------------------------------------------------------------------
 
+RANK = {"Gemm": 2, "Softmax": 4, "MatMul": 3}
+
+
+def _lift(nodes, op_type: str, elem_type: int, rank: int, tag: str) -> list[str]:
+    """The outputs of every `op_type` node of a body, made values of the body's own scope: a node in
+    an If branch has its output added to the branch's outputs, with an empty tensor of the same rank
+    in the other branch (so after a run, an empty probe is a branch that did not run)."""
+    names = []
+    for n in list(nodes):
+        if n.op_type == op_type:
+            names.append(n.output[0])
+        if n.op_type != "If":
+            continue
+        branches = {a.name: a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH}
+        inner = {k: _lift(g.node, op_type, elem_type, rank, f"{tag}.{k}") for k, g in branches.items()}
+        slots = [(k, v) for k in sorted(inner) for v in inner[k]]
+        for j, (owner, value) in enumerate(slots):
+            for k, g in branches.items():
+                out = f"{tag}.{n.output[0]}.{k}.slot{j}"
+                if k == owner:
+                    g.node.append(helper.make_node("Identity", [value], [out]))
+                else:
+                    g.node.append(helper.make_node("Constant", [], [out], value=helper.make_tensor(
+                        out + ".empty", elem_type, [0] * rank, [])))
+                g.output.append(helper.make_tensor_value_info(out, elem_type, None))
+            lifted = f"{tag}.{n.output[0]}.slot{j}"
+            n.output.append(lifted)
+            names.append(lifted)
+    return names
+
+
 def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = TensorProto.FLOAT) -> list[list[str]]:
-    """Make the outputs of every `op_type` node of function `fname` outputs of the function and of the
-    graph; returns, per call of the function (in graph order), the names they are given."""
+    """Make the outputs of every `op_type` node of function `fname` (in its If branches too) outputs of
+    the function and of the graph; returns, per call of the function (in graph order), the names they
+    are given. A probe of a branch that did not run comes back empty (size 0)."""
     f = function(proto, fname)
-    inner = [n.output[0] for n in f.node if n.op_type == op_type]
+    inner = _lift(f.node, op_type, elem_type, RANK.get(op_type, 1), f"{fname}.lift")
     assert inner, f"{fname} has no {op_type}"
     for j, v in enumerate(inner):
         f.node.append(helper.make_node("Identity", [v], [f"{fname}.probe{j}"]))
@@ -220,6 +264,11 @@ def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = Te
         proto.graph.output.extend(helper.make_tensor_value_info(m, elem_type, None) for m in mine)
         names.append(mine)
     return names
+
+
+def ran(out: dict, probes: list[str]) -> list[np.ndarray]:
+    """The probes of one call whose node ran (a branch not taken leaves its probes empty)."""
+    return [out[p] for p in probes if out[p].size]
 
 
 def run(proto: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:

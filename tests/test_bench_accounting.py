@@ -180,8 +180,8 @@ def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):
         ffn = planted.expose(proto, "ConditionalFFN", "Gemm")
         queries = planted.expose(proto, "ConditionalAttention", "Softmax")
         out = planted.run(proto, feeds)
-        ffn_rates = [out[f[0]].shape[0] / (B * T) for f in ffn]
-        query_rates = [out[q[0]].shape[2] / T for q in queries]
+        ffn_rates = [sum(a.shape[0] for a in planted.ran(out, f)) / 2 / (B * T) for f in ffn]  # two Gemms
+        query_rates = [sum(a.shape[2] for a in planted.ran(out, q)) / T for q in queries]
         r = contract.flops(out, variant, T)
         assert r["executed_flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, ffn_rates, query_rates) / dense)
         keeps = [np.asarray(out[f"decisions.layer{i}.keep"]) for i in range(1, cfg.num_layers)]

@@ -122,11 +122,14 @@ def test_the_runtime_runs_the_ffn_and_queries_of_kept_tokens_only(artifacts, tar
         ffn = planted.expose(proto, "ConditionalFFN", "Gemm")
         queries = planted.expose(proto, "ConditionalAttention", "Softmax")
         out = planted.run(proto, feeds)
-        for (fc1, fc2), (scores,), keep in zip(ffn, queries, _layers(out, "keep")):
+        for ffn_probes, query_probes, keep in zip(ffn, queries, _layers(out, "keep")):
             kept = int(keep.sum())
             rows = kept if variant == "sparse" else T
-            assert out[fc1].shape[0] == out[fc2].shape[0] == rows, (variant, out[fc1].shape, kept)
-            assert out[scores].shape[2] == rows, (variant, out[scores].shape, kept)  # (B, H, n, S)
+            fcs, scores = planted.ran(out, ffn_probes), planted.ran(out, query_probes)
+            # one path ran: its two FFN matmuls and its scores, or nothing at all when no token is kept
+            assert (len(fcs), len(scores)) == ((2, 1) if rows else (0, 0)), (variant, kept, len(fcs), len(scores))
+            assert all(fc.shape[0] == rows for fc in fcs), (variant, [fc.shape for fc in fcs], kept)
+            assert all(s.shape[2] == rows for s in scores), (variant, [s.shape for s in scores], kept)  # (B, H, n, S)
 
 
 # --- elastic attention: the head modes ----------------------------------------------------------------
