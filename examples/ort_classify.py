@@ -1,9 +1,12 @@
 """Run an exported BudgetFormer with onnxruntime and numpy only (no torch), reading the decisions.
 
     python examples/ort_classify.py build/demo/budgetformer.onnx
+
+Without an argument it runs the artifact `make demo` writes (build/demo/budgetformer.onnx).
 """
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -36,5 +39,11 @@ def main(path: str) -> None:
         print(f"{name:<32} {int(out['logits'][i].argmax()):>5}  {ks}")
 
 
+DEMO = Path(__file__).resolve().parent.parent / "build" / "demo" / "budgetformer.onnx"
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "build/demo/budgetformer.onnx")
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else DEMO
+    if not path.is_file():
+        sys.exit(f"ort_classify.py: {path} does not exist; run 'make demo' first (it writes {DEMO.relative_to(DEMO.parents[2])}), "
+                 "or pass an artifact from 'adaptex export budgetformer-graded -o m.onnx'")
+    main(str(path))
