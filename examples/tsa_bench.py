@@ -1,7 +1,7 @@
 """Latency of a TSA decoder artifact against its dense counterpart: prefill and decode, batch 1 and 64.
 
     adaptex export tsa-charlm --target onnx -o tsa.onnx
-    python examples/tsa_bench.py tsa.onnx                 # the issue's sweep (a few minutes)
+    python examples/tsa_bench.py tsa.onnx                 # the full sweep (a few minutes)
     python examples/tsa_bench.py tsa.onnx --quick         # batch 1 only
 
 Each row is one `adaptex bench` run (interleaved timing, medians): the FLOP ratio the keep decisions

@@ -1,14 +1,15 @@
-"""Reproduce the TSA paper's table on our own runs: token-layer ops saved at (near) full quality.
+"""Reproduce the table of the TSA paper (Mohammed, "Adaptive Computation Depth via Learned Token Routing
+in Transformers", arXiv:2605.05222, 2026) on our own runs: token-layer ops saved at (near) full quality.
 
     python examples/tsa_reproduce.py                      # copy, sort, charlm (about 2.5 h on 2 cores)
     python examples/tsa_reproduce.py --tasks copy sort    # the generated tasks only (~25 min)
     python examples/tsa_reproduce.py --tasks charlm --steps 1000 --no-baseline   # ~15 min
 
 Each task trains a TSA decoder and the dense decoder of the same size with the presets in
-graphs/train_tsa.py (PRESETS), evaluates both on held-out data in hard (deployed) mode, and prints
-our figures next to the paper's. It also trains the paper's comparison, an early-exit decoder of the
+graphs/recipes/tsa.py (PRESETS), evaluates both on held-out data in hard (deployed) mode, and prints
+our figures next to that paper's. It also trains the comparison it makes, an early-exit decoder of the
 same size (graphs/early_exit.py), calibrates its exit threshold to TSA's ops saved, and reports its
-quality at that matched compute (--no-early-exit skips it). The figures kept in README.md come
+quality at that matched compute (--no-early-exit skips it). The figures in docs/models/tsa.md come
 from this script.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Early-exit baseline for TSA at matched compute (the TSA paper's comparison).
+"""Early-exit baseline for TSA at matched compute (the comparison the TSA paper makes:
+Mohammed, arXiv:2605.05222, 2026).
 
 A dense decoder of the same size (TSADecoder with adaptive=False) with an exit after every block:
 the shared final norm and tied LM head read the hidden state after block l. Training minimises the

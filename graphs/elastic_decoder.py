@@ -9,8 +9,8 @@ directory by path and sha256). Both reach this model through the same steps (`em
 `attn_out`, `mlp`, `head`, `dense`: graphs.hf.decoders.HFDecoder and TSABackbone below), so one
 family and one contract serve every decoder backbone. Its weights are frozen and only the routers
 train, by distillation: loss = KL(full attention's next-token distribution || elastic's) + lambda1
-(Omega - t) + lambda2 (Omega - t)^2 (DESIGN §1), Gumbel-softmax with an annealed temperature and a
-straight-through hard decision.
+(Omega - t) + lambda2 (Omega - t)^2 (docs/models/elastic.md), Gumbel-softmax with an annealed
+temperature and a straight-through hard decision.
 
 Interface (one graph for prefill and decode, the names of Optimum's decoder-with-past export plus
 the head modes; Hkv = the KV heads, H for a decoder without grouped-query attention):

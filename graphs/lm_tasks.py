@@ -26,7 +26,7 @@ class LMBatch:
 class SequenceTransduction:
     """BOS x_1..x_n SEP y_1..y_n, with y = x (copy) or sorted(x) (sort); the loss and the accuracy are
     on the y half. Vocabulary: 0 pad, 1 BOS, 2 SEP, 3..V-1 symbols. Length 10, vocabulary 32 (the
-    TSA paper's setting)."""
+    setting of the TSA paper, arXiv:2605.05222)."""
 
     PAD, BOS, SEP = 0, 1, 2
 

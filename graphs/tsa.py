@@ -47,7 +47,7 @@ class TSAConfig:
     num_layers: int = 6
     d_ff: int = 512
     max_len: int = 128  # positions (fixed sinusoids), hence the KV cache bound (prompt + generated tokens)
-    router_hidden: int = 0  # 0: max(d/4, 16), the paper's width
+    router_hidden: int = 0  # 0: max(d/4, 16), the width of the TSA paper (arXiv:2605.05222)
     threshold: float = 0.5  # a token skips when p > threshold
     pad_id: int = 0
     adaptive: bool = True

@@ -41,7 +41,7 @@ def test_export_inspect_check_bench(tiny_checkpoint, tmp_path, capsys):
     assert r["naive_p50_ms"] > 0 and r["naive_reason"] is None  # the stock export of BudgetFormer works (README)
     assert r["peak_rss_mb"]["adaptive"] and r["peak_rss_mb"]["dense"]
     # the figures by value: the FLOP ratios of the decisions the artifact takes on the bench's own input,
-    # and the latency ratio and realisation from the timings (DESIGN section 5)
+    # and the latency ratio and realisation from the timings (docs/benchmarking.md defines them)
     from adaptex.graphs import checkpoint
     from adaptex.graphs.family import family_contract
     from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner

@@ -1,6 +1,6 @@
-"""Elastic Attention on the dense decoder (backbone (a)): head modes routed once at prefill and
-reused by decode steps, one graph for both, training that leaves the backbone untouched, export to
-every target with parity, the CLI path from a dense checkpoint, bench, and bad input."""
+"""Elastic Attention on the dense decoder adaptex trains (charlm-dense): head modes routed once at
+prefill and reused by decode steps, one graph for both, training that leaves the backbone untouched,
+export to every target with parity, the CLI path from a dense checkpoint, bench, and bad input."""
 from __future__ import annotations
 
 import json

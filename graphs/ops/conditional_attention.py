@@ -1,9 +1,9 @@
 """`adaptex::conditional_attention`: the query side of self-attention computed for the kept tokens only.
 
-A TSA token that skips block l+1 has its attention update multiplied by zero (DESIGN §1: the update
-is gated by the binary keep mask). Its keys and values are still needed (later tokens attend to it),
-but its query row (the Q projection, its row of scores, softmax, the attention-weighted sum of values
-and the output projection) is dead work, as large as its FFN at T = 512. This op skips it.
+A TSA token that skips block l+1 has its attention update multiplied by zero (the update is gated by
+the binary keep mask; docs/models/tsa.md). Its keys and values are still needed (later tokens attend
+to it), but its query row (the Q projection, its row of scores, softmax, the attention-weighted sum
+of values and the output projection) is dead work, as large as its FFN at T = 512. This op skips it.
 
 Schema (see docs/ops.md for the full spec)::
 

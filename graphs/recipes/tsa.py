@@ -1,8 +1,9 @@
 """Training TSA decoders and their dense baseline on copy, sort and the character LM.
 
-Loss = L_task + lambda * (1/(L-1)) * sum_l mean(1 - p_l) (DESIGN §1; lambda = 0 works: routing then
-only emerges from the task). The last `st_frac` of the steps run straight-through (hard decisions
-forward, soft gradients back) so that the deployed hard model is the trained one.
+Loss = L_task + lambda * (1/(L-1)) * sum_l mean(1 - p_l) (the depth loss of docs/models/tsa.md;
+lambda = 0 works: routing then only emerges from the task). The last `st_frac` of the steps run
+straight-through (hard decisions forward, soft gradients back) so that the deployed hard model is
+the trained one.
 """
 from __future__ import annotations
 
@@ -215,9 +216,10 @@ def evaluate_tsa(model: TSADecoder, task, n: int = 2000, seed: int = 12345, mode
             "sequence_accuracy": seq_ok / n, "alpha": a, "ops_saved": ops_saved(a, model.cfg.num_layers)}
 
 
-# Per-task defaults. copy/sort: the paper's model (d=128, L=6, H=4, d_ff=512). charlm: the same
-# size rather than the paper's d=256 (4x the compute, too slow to train on 2 CPU cores), context 128,
-# positions (and so the KV cache) up to 512 so prefill can be timed at T=512.
+# Per-task defaults. copy/sort: the model of the TSA paper (Mohammed, arXiv:2605.05222, 2026: d=128,
+# L=6, H=4, d_ff=512). charlm: the same size rather than that paper's d=256 (4x the compute, too slow
+# to train on 2 CPU cores), context 128, positions (and so the KV cache) up to 512 so prefill can be
+# timed at T=512.
 PRESETS = {
     "copy": dict(d_model=128, num_heads=4, num_layers=6, d_ff=512, max_len=32, positions="learned",
                  steps=600, batch_size=64, lr=1e-3, lambda_depth=0.1, lambda_delay=0.2),
@@ -232,7 +234,8 @@ PAPER = {"copy": "54.9% saved at full accuracy", "sort": "22.5% saved",
 
 def summary_table_tsa(task_name: str, hard: dict, soft: dict, baseline: dict | None,
                       baseline_name: str | None = None) -> str:
-    """TSA (hard, soft) against the dense decoder, with the paper's figure for the task."""
+    """TSA (hard, soft) against the dense decoder, with the TSA paper's figure for the task (PAPER:
+    Mohammed, arXiv:2605.05222, 2026)."""
     lm = task_name in ("charlm", "file")
     head = f"{'model':<34} {'val loss':>9} {'tok acc':>8} {'seq acc':>8} {'alpha':>6} {'ops saved':>9}"
     rows = [head, "-" * len(head)]
