@@ -491,7 +491,7 @@ def format_bench(r: dict) -> str:
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
              f"(order shuffled each round), after {r['warmup']} warm-up runs each",
-             f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "
+             f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "
              f"{'vs fastest':>10} {'size MB':>8} {'peak RSS MB':>11}"]
     untimed = []
     for name in ["adaptive"] + [c["name"] for c in r["candidates"]]:
@@ -502,7 +502,7 @@ def format_bench(r: dict) -> str:
             continue
         ratio = cand["ratio_to_fastest"] if cand else (r["p50_ms"] / r["dense_p50_ms"] if r["dense_p50_ms"] else None)
         mark = "  <- yardstick" if name == r["dense_name"] else ""
-        lines.append(f"  {name:<24} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} {s['p99_ms']:8.3f} {s['mean_ms']:8.3f} "
+        lines.append(f"  {name:<24} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} {s['p95_ms']:8.3f} {s['p99_ms']:8.3f} {s['mean_ms']:8.3f} "
                      f"{s['std_ms']:7.3f} {s['min_ms']:8.3f} {_f(ratio, '10.3f')} "
                      f"{_f(r['size_mb'].get(name), '8.2f')} {_f(r['peak_rss_mb'].get(name), '11.1f')}{mark}")
     if untimed:

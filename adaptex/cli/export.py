@@ -15,8 +15,9 @@ def add_parser(sub) -> None:
     s.add_argument("-o", "--output", required=True, help="artifact path to write")
     s.add_argument("--variant", default="sparse", help="sparse (really skips work) | dense (static shapes, masks)")
     s.add_argument("--precision", default=None,
-                   help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 or fp32, default fp16, "
-                        "fp32 for decoders; tensorrt: fp32 or fp16)")
+                   help="body precision; routing always stays fp32 (onnx: fp32; coreml: fp16 or fp32, default fp16 for "
+                        "the elastic encoders and your own encoders, fp32 for BudgetFormer and decoders; "
+                        "tensorrt: fp32 or fp16)")
     s.add_argument("--no-fp16-audit", action="store_true",
                    help="coreml fp16: write the package without the worst-case fp16 audit (fp16 arithmetic "
                         "throughout, as the Neural Engine may compute) that refuses an unsafe one")
