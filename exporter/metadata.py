@@ -183,8 +183,14 @@ def check_writable(out: str | os.PathLike, is_ours=None) -> Path:
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir() and out.suffix != ".mlpackage":
         raise ExportError(f"{out}: is a directory; pass a file path such as {out / 'model.onnx'}")
+    if not parent.exists():
+        try:  # like mkdir -p (train's -o does the same)
+            parent.mkdir(parents=True)
+        except OSError as e:
+            raise ExportError(f"{out}: cannot create directory {parent} ({e.strerror or e}); create it or choose "
+                              "another -o") from None
     if not parent.is_dir():
-        raise ExportError(f"{out}: directory {parent} does not exist; create it or choose another -o")
+        raise ExportError(f"{out}: {parent} is not a directory; choose another -o")
     if not os.access(parent, os.W_OK):
         raise ExportError(f"{out}: directory {parent} is not writable; choose another -o")
     if out.exists() and is_ours is not None and not is_ours(out):

@@ -16,9 +16,12 @@ def run(capsys, *argv):
 
 
 def test_export_inspect_check_bench(tiny_checkpoint, tmp_path, capsys):
-    out = tmp_path / "m.onnx"
+    out = tmp_path / "runs" / "new" / "m.onnx"  # -o creates its parent directories, like mkdir -p
     code, _, err = run(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", out)
     assert code == 0, err
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", tmp_path / "file" / "m.onnx")
+    assert code == 2 and "is not a directory" in err
     onnx.checker.check_model(onnx.load(str(out)), full_check=True)
 
     code, text, _ = run(capsys, "inspect", out)
