@@ -424,7 +424,10 @@ def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: i
 
 # --- the profiler ------------------------------------------------------------------------------------
 
-def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int = 10) -> dict:
+CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int = 30) -> dict:
     """ONNX Runtime's profiler over `runs` runs: kernel time per run by op type, and split between the
     adaptive ops (the nodes of adaptex:: functions) and the rest of the graph. ORT inlines functions
     and keeps a named node's name inside the inlined one, so the profiled copy names every function
@@ -434,10 +437,17 @@ def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int 
 
     model = onnx.load(path)
     tagged = False
+
+    def tag(nodes, prefix: str) -> None:  # the If branches' nodes too (TSA's lowerings dispatch)
+        for i, node in enumerate(nodes):
+            node.name = f"{prefix}|{i}"
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    tag(a.g.node, f"{prefix}|{i}.{a.name}")
+
     for f in model.functions:
         if f.domain.startswith("adaptex"):
-            for i, node in enumerate(f.node):
-                node.name = f"adaptex|{f.name}|{i}"
+            tag(f.node, f"adaptex|{f.name}")
             tagged = True
     if tagged:
         path = str(Path(workdir) / f"profiled-{Path(path).name}")
@@ -454,23 +464,27 @@ def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int 
     trace = Path(sess.end_profiling())
     events = json.loads(trace.read_text())
     trace.unlink(missing_ok=True)
-    run_ends = sorted(e["ts"] + e["dur"] for e in events if e.get("name") == "model_run")
-    start = run_ends[warm - 1] if len(run_ends) >= warm else 0
-    events = [e for e in events if e.get("cat") == "Node" and e["ts"] >= start]
-    by_op, adaptive, rest = {}, 0.0, 0.0
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[warm:]
+    # per run: kernel ms by op type (control flow excluded: its time is its subgraphs' kernels, which
+    # the profiler lists themselves); then the median over runs, so that a run a neighbour slowed
+    # does not skew the breakdown on a shared machine
+    per_run = [dict() for _ in spans]
     for e in events:
-        if not e["name"].endswith("_kernel_time"):
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
             continue
         op = e.get("args", {}).get("op_name", "?")
-        ms = e.get("dur", 0) / 1e3 / runs
-        is_adaptive = "adaptex|" in e["name"]
-        key = f"{op} (adaptive)" if is_adaptive else op
-        by_op[key] = by_op.get(key, 0.0) + ms
-        if is_adaptive:
-            adaptive += ms
-        else:
-            rest += ms
-    return {"runs": runs, "total_ms": adaptive + rest, "adaptive_ms": adaptive, "rest_ms": rest,
+        if op in CONTROL_FLOW:
+            continue
+        run = next((i for i, (a, b) in enumerate(spans) if a <= e["ts"] <= b), None)
+        if run is None:
+            continue  # a warm-up run
+        key = f"{op} (adaptive)" if "adaptex|" in e["name"] else op
+        per_run[run][key] = per_run[run].get(key, 0.0) + e.get("dur", 0) / 1e3
+    keys = {k for r in per_run for k in r}
+    by_op = {k: float(np.median([r.get(k, 0.0) for r in per_run])) for k in keys}
+    adaptive = sum(v for k, v in by_op.items() if k.endswith("(adaptive)"))
+    rest = sum(by_op.values()) - adaptive
+    return {"runs": len(per_run), "total_ms": adaptive + rest, "adaptive_ms": adaptive, "rest_ms": rest,
             "by_op_ms": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
 
@@ -538,7 +552,7 @@ def format_bench(r: dict) -> str:
 
 
 def format_profile(profiles: dict, top: int = 12) -> str:
-    lines = ["  profile (ONNX Runtime's profiler, kernel ms per run):"]
+    lines = ["  profile (ONNX Runtime's profiler, median kernel ms per run by op type):"]
     for name, p in profiles.items():
         lines.append(f"    {name}: {p['total_ms']:.3f} ms in kernels: adaptive ops {p['adaptive_ms']:.3f}, "
                      f"the rest {p['rest_ms']:.3f}")

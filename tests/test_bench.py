@@ -231,3 +231,18 @@ def test_bench_object_reuses_its_graphs_across_points(tiny_checkpoint, tiny_onnx
         r2 = b.run(seq=16, runs=5, warmup=1, memory=False)
     assert sum("exporting the dense graph" in m or "from the cache" in m for m in said) == 1
     assert r1["seq"] == 8 and r2["seq"] == 16 and r1["runs"] == r2["runs"] == 5
+
+
+def test_profile_counts_kernels_inside_dispatch_branches_as_adaptive(artifacts, tmp_path):
+    """TSA's ONNX lowerings put their FFN and query work inside If branches: the profile tags those
+    kernels as the adaptive op's and leaves out the If itself (its time is its branch's kernels)."""
+    from adaptex.graphs.family import family_contract
+    from adaptex.runtimes.bench import profile_onnx
+
+    model = artifacts.model("tsa")
+    feeds = family_contract(model).bench_feeds(None, 1, 16)
+    prof = profile_onnx(str(artifacts("tsa")), feeds, threads=1, workdir=tmp_path, runs=5)
+    ops = prof["by_op_ms"]
+    assert not any(k.split()[0] in ("If", "Loop", "Scan") for k in ops), sorted(ops)
+    assert ops.get("Gemm (adaptive)", 0) > 0 and "Gemm" not in ops  # the FFN's Gemms are all in branches
+    assert prof["total_ms"] == pytest.approx(sum(ops.values()))
