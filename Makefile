@@ -14,7 +14,7 @@ PORT   ?= 8000
 APP_MODELS := tsa-charlm budgetformer-graded elastic-minilm
 SERVE  := $(PYTHON) -m http.server -d $(WEB) --bind 127.0.0.1 $(PORT)
 
-.PHONY: demo test test-slow test-gpu install clean apps-deps chromium web serve
+.PHONY: demo test test-slow test-gpu mutate install clean apps-deps chromium web serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,13 @@ test: $(STAMP) apps-deps
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Planted mutations of the lowering bodies, the parity checker, the bench accounting and the MIL
+# evaluator, each run against the tests that should catch it; prints the score and the survivors.
+# Not part of make test (each mutant reruns a few test files).
+mutate: $(STAMP)
+	mkdir -p build
+	$(PY) tests/mutate.py --json build/mutation.json
 
 # On an NVIDIA GPU machine: TensorRT 10 and cuda-python, then the engine tests (skipped elsewhere).
 test-gpu: $(STAMP)

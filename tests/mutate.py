@@ -1,0 +1,173 @@
+"""Mutation testing by planted mutations: `make mutate` (not part of `make test`).
+
+Each mutant is one edit a plausible bug would make in a lowering body, the parity checker, the bench
+accounting or the MIL evaluator. The script applies it to the working tree, runs the tests that
+should catch it (stopping at the first failure), restores the file, and reports which mutants
+survived. A surviving mutant is a bug the test suite would ship.
+
+    python tests/mutate.py                  # every mutant
+    python tests/mutate.py --only k_ceil    # one, by name
+    python tests/mutate.py --list
+
+Files are restored in a `finally`, on Ctrl-C and on SIGTERM; a run that was killed outright leaves
+`FILE.mutate-orig` beside the mutated file, which the next run puts back before it starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKUP = ".mutate-orig"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    what: str
+    tests: tuple[str, ...]
+
+
+FN = "exporter/targets/onnx/functions.py"
+MUTANTS = [
+    Mutant("topk_smallest", FN,
+           'topv, order = b("TopK", p, K, axis=-1, largest=1, sorted=1, outputs=2)',
+           'topv, order = b("TopK", p, K, axis=-1, largest=0, sorted=1, outputs=2)',
+           "BudgetedAttention (ONNX) attends with the lowest-scored heads",
+           ("tests/test_planted_bugs.py", "tests/test_parity.py")),
+    Mutant("k_ceil", FN,
+           'kf = b("Clip", b("Floor", sH), b.const(1.0, np.float32), Hf)',
+           'kf = b("Clip", b("Ceil", sH), b.const(1.0, np.float32), Hf)',
+           "BudgetedAttention (ONNX): k = ceil(s*H) instead of floor",
+           ("tests/test_parity.py", "tests/test_planted_bugs.py")),
+    Mutant("ffn_skipped_rows", FN,
+           'idx = b("NonZero", kflat)  # (1, K) int64: kept token rows',
+           'idx = b("NonZero", b("Not", kflat))  # (1, K) int64: kept token rows',
+           "ConditionalFFN (ONNX sparse) updates the skipped tokens instead of the kept ones",
+           ("tests/test_tsa.py", "tests/test_planted_bugs.py")),
+    Mutant("partition_swapped", FN,
+           'slot = b("Where", keep, slot_kept, slot_skip)',
+           'slot = b("Where", keep, slot_skip, slot_kept)',
+           "ConditionalAttention (TensorRT-bound): the CumSum partition puts skipped tokens first",
+           ("tests/test_planted_bugs.py", "tests/test_tsa.py")),
+    Mutant("elastic_modes_swapped", FN,
+           'idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)',
+           'idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Nf, 1)',
+           "ElasticAttention (ONNX sparse): SA pairs also attend fully",
+           ("tests/test_elastic.py", "tests/test_skipped_work.py")),
+    Mutant("coreml_argsort_ascending", "exporter/targets/coreml/mil_ops.py",
+           'order = mb.argsort(x=p, axis=-1, ascending=False, name=r + "order")',
+           'order = mb.argsort(x=p, axis=-1, ascending=True, name=r + "order")',
+           "BudgetedAttention (Core ML) ranks the heads lowest first",
+           ("tests/test_coreml.py",)),
+    Mutant("margin_excuses_all", "runtimes/parity.py",
+           "ok = margin < limit",
+           "ok = margin < limit * 1e9",
+           "parity: every decision flip is excused",
+           ("tests/test_margins.py", "tests/test_planted_bugs.py")),
+    Mutant("atol_loosened", "runtimes/parity.py",
+           'if need > tol["atol"]:',
+           'if need > 10 * tol["atol"]:',
+           "parity: the value tolerance silently loosened tenfold",
+           ("tests/test_planted_bugs.py", "tests/test_parity.py")),
+    Mutant("realisation_inverted", "runtimes/bench.py",
+           "realisations = [(1 - r) / (1 - flop_ratio) for r in ratios]",
+           "realisations = [(1 - flop_ratio) / (1 - r) for r in ratios]",
+           "bench: the realisation formula inverted",
+           ("tests/test_bench_accounting.py", "tests/test_bench.py")),
+    Mutant("tsa_executed_is_dense", "graphs/tsa.py",
+           "executed = flops_per_token(cfg, ctx, rates, [max(1.0, float(k.sum(1).max())) / seq for k in keeps])",
+           "executed = flops_per_token(cfg, ctx, [1.0] * len(rates))",
+           "bench: TSA's sparse graph accounted as executing every token",
+           ("tests/test_bench_accounting.py",)),
+    Mutant("mil_gather_nd_transposed", "runtimes/coreml_mil.py",
+           "return x[tuple(np.moveaxis(indices.astype(np.int64), -1, 0))]",
+           "return x[tuple(np.moveaxis(indices.astype(np.int64)[..., ::-1], -1, 0))]",
+           "MIL evaluator: gather_nd reads the index tuple backwards",
+           ("tests/test_mil_eval.py",)),
+]
+
+
+def _restore_leftovers() -> None:
+    for p in ROOT.rglob(f"*{BACKUP}"):
+        if ".venv" in p.parts:
+            continue
+        os.replace(p, p.with_name(p.name[: -len(BACKUP)]))
+        print(f"restored {p.relative_to(ROOT)} from an interrupted run", file=sys.stderr)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_mutant(m: Mutant, timeout: int) -> dict:
+    path = ROOT / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return {"name": m.name, "status": "stale", "what": m.what,
+                "detail": f"{m.path}: the text to mutate occurs {text.count(m.old)} times (want once)"}
+    backup = path.with_name(path.name + BACKUP)
+    os.replace(path, backup)
+    t0 = time.time()
+    try:
+        path.write_text(text.replace(m.old, m.new))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, tail = proc.returncode, (proc.stdout.strip().splitlines() or [""])[-1]
+        except subprocess.TimeoutExpired:
+            rc, tail = None, f"no verdict within {timeout} s"
+    finally:
+        os.replace(backup, path)
+    status = "killed" if rc not in (0, None, 5) else "survived" if rc == 0 else "timeout" if rc is None else "no tests"
+    return {"name": m.name, "status": status, "what": m.what, "tests": list(m.tests), "detail": tail,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:<28} {m.what}")
+        return 0
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"mutate.py: unknown mutant(s) {sorted(unknown)}; see --list", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    _restore_leftovers()
+    results = []
+    for i, m in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {m.name}: {m.what} ...", file=sys.stderr, flush=True)
+        r = run_mutant(m, args.timeout)
+        print(f"    {r['status']} ({r.get('seconds', 0)} s): {r['detail']}", file=sys.stderr, flush=True)
+        results.append(r)
+    killed = sum(r["status"] == "killed" for r in results)
+    print(f"\nmutation score: {killed}/{len(results)} killed")
+    for r in results:
+        if r["status"] != "killed":
+            print(f"  {r['status']}: {r['name']}: {r['what']} ({r['detail']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"killed": killed, "total": len(results), "mutants": results}, indent=1))
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
