@@ -125,7 +125,9 @@ def run_mutant(m: Mutant, timeout: int) -> dict:
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *m.tests]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, tail = proc.returncode, (proc.stdout.strip().splitlines() or [""])[-1]
+            lines = proc.stdout.strip().splitlines() or [""]
+            failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]
+            rc, tail = proc.returncode, "; ".join(failed[:1] + lines[-1:])
         except subprocess.TimeoutExpired:
             rc, tail = None, f"no verdict within {timeout} s"
     finally:

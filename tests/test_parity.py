@@ -1,5 +1,6 @@
 """Parity catches what a one-input comparison misses, and excuses only boundary cases."""
 import numpy as np
+import pytest
 
 from adaptex.exporter import registry
 from adaptex.exporter.targets import onnx as onnx_target
@@ -120,3 +121,19 @@ def test_a_wrong_head_set_is_not_excused_by_an_excused_k_flip():
     assert not report.passed
     assert report.decisions["decisions.layer0.head_mask"].unexcused > 0
     assert any("decisions.layer0.head_mask: unexcused flip" in f and "would excuse it" in f for f in report.failures)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_value_tolerance_is_the_stated_one_not_looser(precision):
+    """An output off by twice the stated tolerance (atol + rtol*|reference|) fails; one off by half of
+    it passes. Pins the comparison itself: a checker that loosened its tolerance would pass the first."""
+    from adaptex.runtimes.parity import _compare_values
+    from adaptex.runtimes.report import TOLERANCES, ParityReport
+
+    tol = TOLERANCES[precision]
+    for ref in (np.zeros((2, 5), np.float32), np.full((2, 5), 40.0, np.float32)):
+        bound = tol["atol"] + tol["rtol"] * np.abs(ref)
+        for factor, fails in ((2.0, True), (0.5, False)):
+            report = ParityReport("a", "onnxruntime", precision, dict(tol), {})
+            _compare_values(report, "logits", (ref + factor * bound).astype(np.float64), ref.astype(np.float64), "x")
+            assert bool(report.failures) is fails, (precision, float(ref.flat[0]), factor, report.failures)
