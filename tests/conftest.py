@@ -108,6 +108,36 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_coreml(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint as an fp32 Core ML package (sparse), converted once: {"sparse": path}. Tests
+    that alter a package alter a copy."""
+    pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+    from adaptex.graphs import checkpoint
+
+    model, info = checkpoint.load(tiny_checkpoint)
+    path = tmp_path_factory.mktemp("coreml") / "tiny.sparse.mlpackage"
+    zoo.export(model, info, path, "coreml", variant="sparse", precision="fp32")
+    return {"sparse": path}
+
+
+CHARS = ["<pad>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz (),")  # 32: the tiny decoder's vocabulary
+
+
+@pytest.fixture(scope="session")
+def tiny_tsa_chars(tmp_path_factory):
+    """A tiny TSA decoder with a character tokenizer (ASCII letters only), exported to ONNX (sparse):
+    (checkpoint dir, onnx path)."""
+    from adaptex.graphs import checkpoint
+
+    d = tmp_path_factory.mktemp("tsa-chars")
+    checkpoint.save(d / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
+                                                "tokenizer": {"kind": "chars", "pad": 0, "unk": 1, "itos": CHARS}})
+    model, info = checkpoint.load(d / "ck")
+    zoo.export(model, info, d / "tsa.onnx")
+    return d / "ck", d / "tsa.onnx"
+
+
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     """Tiny checkpoints of every family: BudgetFormer ("bf"), TSA decoder ("tsa"), elastic encoder
