@@ -130,21 +130,42 @@ def _reference(path, model, inputs, threads, **runner_options):
 
 def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 200, seed: int = 0,
           atol: float | None = None, rtol: float | None = None, threads: int | None = None, progress=None,
-          compute_units: str | None = None, fp16_accumulation: str | None = None, ranges: bool = False):
+          compute_units: str | None = None, fp16_accumulation: str | None = None, ranges: bool = False,
+          against=None):
     """Parity of the artifact at `path` against the eager `model` (default: the shipped or checkpoint
     model the artifact records), decisions first. inputs: an iterable of input tuples (one array or
     tensor per model input) or dicts by input name; a shipped model generates its own by default.
     Returns a runtimes.report.ParityReport (passed, samples, max_abs_err, unexcused_flips,
     decision_agreement, format(), to_dict()). A Core ML package: fp16_accumulation="fp16" evaluates it
     with fp16 arithmetic throughout (the worst case), ranges=True reports every fp16 op's largest |x|
-    and partial sums against 65504."""
+    and partial sums against 65504. against: another artifact of the same source as the reference
+    instead of the eager model (e.g. an .onnx against an .mlpackage), decisions first."""
+    from adaptex.runtimes.parity import ArtifactReference
     from adaptex.runtimes.parity import check as _check
 
     runner, reference, feeds, info = _reference(path, model, inputs, threads, compute_units=compute_units,
                                                 accumulate=fp16_accumulation, ranges=ranges)
-    return _check(runner, reference, samples=samples, task=(info.get("training") or {}).get("task"),
-                  precision=runner.meta.get("precision", "fp32"), seed=seed, artifact_name=str(path),
-                  inputs=feeds, atol=atol, rtol=rtol, progress=progress)
+    precision = runner.meta.get("precision", "fp32")
+    if against is not None:
+        from adaptex.graphs.errors import InputError
+        from adaptex.runtimes.open import open_artifact
+
+        other = open_artifact(against, threads)
+        if other.meta.get("source") != runner.meta.get("source"):
+            raise InputError(f"{against} was exported from another source than {path} "
+                             f"({other.meta.get('source')} vs {runner.meta.get('source')}); compare artifacts of "
+                             "one checkpoint")
+        reference = ArtifactReference(other, reference)
+        loosest = ["fp32", "fp16"]
+        theirs = other.meta.get("precision", "fp32")
+        if theirs in loosest and precision in loosest:  # the looser of the two (printed in the report)
+            precision = max(precision, theirs, key=loosest.index)
+    report = _check(runner, reference, samples=samples, task=(info.get("training") or {}).get("task"),
+                    precision=precision, seed=seed, artifact_name=str(path), inputs=feeds, atol=atol, rtol=rtol,
+                    progress=progress)
+    if against is not None:
+        report.reference = f"{against} on {reference.runner.name} (margins from the eager model)"
+    return report
 
 
 def bench(path, model=None, inputs: Iterable | None = None, *, batch: int = 1, seq: int = 128, past: int = 0,

@@ -168,6 +168,7 @@ def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
     """Every dense candidate and the naive export, as ONNX files in `workdir`."""
     say = say or (lambda msg: None)
     workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     mode = contract.counterpart_modes["dense"]
     say("exporting the dense graph (dynamo and legacy exporters) ...")
     graphs, _ = _export_both(contract.wrapper(model, mode), contract.example_inputs(mode),

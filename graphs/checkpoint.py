@@ -104,8 +104,11 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     return net, info
 
 
+SUMMARY, STATE_DIR = "summary.json", "training_state"  # beside them: what adaptex train writes
+
+
 def is_checkpoint_dir(path: Path) -> bool:
-    return path.is_dir() and {p.name for p in path.iterdir()} <= {CONFIG, WEIGHTS}
+    return path.is_dir() and {p.name for p in path.iterdir()} <= {CONFIG, WEIGHTS, SUMMARY, STATE_DIR}
 
 
 def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
@@ -119,8 +122,11 @@ def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
 
 
 def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = None,
-         dtype: str = "float32") -> Path:
-    """Write config.json + model.safetensors into `path` atomically (temp dir, then rename).
+         dtype: str = "float32", texts: dict[str, str] | None = None,
+         tensors: dict[str, dict] | None = None) -> Path:
+    """Write config.json + model.safetensors into `path` atomically (temp dir, then rename), with
+    `files` (relative path -> text) and `tensors` (relative path -> a safetensors file's tensors)
+    beside them: the training summary and state.
 
     dtype="float16" stores the weights at half size; they load back as float32 (round_weights
     first, so that what was evaluated is exactly what is stored)."""
@@ -142,8 +148,19 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
             own = net.checkpoint_state() if hasattr(net, "checkpoint_state") else net.state_dict()
             state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in own.items()}
             save_file(state, str(tmp / WEIGHTS))
-            for f in (CONFIG, WEIGHTS):
+            written = [CONFIG, WEIGHTS]
+            for rel, text in (texts or {}).items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_text(text)
+                written.append(rel)
+            for rel, ts in (tensors or {}).items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                save_file(ts, str(tmp / rel))
+                written.append(rel)
+            for f in written:
                 os.chmod(tmp / f, 0o644)
+                if (tmp / f).parent != tmp:
+                    os.chmod((tmp / f).parent, 0o755)
     except OSError as e:
         raise CheckpointError(f"{path}: writing the checkpoint failed ({e.strerror or e}); free space or choose "
                               "another -o; the previous checkpoint, if any, is untouched") from None

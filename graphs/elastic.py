@@ -184,16 +184,20 @@ class ElasticTrainConfig:
     seed: int = 0
 
 
-def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: ElasticTrainConfig, progress=None):
+def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: ElasticTrainConfig, session=None):
     """Routers only (the backbone is frozen): min over the routers, max over λ1, λ2 (gradient ascent)."""
-    torch.manual_seed(tc.seed)
+    from adaptex.graphs.recipes.session import Session, seed_everything
+
+    session = session or Session()
+    seed_everything(tc.seed)
     rng = np.random.default_rng(tc.seed)
     params = [p for p in model.routers.parameters()]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    lam1, lam2 = 0.0, 0.0
+    state = {"lam1": 0.0, "lam2": 0.0}
     t = model.cfg.target_sparsity
     model.train()
-    for step in range(1, tc.steps + 1):
+    for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
+        lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
         ids, mask = tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens)
         with torch.no_grad():
@@ -209,8 +213,9 @@ def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: Elasti
         gap = float(gap.detach())
         lam1 += tc.lambda_lr * gap  # ascent on λ: a sparsity below the target makes λ1 < 0,
         lam2 = max(0.0, lam2 + tc.lambda_lr * gap ** 2)  # which rewards SA heads
-        if progress and (step % 10 == 0 or step == tc.steps):
-            progress(step, {"cos": cos.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
+        state["lam1"], state["lam2"] = lam1, lam2
+        if step % 10 == 0 or step == tc.steps:
+            session.show(**{"cos": cos.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
     model.eval()
     return model
 

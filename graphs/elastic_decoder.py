@@ -303,15 +303,19 @@ def _kl(full_logits: Tensor, logits: Tensor) -> Tensor:
     return (lp_full.exp() * (lp_full - logits.log_softmax(-1))).sum(-1).mean()
 
 
-def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainConfig, progress=None) -> ElasticDecoder:
+def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainConfig, session=None) -> ElasticDecoder:
     """Routers only, by distillation from the frozen backbone's full attention: min over the routers,
     max over lambda1, lambda2."""
-    torch.manual_seed(tc.seed)
+    from adaptex.graphs.recipes.session import Session, seed_everything
+
+    session = session or Session()
+    seed_everything(tc.seed)
     rng = np.random.default_rng(tc.seed)
     opt = torch.optim.AdamW(model.routers.parameters(), lr=tc.lr, weight_decay=0.0)
-    lam1, lam2, t = 0.0, 0.0, model.cfg.target_sparsity
+    state, t = {"lam1": 0.0, "lam2": 0.0}, model.cfg.target_sparsity
     model.train()
-    for step in range(1, tc.steps + 1):
+    for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
+        lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
         b = task.sample(tc.batch_size, rng)
         with torch.no_grad():
@@ -328,8 +332,9 @@ def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainCo
         gap = float(gap.detach())
         lam1 += tc.lambda_lr * gap
         lam2 = max(0.0, lam2 + tc.lambda_lr * gap ** 2)
-        if progress and (step % 10 == 0 or step == tc.steps):
-            progress(step, {"kl": kl.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
+        state["lam1"], state["lam2"] = lam1, lam2
+        if step % 10 == 0 or step == tc.steps:
+            session.show(**{"kl": kl.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
     return model.eval()
 
 

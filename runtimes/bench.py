@@ -253,13 +253,18 @@ class Bench:
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
             warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
-            memory: bool = True, profile: bool = False, prune: bool = True) -> dict:
-        """Time every graph at one point; the dict `format_bench` prints."""
+            memory: bool = True, profile: bool = False, prune: bool = True, min_runs: int = 30,
+            only: set[str] | None = None) -> dict:
+        """Time every graph at one point (`only`: the dense candidates to time, by name; the others are
+        reported as not timed); the dict `format_bench` prints."""
         self._build()
         say, contract = self.say, self.contract
         feeds, batch, seq = self._feeds(batch, seq, past, feeds, self._specs())
         graphs = [Timing(t.name, t.path, how=t.how, dense=t.dense, reason=t.reason) for t in self.graphs]
-        fns = {t.name: self._fn(t, threads) for t in graphs if t.path}
+        for t in graphs:
+            if only is not None and t.dense and t.name not in only and t.reason is None:
+                t.reason = "not timed at this point (bench was given the candidates to time)"
+        fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         if "_prefill" in feeds:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
             pre_feeds = feeds.pop("_prefill")
@@ -290,7 +295,7 @@ class Bench:
                                 f"fastest dense candidate (pruned above {PRUNE_FACTOR}x)")
             live = [t for t in live if t.reason is None]
         per_round = sum(warm[t.name] for t in live) / 1e3
-        n = runs or int(min(500, max(30, time_budget_s / max(per_round, 1e-6))))
+        n = runs or int(min(500, max(min_runs, time_budget_s / max(per_round, 1e-6))))
         nblocks = max(1, min(blocks, n // 5))
         sizes = [n // nblocks + (1 if i < n % nblocks else 0) for i in range(nblocks)]
         say(f"timing {n} rounds of {len(live)} graphs in {nblocks} interleaved blocks ...")
@@ -366,8 +371,8 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     if blocks < 3:
         warnings.append(f"{blocks} block(s): the interval needs at least 3 (more --runs)")
     iv = _interval(ratios)
-    if iv and iv[0] < 1 < iv[1]:
-        warnings.append("the latency ratio's interval spans 1.0: no speed difference is established at this point")
+    if iv and iv[0] <= 1 <= iv[1]:
+        warnings.append("the latency ratio's interval reaches 1.0: no speed difference is established at this point")
     if realisation is not None and realisation > 1:
         warnings.append("realisation above 1: the artifact saves more time than its FLOPs predict; the FLOP model "
                         "leaves out memory-bound work (softmax, elementwise traffic): see --profile")

@@ -86,39 +86,23 @@ def _private_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
+def tiny_checkpoint(family_checkpoints):
     """A tiny BudgetFormer whose routers spread k over 1..H (so decisions vary)."""
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    zoo.save_tiny(path)
-    return path
+    return family_checkpoints / "bf"
 
 
 @pytest.fixture(scope="session")
-def tiny_onnx(tiny_checkpoint, tmp_path_factory):
+def tiny_onnx(artifacts):
     """The tiny checkpoint exported to ONNX, both variants: {variant: path}."""
-    from adaptex.exporter.targets import onnx as target
-    from adaptex.graphs import checkpoint
-
-    model, info = checkpoint.load(tiny_checkpoint)
-    out = {}
-    for variant in ("sparse", "dense"):
-        path = tmp_path_factory.mktemp("onnx") / f"tiny.{variant}.onnx"
-        zoo.export(model, info, path, variant=variant)
-        out[variant] = path
-    return out
+    return {variant: artifacts("bf", "onnx", variant) for variant in ("sparse", "dense")}
 
 
 @pytest.fixture(scope="session")
-def tiny_coreml(tiny_checkpoint, tmp_path_factory):
-    """The tiny checkpoint as an fp32 Core ML package (sparse), converted once: {"sparse": path}. Tests
+def tiny_coreml(artifacts):
+    """The tiny checkpoint as an fp32 Core ML package (sparse), the session's: {"sparse": path}. Tests
     that alter a package alter a copy."""
     pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
-    from adaptex.graphs import checkpoint
-
-    model, info = checkpoint.load(tiny_checkpoint)
-    path = tmp_path_factory.mktemp("coreml") / "tiny.sparse.mlpackage"
-    zoo.export(model, info, path, "coreml", variant="sparse", precision="fp32")
-    return {"sparse": path}
+    return {"sparse": artifacts("bf", "coreml", "sparse", "fp32")}
 
 
 CHARS = ["<pad>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz (),")  # 32: the tiny decoder's vocabulary
@@ -138,7 +122,7 @@ def tiny_tsa_chars(tmp_path_factory):
     return d / "ck", d / "tsa.onnx"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory):
     """Tiny checkpoints of every family: BudgetFormer ("bf"), TSA decoder ("tsa"), elastic encoder
     ("el") and elastic decoder ("eldec"), in one directory (returned)."""
@@ -146,7 +130,70 @@ def family_checkpoints(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("families")
     zoo.save_tiny(d / "bf")
-    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
+                                                 "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
     checkpoint.save(d / "el", zoo.tiny_elastic(), {"description": "test elastic encoder"})
     checkpoint.save(d / "eldec", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     return d
+
+
+class Artifacts:
+    """Exports of the family checkpoints, each made on first use and shared by the whole session
+    (an export costs seconds; many tests read the same one). Each records its checkpoint as its
+    source, so `adaptex check ART` finds the reference by itself."""
+
+    def __init__(self, checkpoints: Path, root: Path):
+        self.checkpoints, self.root, self._made = checkpoints, root, {}
+
+    def __call__(self, family: str, target: str = "onnx", variant: str = "sparse", precision: str | None = None) -> Path:
+        from adaptex.exporter import targets
+        from adaptex.graphs import checkpoint
+        from adaptex.graphs.family import family_contract
+
+        model, info = checkpoint.load(self.checkpoints / family)
+        precision = precision or targets.load(target).default_precision(family_contract(model))
+        key = (family, target, variant, precision)
+        if key not in self._made:
+            suffix = {"onnx": ".onnx", "tensorrt": ".trt.onnx", "coreml": ".mlpackage"}[target]
+            path = self.root / f"{family}.{variant}.{precision}{suffix}"
+            options = {"onnx_only": True} if target == "tensorrt" else {}
+            zoo.export(model, info, path, target, variant=variant, precision=precision, **options)
+            self._made[key] = path
+        return self._made[key]
+
+    def model(self, family: str):
+        from adaptex.graphs import checkpoint
+
+        return checkpoint.load(self.checkpoints / family)[0]
+
+
+@pytest.fixture(scope="session")
+def artifacts(family_checkpoints, tmp_path_factory) -> Artifacts:
+    """artifacts(family, target="onnx", variant="sparse", precision=None) -> the path of that export of
+    family_checkpoints' tiny model ("bf", "tsa", "el", "eldec"); artifacts.model(family) its model."""
+    return Artifacts(family_checkpoints, tmp_path_factory.mktemp("artifacts"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_counterparts(tmp_path_factory):
+    """The stock exports `adaptex bench` times against, made once per model (by its weights) in the
+    session: each costs tens of seconds, and several tests bench the same tiny models. Returns the
+    cached onnx_counterparts."""
+    from adaptex.exporter import counterparts
+    from adaptex.exporter.metadata import state_hash
+
+    real, made = counterparts.onnx_counterparts, {}
+    root = tmp_path_factory.mktemp("counterparts")
+
+    def cached(model, contract, workdir):
+        key = (type(model).__name__, state_hash(model))
+        if key not in made:
+            where = root / str(len(made))
+            where.mkdir()
+            made[key] = real(model, contract, where)
+        return made[key]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(counterparts, "onnx_counterparts", cached)
+    yield cached
+    mp.undo()

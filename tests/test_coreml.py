@@ -6,23 +6,18 @@ import pytest
 
 from tests import zoo
 
-pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
-
-from adaptex.cli import main  # noqa: E402
-from adaptex.exporter.targets import coreml as target  # noqa: E402
-from adaptex.graphs import checkpoint  # noqa: E402
-from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
-from adaptex.runtimes.parity import check  # noqa: E402
-from adaptex.runtimes.torch_ref import TorchRunner  # noqa: E402
+from adaptex.cli import main
+from adaptex.exporter.targets import coreml as target
+from adaptex.graphs import checkpoint
+from adaptex.runtimes.coreml_mil import MilReferenceRunner
+from adaptex.runtimes.parity import check
+from adaptex.runtimes.torch_ref import TorchRunner
 
 
 @pytest.fixture(scope="module")
-def packages(tiny_checkpoint, tiny_coreml, tmp_path_factory):
-    """fp32 packages of both variants (the sparse one is the session's, shared with other modules)."""
-    model, info = checkpoint.load(tiny_checkpoint)
-    path = tmp_path_factory.mktemp("coreml") / "tiny.dense.mlpackage"
-    zoo.export(model, info, path, "coreml", variant="dense", precision="fp32")
-    return {"sparse": tiny_coreml["sparse"], "dense": path}
+def packages(artifacts):
+    """The tiny checkpoint's fp32 packages, {variant: path} (shared with the session)."""
+    return {variant: artifacts("bf", "coreml", variant, "fp32") for variant in ("sparse", "dense")}
 
 
 def _ops(path):

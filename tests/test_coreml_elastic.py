@@ -6,34 +6,31 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+import torch
 
-import torch  # noqa: E402
-
-import adaptex.graphs.ops.elastic_attention as ea  # noqa: E402
-from adaptex.cli import main  # noqa: E402
-from adaptex.graphs.family import family_contract  # noqa: E402
-from adaptex.exporter.targets import coreml as target  # noqa: E402
-from adaptex.graphs import checkpoint  # noqa: E402
-from adaptex.runtimes import coreml_mil, parity  # noqa: E402
-from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
-from adaptex.runtimes.torch_ref import TorchRunner  # noqa: E402
-from tests import zoo  # noqa: E402
+import adaptex.graphs.ops.elastic_attention as ea
+from adaptex.cli import main
+from adaptex.graphs.family import family_contract
+from adaptex.exporter.targets import coreml as target
+from adaptex.graphs import checkpoint
+from adaptex.runtimes import coreml_mil, parity
+from adaptex.runtimes.coreml_mil import MilReferenceRunner
+from adaptex.runtimes.torch_ref import TorchRunner
+from tests import zoo
 
 SAMPLES = 40
 
 
 @pytest.fixture(scope="module")
-def elastic(tmp_path_factory):
-    """A tiny elastic checkpoint and its packages: sparse and dense fp32, and the default precision."""
-    root = tmp_path_factory.mktemp("elastic")
-    ck = root / "tiny_elastic"
-    checkpoint.save(ck, zoo.tiny_elastic(), {"description": "test"})
-    model, info = checkpoint.load(ck)
+def elastic(family_checkpoints, artifacts):
+    """The tiny elastic checkpoint and its packages: sparse and dense fp32, and the default precision
+    (shared with the session)."""
+    ck = family_checkpoints / "el"
+    model, _ = checkpoint.load(ck)
     packages = {}
     for variant, precision in (("sparse", "fp32"), ("dense", "fp32"), ("sparse", None)):
-        path = root / f"el.{variant}.{precision or 'default'}.mlpackage"
-        packages[(variant, precision)] = (path, zoo.export(model, info, path, "coreml", variant=variant, precision=precision))
+        path = artifacts("el", "coreml", variant, precision)
+        packages[(variant, precision)] = (path, coreml_mil.read_package_meta(path))
     return ck, model, packages
 
 

@@ -10,13 +10,11 @@ import pytest
 
 from tests import zoo
 
-pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+import torch
 
-import torch  # noqa: E402
-
-from adaptex.exporter.targets import coreml as target  # noqa: E402
-from adaptex.graphs.tsa import TSAConfig, TSADecoder  # noqa: E402
-from adaptex.runtimes.coreml_mil import MilReferenceRunner  # noqa: E402
+from adaptex.exporter.targets import coreml as target
+from adaptex.graphs.tsa import TSAConfig, TSADecoder
+from adaptex.runtimes.coreml_mil import MilReferenceRunner
 
 CFG = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, max_len=32)
 B, T = 4, 10  # prefill of T tokens, then one decode step

@@ -109,16 +109,13 @@ def test_training_moves_only_the_routers():
 
 
 @pytest.fixture(scope="module")
-def elastic_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("elastic") / "tiny"
-    checkpoint.save(path, zoo.tiny_elastic(), {"description": "test elastic encoder"})
-    return path
+def elastic_ckpt(family_checkpoints):
+    return family_checkpoints / "el"
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
-def test_export_and_parity(elastic_ckpt, tmp_path, capsys, variant):
-    out = tmp_path / f"el.{variant}.onnx"
-    assert main(["export", str(elastic_ckpt), "--target", "onnx", "--variant", variant, "-o", str(out)]) == 0
+def test_export_and_parity(artifacts, capsys, variant):
+    out = artifacts("el", "onnx", variant)
     capsys.readouterr()
     assert main(["check", str(out), "--samples", "40", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -127,13 +124,13 @@ def test_export_and_parity(elastic_ckpt, tmp_path, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-def test_tensorrt_bound_onnx_lints_and_passes(elastic_ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_tensorrt_bound_onnx_lints_and_passes(artifacts, capsys, variant):
     import onnx
 
     from adaptex.exporter.targets.tensorrt import rules as tensorrt_rules
 
-    out = tmp_path / "el.trt.onnx"
-    assert main(["export", str(elastic_ckpt), "--target", "tensorrt", "--onnx-only", "-o", str(out)]) == 0
+    out = artifacts("el", "tensorrt", variant)
     assert tensorrt_rules.lint(onnx.load(str(out))) == []
     capsys.readouterr()
     assert main(["check", str(out), "--samples", "24"]) == 0

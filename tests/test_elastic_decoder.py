@@ -24,10 +24,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, model):
-    path = tmp_path_factory.mktemp("eldec") / "tiny"
-    checkpoint.save(path, model, {"description": "test elastic decoder"})
-    return path
+def ckpt(family_checkpoints):
+    return family_checkpoints / "eldec"  # zoo.tiny_elastic_decoder(), as `model`
 
 
 def _ids(B=3, T=60, seed=0):
@@ -107,10 +105,9 @@ def test_one_traced_graph_serves_prefill_and_decode(model):
 @pytest.mark.parametrize("target,variant,suffix", [("onnx", "sparse", ".onnx"), ("onnx", "dense", ".onnx"),
                                                    ("tensorrt", "sparse", ".trt.onnx"), ("coreml", "sparse", ".mlpackage"),
                                                    ("coreml", "dense", ".mlpackage")])
-def test_export_and_parity_on_every_target(ckpt, tmp_path, capsys, target, variant, suffix):
-    out = tmp_path / f"ed.{variant}{suffix}"
-    extra = ["--onnx-only"] if target == "tensorrt" else []
-    assert main(["export", str(ckpt), "--target", target, "--variant", variant, "-o", str(out), *extra]) == 0
+def test_export_and_parity_on_every_target(artifacts, capsys, target, variant, suffix):
+    out = artifacts("eldec", target, variant)
+    assert out.name.endswith(suffix)
     capsys.readouterr()
     assert main(["check", str(out), "--samples", "24", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -125,9 +122,8 @@ def test_export_and_parity_on_every_target(ckpt, tmp_path, capsys, target, varia
         assert tensorrt_rules.lint(onnx.load(str(out))) == []
 
 
-def test_bench_times_elastic_against_full_attention(ckpt, tmp_path, capsys):
-    out = tmp_path / "ed.onnx"
-    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
+def test_bench_times_elastic_against_full_attention(artifacts, capsys):
+    out = artifacts("eldec")
     capsys.readouterr()
     assert main(["bench", str(out), "--seq", "96", "--runs", "3", "--warmup", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -148,14 +144,12 @@ def test_attention_flops_count_sa_heads_at_sink_plus_window(model):
     assert full - el == pytest.approx(saved)
 
 
-def test_bad_input(model, ckpt, tmp_path, capsys):
+def test_bad_input(model, artifacts):
     with pytest.raises(InputError, match="exceed the decoder's 128 positions"):
         model(torch.ones(1, 129, dtype=torch.long))
     from adaptex.runtimes.open import open_artifact
 
-    out = tmp_path / "ed.onnx"
-    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
-    runner = open_artifact(out)
+    runner = open_artifact(artifacts("eldec"))
     H, dh = model.cfg.num_heads, model.cfg.head_dim
     feeds = {"input_ids": np.ones((1, 130), np.int64), "attention_mask": np.ones((1, 130), np.int64),
              **{f"past_key_values.{i}.{kv}": np.zeros((1, H, 0, dh), np.float32) for i in range(2) for kv in ("key", "value")},
@@ -188,12 +182,11 @@ def test_cli_trains_a_dense_backbone_then_its_routers(tmp_path, capsys):
     assert "needs a dense decoder" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_generation_example_matches_eager_greedy_decoding(ckpt, model, tmp_path):
+def test_generation_example_matches_eager_greedy_decoding(ckpt, artifacts):
     from examples.tsa_generate import Generator
     from adaptex.graphs.elastic_decoder import generate
 
-    out = tmp_path / "ed.onnx"
-    assert main(["export", str(ckpt), "--target", "onnx", "-o", str(out)]) == 0
+    out = artifacts("eldec")
     loaded, _ = checkpoint.load(ckpt)
     gen = Generator(str(out))
     for prompt in ([1, 5, 9, 4, 2] * 8, [3] * 50, [7]):

@@ -96,3 +96,152 @@ def test_a_killed_swap_is_recovered(tmp_path):
     os.replace(out, work / "old")
     files.recover(out)
     assert (out / "v").read_text() == "old" and not work.exists()
+
+
+# --- a write that fails half way, for every writer ------------------------------------------------------
+
+def _tree(path):
+    """Every file under `path` (or the file itself) with its bytes: what 'untouched' means."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_core_ml_write_keeps_the_old_package(artifacts, tmp_path, monkeypatch):
+    import shutil
+
+    import coremltools as ct
+
+    from adaptex.exporter.errors import ExportError
+    from adaptex.graphs import files
+
+    out = tmp_path / "m.mlpackage"
+    shutil.copytree(artifacts("bf", "coreml", "dense"), out)
+    before = _tree(out)
+    real = ct.models.MLModel.save
+
+    def half(self, path):
+        real(self, path)  # the whole package written, then its weights cut short by a full disk
+        weights = next(p for p in __import__("pathlib").Path(path).rglob("weight.bin"))
+        weights.write_bytes(weights.read_bytes()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ct.models.MLModel, "save", half)
+    monkeypatch.setattr(files.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(ExportError, match="writing failed .No space left on device.*previous artifact, if any, is untouched"):
+        zoo.export(artifacts.model("bf"), None, out, "coreml", variant="sparse")
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mlpackage", "tmp"]
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_failed_tensorrt_onnx_write_keeps_the_old_file(artifacts, tmp_path, monkeypatch, capsys):
+    import shutil
+    from pathlib import Path
+
+    from adaptex.cli import main
+
+    out = tmp_path / "m.onnx"
+    shutil.copy(artifacts("bf", "tensorrt", "dense"), out)
+    before = out.read_bytes()
+    real = Path.write_bytes
+
+    def half(self, data):
+        if self.name.startswith(".m.onnx."):  # the temporary file beside the artifact
+            real(self, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", half)
+    ckpt = artifacts.checkpoints / "bf"
+    assert main(["export", str(ckpt), "--target", "tensorrt", "--onnx-only", "-o", str(out)]) == 2
+    assert "writing failed (No space left on device); nothing was written" in capsys.readouterr().err
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+class _FakeTensorRT:
+    """Just enough of TensorRT 10's builder API for build_engine to reach its writes (TensorRT cannot
+    run here; what is tested is adaptex's writing of the plan and its metadata)."""
+    __version__ = "10.0-fake"
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level):
+            pass
+
+    class _Object:
+        num_errors = 0
+
+        def __getattr__(self, name):
+            return lambda *a, **k: _FakeTensorRT._Object()
+
+        def parse(self, data):
+            return True
+
+        def add_optimization_profile(self, p):
+            return 0
+
+        def build_serialized_network(self, network, config):
+            return b"an engine of " + str(id(network)).encode()
+
+    Builder = OnnxParser = staticmethod(lambda *a: _FakeTensorRT._Object())
+
+
+def test_a_failed_engine_write_keeps_the_old_plan_and_its_metadata(artifacts, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from adaptex.exporter.errors import ExportError
+    from adaptex.exporter.targets import tensorrt
+    from adaptex.exporter.targets.tensorrt import engine
+
+    monkeypatch.setattr(engine, "require_tensorrt", lambda: _FakeTensorRT)
+    monkeypatch.setattr(tensorrt, "require_tensorrt", lambda: _FakeTensorRT)
+    bound = artifacts("bf", "tensorrt")
+    plan = tmp_path / "m.plan"
+    tensorrt.export_from_onnx(bound, plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.plan", "m.plan.json"]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = Path.write_text
+
+    def half(self, text, *a, **k):  # the plan's bytes are down, its metadata hits a full disk
+        if self.name.startswith(".m.plan.json."):
+            real(self, text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(ExportError, match="writing failed .No space left on device"):
+        tensorrt.export_from_onnx(bound, plan)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_check_refuses_a_reference_that_is_not_the_artifacts_source(tiny_onnx, tmp_path, capsys):
+    """The sha256 the artifact records of its source's weights and config is compared with the
+    checkpoint `check` would use: another model's, or its own with a changed config, is refused (exit
+    2, the hashes and the fix named) rather than reported as a parity failure."""
+    import json
+    import shutil
+
+    from adaptex.cli import main
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    src = read_onnx_metadata(tiny_onnx["sparse"])["source"]
+    other = tmp_path / "other"
+    zoo.save_tiny(other, seed=1)
+    assert main(["check", str(tiny_onnx["sparse"]), "--model", str(other), "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"is not the one this artifact was exported from (sha256 {src['sha256'][:12]})" in err
+    assert "re-export the artifact" in err
+    edited = tmp_path / "edited"
+    shutil.copytree(src["checkpoint"], edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg["description"] = "the same weights, another config"
+    (edited / "config.json").write_text(json.dumps(cfg))
+    assert main(["check", str(tiny_onnx["sparse"]), "--model", str(edited), "--samples", "2"]) == 2
+    assert "its config.json changed since the export" in capsys.readouterr().err
+    assert main(["check", str(tiny_onnx["sparse"]), "--model", src["checkpoint"], "--samples", "2"]) == 0

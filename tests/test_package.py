@@ -46,3 +46,23 @@ def test_import_adaptex_is_light():
     r = subprocess.run([sys.executable, "-c", "import sys, adaptex; print('torch' in sys.modules, 'onnx' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr
+
+
+REQUIRED = ("onnx", "onnxruntime", "onnxscript", "coremltools", "transformers", "sentence_transformers", "safetensors")
+
+
+def test_the_runtimes_make_test_installs_import():
+    """`make install` installs these (pyproject's test and coreml extras): an import that fails is a
+    broken install, and fails here instead of turning their tests into skips."""
+    import importlib
+
+    for name in REQUIRED:
+        importlib.import_module(name)
+
+
+def test_no_test_skips_for_want_of_a_required_runtime():
+    """Only runtimes that cannot exist on every machine skip (conftest's markers: macOS Core ML,
+    TensorRT with a GPU, the apps' browser and Node), each with its reason."""
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        text = path.read_text()
+        assert "importorskip" not in text, f"{path.name}: a required runtime must import, not skip"

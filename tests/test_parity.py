@@ -69,13 +69,16 @@ def test_a_numeric_error_names_output_input_and_needed_tolerance(tiny_checkpoint
     class Nudged(OnnxRuntimeRunner):
         def _infer(self, feeds):
             out = super()._infer(feeds)
-            out["logits"] = out["logits"] + 3e-3
+            # off by 3e-3 beyond what rtol allows, everywhere: the smallest passing atol is 3e-3
+            out["logits"] = out["logits"] + 3e-3 + 1e-3 * np.abs(out["logits"])
             return out
 
     report = check(Nudged(tiny_onnx["sparse"]), TorchRunner(model), samples=10)
     assert not report.passed and report.unexcused_flips == 0
     msg = report.failures[0]
-    assert msg.startswith("logits:") and "batch 0 (B=1" in msg and "smallest atol that passes is 2.99" in msg
+    assert msg.startswith("logits:") and "batch 0 (B=1" in msg
+    needed = float(msg.rsplit("smallest atol that passes is ", 1)[1])
+    assert abs(needed - 3e-3) < 1e-5, msg
 
 
 def _on_the_boundary(nudge: float):
@@ -88,7 +91,6 @@ def _on_the_boundary(nudge: float):
     with torch.no_grad():
         last.weight.zero_()
         last.bias.fill_(nudge)  # sigmoid(0) = 0.5 exactly; H = 4 -> s*H = 2.0
-        model.head[2].weight.mul_(300)  # untrained logits are ~0.01; make a routing change visible
     return model
 
 

@@ -83,3 +83,51 @@ def test_every_op_has_a_core_ml_translation_and_its_mil_ops_an_evaluator(tmp_pat
             adaptex.export(model, example, path, target="coreml", variant=variant, dynamic_shapes=dyn)
             seen |= {o.op_type for o in MilReferenceRunner(path).program.functions["main"].operations}
     assert seen - {"const"} <= set(EVAL), f"MIL ops without an evaluator: {sorted(seen - set(EVAL) - {'const'})}"
+
+
+def test_an_unsupported_cell_refuses_the_export_with_its_reason(tiny_checkpoint, tmp_path, capsys):
+    """A cell declared with registry.unsupported (as a target that cannot lower an op would) stops the
+    export before anything is written: one line naming the op, the target, the variant and the reason."""
+    from adaptex.cli import main
+
+    targets.load_all()
+    op, reason = "adaptex::budgeted_attention", "this target has no runtime top-k (a planted refusal for the test)"
+
+    def withdrawn(ctx, node):
+        """The cell's lowering, withdrawn for the test."""
+
+    placeholder = registry.Lowering(op, "onnx", "sparse", withdrawn, validator=lambda node: "withdrawn for the test")
+    with registry.override(placeholder, replace=True):
+        registry.unsupported(op, target="onnx", variant="sparse", reason=reason)
+        with pytest.raises(UnsupportedLowering) as e:
+            registry.lookup(op, "onnx", "sparse")
+        assert reason in e.value.reasons
+        out = tmp_path / "m.onnx"
+        assert main(["export", str(tiny_checkpoint), "--target", "onnx", "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert op in err and "onnx" in err and reason in err and len(err.strip().splitlines()) == 1
+        assert not out.exists() and list(tmp_path.iterdir()) == []
+        # the other variant's cell is untouched
+        assert main(["export", str(tiny_checkpoint), "--target", "onnx", "--variant", "dense", "-o", str(out)]) == 0
+    assert registry.lookup(op, "onnx", "sparse").fn.__name__ == "budgeted_attention_onnx_sparse"
+
+
+# the tiny family whose export holds each op
+HOLDS = {"adaptex::budgeted_attention": "bf", "adaptex::conditional_ffn": "tsa",
+         "adaptex::conditional_attention": "tsa", "adaptex::elastic_attention": "el"}
+
+
+@pytest.mark.parametrize("target", targets.BUILTIN)
+@pytest.mark.parametrize("variant", registry.VARIANTS)
+def test_every_cell_is_exported(artifacts, target, variant):
+    """Every op x target x variant cell lowers a real model (the session's shared exports): its
+    artifact records the cell's own lowering. For TensorRT, the bound ONNX an engine is built from."""
+    from adaptex.runtimes.open import read_metadata
+
+    targets.load_all()
+    assert set(HOLDS) == set(OPS)
+    for op, family in HOLDS.items():
+        precision = "fp32" if target == "coreml" else None
+        meta = read_metadata(artifacts(family, target, variant, precision))
+        assert meta["variant"] == variant
+        assert meta["lowerings"][op] == registry.lookup(op, target, variant).fn.__name__

@@ -1,5 +1,6 @@
 """The shipped default model: present, loadable, and as good as its training summary says."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,18 +49,68 @@ def test_recorded_summary_reproduces(shipped):
         assert abs(s - recorded["s_by_level"][str(lv)]) < 1e-5
 
 
-def test_shipped_model_exports_and_passes_parity(shipped, tmp_path):
-    from adaptex.exporter.targets import onnx as target
+@pytest.fixture(scope="module")
+def shipped_onnx(shipped, tmp_path_factory):
+    (model, info), _ = shipped
+    path = tmp_path_factory.mktemp("shipped") / "m.onnx"
+    zoo.export(model, {**info, "name": checkpoint.DEFAULT_MODEL}, path)
+    return path
+
+
+def test_shipped_model_exports_and_passes_parity(shipped, shipped_onnx):
     from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
     from adaptex.runtimes.parity import check
     from adaptex.runtimes.torch_ref import TorchRunner
 
-    (model, info), _ = shipped
-    info = {**info, "name": checkpoint.DEFAULT_MODEL}
-    zoo.export(model, info, tmp_path / "m.onnx")
-    report = check(OnnxRuntimeRunner(tmp_path / "m.onnx"), TorchRunner(model), samples=60, task="graded")
+    (model, _), _ = shipped
+    report = check(OnnxRuntimeRunner(shipped_onnx), TorchRunner(model), samples=60, task="graded")
     assert report.passed, report.format()
     assert report.max_abs_err <= 1e-4 and report.decisions_vary
+
+
+def _readme_figures() -> tuple[float, float, float]:
+    """What the README says examples/legacy_tracer_bakes_k.py shows: the legacy graph's error range on
+    inputs whose k differs from the traced one, and the adaptex artifact's bound."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    low, high = re.search(r"logits are off by ([0-9.]+) to ([0-9.]+) with no warning", text).groups()
+    within = re.search(r"adaptex artifact stays within ([0-9.e-]+) of eager PyTorch", text).group(1)
+    return float(low), float(high), float(within)
+
+
+def test_the_legacy_tracer_bakes_k_and_the_adaptex_artifact_does_not(shipped_onnx):
+    """examples/legacy_tracer_bakes_k.py, the README's motivation, with the README's own figures."""
+    from examples.legacy_tracer_bakes_k import compare
+
+    low, high, within = _readme_figures()
+    r = compare(ours=shipped_onnx)
+    traced = [row for row in r["rows"] if row[1] == r["traced_k"]]
+    other = [row for row in r["rows"] if row[1] != r["traced_k"]]
+    assert traced and len(other) >= 4
+    assert max(e for *_, e, _ in traced) < 1e-4  # on the traced routing the legacy graph is right...
+    legacy = [e for *_, e, _ in other]  # ...and on any other it is silently wrong, by the stated amounts
+    assert min(legacy) >= low - 0.005 and max(legacy) <= high + 0.005, (legacy, low, high)
+    assert max(e for *_, e in r["rows"]) <= within
+    assert r["other_length"] and "Reshape" in r["other_length"]  # another length does not even run
+
+
+def test_shipped_tsa_charlm_loads_exports_and_passes_parity(tmp_path):
+    """tsa-charlm, the shipped character LM: its artifact passes parity through prefills and decode
+    steps on text of its own task, both keep values occurring in every gated block."""
+    import adaptex
+
+    model = adaptex.load("tsa-charlm")
+    info = model.adaptex_source
+    assert info["family"] == "tsa" and info["training"]["task"] == "charlm" and model.cfg.num_layers == 6
+    path = tmp_path / "tsa.onnx"
+    meta = adaptex.export(model, None, path)
+    assert meta["source"]["checkpoint"] == "tsa-charlm"
+    report = adaptex.check(path, samples=8)  # the reference found from the artifact's own metadata
+    assert report.passed, report.format()
+    assert report.unexcused_flips == 0 and report.samples == 8 and report.batches > report.samples
+    for li in range(1, model.cfg.num_layers):
+        assert set(report.decisions[f"decisions.layer{li}.keep"].values_seen) == {0, 1}, li
 
 
 def test_shipped_elastic_minilm_meets_its_bar_and_reproduces():

@@ -23,17 +23,10 @@ def checkpoints(family_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def bound(checkpoints, tmp_path_factory):
-    """{(family, variant): path} of the TensorRT-bound ONNX, written by the CLI with --onnx-only."""
-    out = {}
-    d = tmp_path_factory.mktemp("bound")
-    for family in ("bf", "tsa"):
-        for variant in ("sparse", "dense"):
-            path = d / f"{family}.{variant}.onnx"
-            assert main(["export", str(checkpoints / family), "--target", "tensorrt", "--onnx-only",
-                         "--variant", variant, "-o", str(path)]) == 0
-            out[(family, variant)] = path
-    return out
+def bound(artifacts):
+    """{(family, variant): path} of the TensorRT-bound ONNX (--onnx-only), shared with the session."""
+    return {(family, variant): artifacts(family, "tensorrt", variant) for family in ("bf", "tsa")
+            for variant in ("sparse", "dense")}
 
 
 KEYS = [(f, v) for f in ("bf", "tsa") for v in ("sparse", "dense")]
@@ -349,18 +342,17 @@ def test_engine_plan_of_every_shipped_model(name, variant):
         assert ROUTE_MARK in layer and not any(types.get(v) in FLOAT_TYPES for v in list(n.input) + list(n.output))
 
 
-def test_trt_run_example_builds_valid_feeds_for_every_family(bound, checkpoints, tmp_path):
+def test_trt_run_example_builds_valid_feeds_for_every_family(bound, checkpoints, artifacts, tmp_path):
     """examples/trt_run.py's feeds come from the engine's metadata alone; an engine's inputs are its
     TensorRT-bound ONNX's, so ONNX Runtime accepts them for every family."""
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
     from examples.trt_run import example_feeds
 
-    paths = [bound[("bf", "sparse")], bound[("tsa", "sparse")]]
-    for fam in ("el", "eldec"):
-        path = tmp_path / f"{fam}.onnx"
-        assert main(["export", str(checkpoints / fam), "--target", "tensorrt", "--onnx-only", "-o", str(path)]) == 0
-        paths.append(path)
+    paths = [bound[("bf", "sparse")], bound[("tsa", "sparse")], artifacts("el", "tensorrt")]
+    path = tmp_path / "eldec.onnx"  # the CLI's --onnx-only writer, once
+    assert main(["export", str(checkpoints / "eldec"), "--target", "tensorrt", "--onnx-only", "-o", str(path)]) == 0
+    paths.append(path)
     for path in paths:
         meta = read_onnx_metadata(path)
         out = OnnxRuntimeRunner(path).infer(example_feeds(meta))

@@ -80,7 +80,8 @@ def test_short_training_runs_and_reports(capsys):
     r = evaluate(model, task, 64)
     assert 0 <= r["accuracy"] <= 1 and 0 < r["heads_fraction"] <= 1 and 0 < r["flop_ratio"] <= 1.01
     assert set(r["s_by_level"]) == {0, 1, 2, 3}
-    assert "train 12/12" in capsys.readouterr().err  # progress reached the end
+    err = capsys.readouterr().err
+    assert "train: 100%" in err and "12/12" in err  # progress reached the end
 
 
 def test_soft_mode_computes_every_head_and_noise_changes_routing():

@@ -1,19 +1,43 @@
-"""Reproduce the shipped model's training run (about 20 minutes on 2 cores: `make test-slow`)."""
+"""`make test-slow`: a documented training command lands within the spread the docs state.
+
+docs/results/training_seeds.json is the output of `python examples/reproduce_training.py` (short
+schedules, seeds 0 1 2, 1 thread; docs/training.md quotes it). This retrains the default BudgetFormer
+with the short schedule's command at seed 0 and checks every headline figure against the recorded
+mean ± 3 standard deviations over the seeds (at least ± 0.02: three seeds estimate a spread poorly),
+and that the run is deterministic: the same seed and thread count give the same figures twice.
+"""
 import json
+from pathlib import Path
 
 import pytest
 
 from adaptex.cli import main
-from adaptex.graphs import checkpoint
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "training_seeds.json"
+
+
+def short_command(model: str) -> list[str]:
+    from importlib import util
+
+    spec = util.spec_from_file_location("reproduce_training", RESULTS.parents[2] / "examples" / "reproduce_training.py")
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # the script's own table of commands: the test runs what the docs quote
+    return mod, mod.MODELS[model]["short"]
 
 
 @pytest.mark.slow
-def test_default_training_reproduces_the_shipped_summary(tmp_path, capsys):
-    out = tmp_path / "bf"
-    assert main(["train", "budgetformer", "--task", "graded", "-o", str(out)]) == 0
+def test_short_budgetformer_schedule_lands_within_the_documented_spread(tmp_path, capsys):
+    recorded = json.loads(RESULTS.read_text())
+    assert recorded["schedule"] == "short" and len(recorded["seeds"]) >= 3
+    expected = recorded["models"]["budgetformer-graded"]["figures"]
+    mod, cmd = short_command("budgetformer-graded")
+    got = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert main(["train", *cmd, "--seed", "0", "--threads", "1", "--quiet", "-o", str(out)]) == 0
+        got.append(mod.figures("budgetformer-graded", json.loads((out / "summary.json").read_text())["metrics"]))
     capsys.readouterr()
-    ours = json.loads((out / checkpoint.CONFIG).read_text())["evaluation"]
-    shipped = json.loads((checkpoint.resolve(None) / checkpoint.CONFIG).read_text())["evaluation"]
-    for model in ("budgetformer", "baseline"):
-        assert abs(ours[model]["accuracy"] - shipped[model]["accuracy"]) < 0.01
-    assert abs(ours["budgetformer"]["heads_fraction"] - shipped["budgetformer"]["heads_fraction"]) < 0.02
+    assert got[0] == got[1]  # deterministic for a seed and a thread count
+    for name, f in expected.items():
+        margin = max(3 * f["std"], 0.02)
+        assert abs(got[0][name] - f["mean"]) <= margin, (name, got[0][name], f)

@@ -106,23 +106,13 @@ def test_trace_keeps_one_node_per_op_per_gated_block():
 
 
 @pytest.fixture(scope="module")
-def tsa_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tsa") / "tiny-tsa"
-    checkpoint.save(path, zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
-                                            "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
-    return path
+def tsa_checkpoint(family_checkpoints):
+    return family_checkpoints / "tsa"
 
 
 @pytest.fixture(scope="module")
-def tsa_onnx(tsa_checkpoint, tmp_path_factory):
-    from adaptex.exporter.targets import onnx as target
-
-    model, info = checkpoint.load(tsa_checkpoint)
-    out = {}
-    for variant in ("sparse", "dense"):
-        out[variant] = tmp_path_factory.mktemp("tsa-onnx") / f"tsa.{variant}.onnx"
-        zoo.export(model, info, out[variant], variant=variant)
-    return out
+def tsa_onnx(artifacts):
+    return {variant: artifacts("tsa", "onnx", variant) for variant in ("sparse", "dense")}
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
@@ -138,6 +128,17 @@ def test_onnx_artifact_passes_parity_on_prefill_and_decode_steps(tsa_onnx, tsa_c
     assert report.max_abs_err < 1e-4 and "present.0.key" in report.outputs and report.batches > report.samples / 8
 
 
+def _body_ops(proto, name) -> set[str]:
+    """Op types in a function's body, If branches included."""
+    def walk(nodes):
+        for n in nodes:
+            yield n.op_type
+            for a in n.attribute:
+                for g in ([a.g] if a.HasField("g") else list(a.graphs)):
+                    yield from walk(g.node)
+    return {op for f in proto.functions if f.name == name for op in walk(f.node)}
+
+
 def test_onnx_graph_shape_names_and_lowerings(tsa_onnx):
     import onnx
 
@@ -145,9 +146,9 @@ def test_onnx_graph_shape_names_and_lowerings(tsa_onnx):
         proto = onnx.load(str(tsa_onnx[variant]))
         nodes = [n for n in proto.graph.node if n.domain == "adaptex"]
         assert [n.op_type for n in nodes] == ["ConditionalAttention", "ConditionalFFN"] * 2
-        body = {n.op_type for f in proto.functions if f.name == "ConditionalFFN" for n in f.node}
+        body = _body_ops(proto, "ConditionalFFN")
         assert want <= body and not (unwanted & body)
-        attn = {n.op_type for f in proto.functions if f.name == "ConditionalAttention" for n in f.node}
+        attn = _body_ops(proto, "ConditionalAttention")
         if variant == "sparse":
             assert {"TopK", "Gather", "ScatterND"} <= attn
         else:

@@ -10,15 +10,23 @@ TINY = dict(vocab_size=64, num_classes=4, d_model=32, num_heads=4, num_layers=2,
             router_hidden=16)
 
 
-def tiny_model(seed: int = 0, spread: float = 40.0, **overrides) -> BudgetFormer:
+def tiny_model(seed: int = 0, spread: float = 40.0, head_scale: float = 300.0, attn_scale: float = 10.0,
+               **overrides) -> BudgetFormer:
     """An untrained tiny BudgetFormer. `spread` scales the routers' last layers so that budgets and
-    head preferences vary widely across inputs (an untrained router would give k = constant)."""
+    head preferences vary widely across inputs (an untrained router would give k = constant).
+    Untrained logits are ~0.01, below what the fp16 tolerance can see and barely above the fp32 one:
+    an artifact computing the wrong heads passed parity. `head_scale` scales the classifier's last
+    layer (logits O(5)) and `attn_scale` the attention output projections, so that the heads weigh
+    in the residual stream: computing the lowest-scored heads then moves the logits by ~0.1. The
+    routers read LayerNorm'd inputs: the spread of their decisions stays as it was."""
     torch.manual_seed(seed)
     model = BudgetFormer(BudgetFormerConfig(**{**TINY, **overrides}))
     with torch.no_grad():
         for layer in model.layers:
             layer.attn.router.budget[2].weight.mul_(spread)
             layer.attn.router.scorer[2].weight.mul_(spread)
+            layer.attn.out.weight.mul_(attn_scale)
+        model.head[2].weight.mul_(head_scale)
     return model.eval()
 
 
@@ -29,8 +37,9 @@ def save_tiny(path, **kw):
 TINY_TSA = dict(vocab_size=32, d_model=32, num_heads=4, num_layers=3, d_ff=64, max_len=32)
 
 
-def tiny_tsa(seed: int = 0, spread: float = 20.0, **overrides):
-    """An untrained tiny TSA decoder whose routers are scaled so keep decisions vary across tokens."""
+def tiny_tsa(seed: int = 0, spread: float = 20.0, head_scale: float = 20.0, **overrides):
+    """An untrained tiny TSA decoder whose routers are scaled so keep decisions vary across tokens,
+    and whose final norm is scaled so logits are O(5), not O(0.3) (errors must show against atol)."""
     from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
     torch.manual_seed(seed)
@@ -39,6 +48,7 @@ def tiny_tsa(seed: int = 0, spread: float = 20.0, **overrides):
         for r in model.routers:
             r.net[0].weight.mul_(spread)
             r.net[2].weight.mul_(spread)
+        model.ln_f.weight.mul_(head_scale)  # the LM head is tied to the embeddings: scale the norm before it
     return model.eval()
 
 
@@ -69,9 +79,10 @@ def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int
     return model.eval()
 
 
-def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 8):
+def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 8,
+                         head_scale: float = 15.0):
     """A tiny random dense decoder (max_len 128) with elastic routers centred and spread like
-    tiny_elastic's, so that head modes vary across inputs."""
+    tiny_elastic's, so that head modes vary across inputs, and logits O(5) (its final norm scaled)."""
     from adaptex.graphs.elastic_decoder import ElasticDecoder
     from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
@@ -86,6 +97,7 @@ def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, win
             _, dec, _ = model(ids, mode="hard_dense")
             gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]
             r.router[2].bias[1] -= gap.median()
+        model.backbone.ln_f.weight.mul_(head_scale)  # after routing is centred: the routers read keys only
     return model.eval()
 
 

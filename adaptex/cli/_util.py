@@ -103,3 +103,49 @@ def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8
     if n == 0:
         raise UsageError(f"--inputs {path}: the arrays hold no rows (a batch of 0); pass at least one input")
     return [{k: arrays[k][i:i + batch] for k in keys} for i in range(0, n, batch)]
+
+
+class _Bar:
+    """A tqdm bar on stderr (absent: every call does nothing)."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def to(self, value):
+        """A progress callback that moves the bar to value(arg) (e.g. the report's sample count)."""
+        def update(arg) -> None:
+            if self.bar is not None:
+                self.bar.n = value(arg)
+                self.bar.refresh()
+        return update
+
+    def step(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, msg: str) -> None:
+        """A line above the bar (or on stderr when there is none)."""
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            say(msg)
+
+
+def progress_bar(desc: str, total: int | None = None, unit: str = "it", enabled: bool = True):
+    """A context manager yielding a _Bar: tqdm on stderr when enabled and stderr is a terminal
+    (tqdm's disable=None), nothing otherwise (--quiet, --json, a log file)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+        try:
+            yield _Bar(bar)
+        finally:
+            if bar is not None:
+                bar.close()
+    return cm()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import UsageError, at_least, load_model, read_inputs, say, set_threads
+from adaptex.cli._util import UsageError, at_least, load_model, progress_bar, read_inputs, say, set_threads
 
 
 def add_parser(sub) -> None:
@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
     s.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement (one process per graph)")
     s.add_argument("--compute-units", default=None, choices=["cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"],
                    help="Core ML packages on macOS: which units Core ML may use (default all)")
+    s.add_argument("--quiet", action="store_true", help="no progress messages or bar")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=run)
 
@@ -76,7 +77,7 @@ def run(args) -> int:
         raise UsageError("--profile reads ONNX Runtime's profiler: it applies to .onnx artifacts")
     runner = open_artifact(args.artifact, threads[0], args.compute_units)
     set_threads(threads[0])
-    progress = None if args.json else say
+    progress = None if args.json or args.quiet else say
     feeds, contract = None, None
     if args.model and ":" in args.model or args.inputs:  # a model of your own: its inputs, timed as given
         from adaptex.api import _feeds, _reference
@@ -92,11 +93,14 @@ def run(args) -> int:
         model, info = load_source_model(runner.meta, args.model)
     limit = getattr(getattr(model, "cfg", None), "max_len", None)
     rows, skipped = [], []
+    points = [(t, b, s, p) for t in threads for b in batches for p in pasts for s in seqs]
     with Bench(args.artifact, model, info, contract=contract, compute_units=args.compute_units or "all",
-               progress=progress, cache=not args.no_cache) as bench:
-        points = [(t, b, s, p) for t in threads for b in batches for p in pasts for s in seqs]
+               progress=progress, cache=not args.no_cache) as bench, \
+            progress_bar("bench", total=len(points), unit="point",
+                         enabled=len(points) > 1 and progress is not None) as bar:
         for i, (thr, B, T, past) in enumerate(points):
-            if limit and T + past > limit and feeds is None:
+            bar.step(0)
+            if limit and T + past > limit and feeds is None and len(points) > 1:  # one point: its error
                 skipped.append(f"batch={B} T={T} past={past}: above the model's limit of {limit} positions; not run")
                 continue
             if len(points) > 1 and progress:
@@ -105,8 +109,11 @@ def run(args) -> int:
             r = bench.run(batch=B, seq=T, past=past, threads=thr, feeds=feeds, warmup=args.warmup, runs=args.runs,
                           blocks=args.blocks, memory=not args.no_memory, profile=args.profile)
             rows.append(r)
+            bar.step()
             if not args.json:
                 print(format_bench(r), flush=True)
+    if not rows:
+        raise UsageError(f"every point is above the model's limit of {limit} positions: lower --seq/--past")
     if args.csv:
         write_csv(rows, args.csv)
     if args.plot:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import EXIT_FAILED, at_least, load_model, read_inputs, set_threads
+from adaptex.cli._util import EXIT_FAILED, at_least, load_model, progress_bar, read_inputs, set_threads
 
 
 def add_parser(sub) -> None:
@@ -26,6 +26,11 @@ def add_parser(sub) -> None:
                         "default) or in fp16 throughout (the worst case, as the Neural Engine may)")
     s.add_argument("--ranges", action="store_true",
                    help="Core ML packages: report every fp16 op's largest |x| and partial sums against 65504")
+    s.add_argument("--against", default=None, metavar="ARTIFACT",
+                   help="compare with another artifact of the same checkpoint (e.g. the .mlpackage of an .onnx) "
+                        "instead of the eager model, decisions first")
+    s.add_argument("--save-results", default=None, metavar="JSON", help="write the full report as JSON")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=run)
 
@@ -40,9 +45,20 @@ def run(args) -> int:
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
     inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
-    report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
-                   samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads,
-                   compute_units=args.compute_units, fp16_accumulation=args.fp16_accumulation,
-                   ranges=args.ranges)
+    with progress_bar("check", total=None if inputs else args.samples, unit="seq",
+                      enabled=not (args.json or args.quiet)) as bar:
+        report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
+                       samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads,
+                       compute_units=args.compute_units, fp16_accumulation=args.fp16_accumulation,
+                       ranges=args.ranges, against=args.against, progress=bar.to(lambda r: r.samples))
+    if args.save_results:
+        from pathlib import Path
+
+        from adaptex.exporter.metadata import atomic_path
+
+        with atomic_path(Path(args.save_results)) as tmp:
+            Path(tmp).write_text(json.dumps(report.to_dict(), indent=2))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    if args.save_results and not args.json:
+        print(f"wrote {args.save_results}")
     return 0 if report.passed else EXIT_FAILED

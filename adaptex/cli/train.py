@@ -36,9 +36,16 @@ def add_parser(sub) -> None:
                    help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 "
                         "characters (a Hugging Face decoder: min(512, its positions) tokens), tsa --data 128 tokens")
     s.add_argument("--dense", action="store_true",
-                   help="tsa --task charlm: train the dense decoder alone (the elastic decoder's backbone)")
-    s.add_argument("--init", default=None,
-                   help="tsa --dense: start from a trained decoder's weights (e.g. tsa-charlm; its routers are dropped)")
+                   help="train the dense model alone: tsa --task charlm the dense decoder (the elastic decoder's "
+                        "backbone), budgetformer the standard Transformer (a checkpoint to --init from)")
+    s.add_argument("--init", default=None, metavar="CHECKPOINT|HF_DIR",
+                   help="start from a trained dense model's weights, routers fresh, distilled from it (KL to its "
+                        "logits) with a compute penalty that makes tokens leave: tsa from a decoder checkpoint "
+                        "(e.g. charlm-dense) or a GPT-2 directory; budgetformer from a budgetformer checkpoint. "
+                        "With --dense: the dense decoder's starting weights (e.g. tsa-charlm)")
+    s.add_argument("--ops-saved", type=float, default=None,
+                   help="tsa --init: the fraction of token-layer ops to save (default 0.15); the compute "
+                        "penalty follows it")
     s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
     s.add_argument("--batch-size", type=int, default=None)
     s.add_argument("--lr", type=float, default=None)
@@ -59,15 +66,28 @@ def add_parser(sub) -> None:
     s.add_argument("--save-dtype", default="float16", choices=["float16", "float32"],
                    help="weights storage; float16 halves the checkpoint, the model still computes in fp32")
     s.add_argument("--description", default=None)
+    s.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="write the checkpoint (with the state to resume from) to -o every N steps")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the run that --save-every left at -o, bit for bit (same options and threads)")
+    s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON (also written to -o/summary.json)")
     s.set_defaults(run=run)
 
 
 def run(args) -> int:
+    import json
+    import sys
+    import time
+
     from adaptex.graphs import checkpoint
     from adaptex.graphs.recipes import RECIPES, TrainError, TrainOptions, train
+    from adaptex.graphs.recipes.session import SUMMARY, Session
 
     if args.family not in RECIPES:
         raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    if args.save_every is not None and args.save_every < 1:
+        raise UsageError(f"--save-every {args.save_every}: must be at least 1")
     out = Path(args.output)
     if out.exists() and not checkpoint.is_checkpoint_dir(out):
         raise UsageError(f"{out}: exists and is not a checkpoint directory; choose a new -o "
@@ -78,9 +98,27 @@ def run(args) -> int:
         raise UsageError(f"{out}: {existing} is not a writable directory; choose another -o")
     set_threads(args.threads)
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
-    result = train(args.family, opts, say)
-    print(result.table)
+    quiet = args.quiet or args.json
+    note = (lambda msg: None) if quiet else say
+    session = Session(out=out, save_every=args.save_every, resume=args.resume, quiet=quiet, family=args.family,
+                      options=dict(opts.__dict__), save_dtype=args.save_dtype)
+    t0 = time.perf_counter()
+    result = train(args.family, opts, note, session=session)
+    model, extra = result.model, result.extra
+    training = extra.get("training") or {}
+    data = {k: training[k] for k in ("data", "eval") if k in training} or {"task": training.get("task")}
+    if "data_sha256" in training:
+        data["sha256"] = training["data_sha256"]
+    summary = {"status": "complete", **session.summary_base(), "config": model.cfg.to_dict(), "data": data,
+               "metrics": extra.get("evaluation"), "seconds": round(time.perf_counter() - t0, 1),
+               "checkpoint": str(out)}
+    text = json.dumps(summary, indent=2) + "\n"
     parent.mkdir(parents=True, exist_ok=True)  # only now: a failed run leaves nothing behind
-    checkpoint.save(out, result.model, result.extra, dtype=args.save_dtype)
-    say(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS})" + (f"; {result.note.format(out=out)}" if result.note else ""))
+    checkpoint.save(out, model, extra, dtype=args.save_dtype, texts={SUMMARY: text})
+    if args.json:
+        sys.stdout.write(text)
+    else:
+        print(result.table)
+    note(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}, {SUMMARY})"
+         + (f"; {result.note.format(out=out)}" if result.note else ""))
     return 0

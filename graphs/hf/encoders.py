@@ -133,7 +133,7 @@ def original_encoder(path, max_positions: int):
             pooled = (states * m).sum(1) / m.sum(1).clamp(min=1e-9)
             return torch.nn.functional.normalize(pooled, dim=-1)
 
-    ids = torch.randint(5, 100, (2, 16))
+    ids = torch.randint(5, int(hf.config.vocab_size), (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     mask[-1, 8:] = 0
     batch = torch.export.Dim("batch", min=1, max=4096)

@@ -31,7 +31,8 @@ class TrainOptions:
     window: int | None = None
     max_tokens: int | None = None
     dense: bool = False
-    init: str | None = None
+    init: str | None = None  # a dense (or trained) checkpoint to start from, or a Hugging Face directory
+    ops_saved: float | None = None  # tsa --init: the token-layer ops to save (a controlled compute penalty)
     steps: int | None = None
     batch_size: int | None = None
     lr: float | None = None
@@ -73,9 +74,16 @@ RECIPES = {"budgetformer": "adaptex.graphs.recipes.budgetformer",
            "elastic": "adaptex.graphs.recipes.elastic"}
 
 
-def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda msg: None) -> TrainResult:
-    """Run the recipe of `family` (budgetformer, tsa or elastic)."""
+def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda msg: None,
+          session=None) -> TrainResult:
+    """Run the recipe of `family` (budgetformer, tsa or elastic). `session`
+    (graphs/recipes/session.py) carries periodic saves, resuming and progress; None: progress on
+    stderr, nothing saved along the way."""
     if family not in RECIPES:
         raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
     opts.check()
-    return importlib.import_module(RECIPES[family]).run(opts, say)
+    from adaptex.graphs.recipes.session import Session, deterministic
+
+    session = session or Session(family=family, options=opts.__dict__.copy())
+    with deterministic():
+        return importlib.import_module(RECIPES[family]).run(opts, say, session)

@@ -13,12 +13,6 @@ from pathlib import Path
 
 from adaptex.graphs import checkpoint
 from adaptex.graphs.recipes import TrainError, TrainResult
-from adaptex.graphs.recipes.progress import Progress
-
-
-def _progress(total: int, desc: str):
-    bar = Progress(total, desc)
-    return lambda step, fields: bar.update(step, **fields)
 
 
 def _is_adaptex_checkpoint(backbone: str) -> bool:
@@ -27,17 +21,23 @@ def _is_adaptex_checkpoint(backbone: str) -> bool:
     return backbone != "minilm" and cfg.is_file() and '"family"' in cfg.read_text()
 
 
-def run(opts, say):
+def run(opts, say, session=None):
     from adaptex.graphs.hf import is_decoder_dir
 
     if opts.tokenizer is not None:
         raise TrainError(f"--tokenizer {opts.tokenizer}: an elastic backbone brings its own tokenizer (its "
                          "tokenizer.json, or the dense checkpoint's); leave --tokenizer out")
+    from adaptex.graphs.recipes.session import Session
+
+    session = session or Session()
+    if opts.init or opts.dense or opts.ops_saved is not None:
+        raise TrainError("--init, --dense and --ops-saved go with budgetformer and tsa; elastic routers start on "
+                         "--backbone")
     if _is_adaptex_checkpoint(opts.backbone):
-        return _run_decoder(opts, say)
+        return _run_decoder(opts, say, session)
     if is_decoder_dir(opts.backbone):
-        return _run_hf_decoder(opts, say)
-    return _run_encoder(opts, say)
+        return _run_hf_decoder(opts, say, session)
+    return _run_encoder(opts, say, session)
 
 
 def _data_files(opts):
@@ -51,7 +51,7 @@ def _tokenizer_spec(path: Path, pad_id: int) -> dict:
     return {"kind": "tokenizer.json", "pad": pad_id, "json": path.read_text(encoding="utf-8")}
 
 
-def _run_encoder(opts, say):
+def _run_encoder(opts, say, session):
     """Routers on a frozen encoder, trained to keep its sentence embedding."""
     from adaptex.graphs.elastic import (ElasticConfig, ElasticEncoder, ElasticTrainConfig, StdlibText, calibrate,
                                         evaluate_elastic, summary_table_elastic, train_elastic)
@@ -80,7 +80,9 @@ def _run_encoder(opts, say):
     text = TextPassages(files) if files else StdlibText()
     n_eval = min(opts.eval_size, 200)
     t0 = time.perf_counter()
-    train_elastic(model, tok, text, tc, progress=_progress(tc.steps, "elastic "))
+    session.checkpoint_extra = {"description": opts.description or "Elastic Attention routers (frozen backbone)",
+                                "tokenizer": _tokenizer_spec(tok.path, tok.pad_id)}
+    train_elastic(model, tok, text, tc, session=session)
     cal = calibrate(model, tok, text, min_sparsity=min(0.52, target), max_tokens=tc.max_tokens,
                     n=max(16, min(96, n_eval)))
     say(f"calibrated the SA/FA boundary on training text: delta {cal['delta']} (SA {cal['sa_fraction']}, "
@@ -92,7 +94,7 @@ def _run_encoder(opts, say):
     extra = {
         "description": opts.description or f"Elastic Attention routers on {name} (frozen)",
         "training": {"task": "file" if files else "stdlib-text", "train_config": tc.__dict__,
-                     "seconds": round(time.perf_counter() - t0, 1),
+                     "seconds": round(time.perf_counter() - t0, 1), **session.record(),
                      "backbone": {k: binfo[k] for k in ("path", "sha256", "layout")}, **(files.describe() if files else {})},
         "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
         "tokenizer": _tokenizer_spec(tok.path, tok.pad_id),
@@ -106,7 +108,7 @@ def _decoder_task(files, tokenizer, context: int):
     return TextCorpus(files, tokenizer, context), files.describe()
 
 
-def _run_decoder(opts, say):
+def _run_decoder(opts, say, session):
     """Routers on a frozen dense decoder (an adaptex checkpoint), distilled from its full attention."""
     from adaptex.graphs.data import from_spec
     from adaptex.graphs.elastic_decoder import ElasticDecoder
@@ -134,10 +136,10 @@ def _run_decoder(opts, say):
     backbone_rec = {"checkpoint": opts.backbone, "sha256": binfo["sha256"]}
     return _train_decoder(model, task, context, opts, say, "the dense charlm decoder" if data is None else
                           f"the dense decoder {opts.backbone}", backbone_rec, data, binfo.get("tokenizer"),
-                          note="the checkpoint holds the routers and the frozen backbone")
+                          note="the checkpoint holds the routers and the frozen backbone", session=session)
 
 
-def _run_hf_decoder(opts, say):
+def _run_hf_decoder(opts, say, session):
     """Routers on a frozen GPT-2 or LLaMA directory, distilled from its full attention on --data."""
     from adaptex.graphs.elastic_decoder import ElasticDecoder
     from adaptex.graphs.hf import load_decoder
@@ -158,11 +160,12 @@ def _run_hf_decoder(opts, say):
     task, data = _decoder_task(files, tok, context)
     backbone_rec = {"path": path, "sha256": binfo["sha256"], "layout": binfo["layout"]}
     return _train_decoder(model, task, context, opts, say, f"{binfo['layout']} {path}", backbone_rec, data,
-                          tok.spec(), note="the checkpoint holds the routers; the backbone stays where it is")
+                          tok.spec(), note="the checkpoint holds the routers; the backbone stays where it is",
+                          session=session)
 
 
 def _train_decoder(model, task, context: int, opts, say, name: str, backbone_rec: dict, data: dict | None,
-                   tokenizer: dict | None, note: str) -> TrainResult:
+                   tokenizer: dict | None, note: str, session=None) -> TrainResult:
     from adaptex.graphs.elastic_decoder import (ElasticDecoderTrainConfig, calibrate_decoder, evaluate_elastic_decoder,
                                                 summary_table_decoder, train_elastic_decoder)
 
@@ -171,7 +174,9 @@ def _train_decoder(model, task, context: int, opts, say, name: str, backbone_rec
                                    lr=opts.lr or 3e-3, seed=opts.seed)
     n_eval = min(opts.eval_size, 64)
     t0 = time.perf_counter()
-    train_elastic_decoder(model, task, tc, progress=_progress(tc.steps, "elastic "))
+    session.checkpoint_extra = {"description": opts.description or f"Elastic Attention routers on {name} (frozen)",
+                                **({"tokenizer": tokenizer} if tokenizer else {})}
+    train_elastic_decoder(model, task, tc, session=session)
     cal = calibrate_decoder(model, task, min_sparsity=max(0.0, target - 0.05), context=context, n=min(32, n_eval))
     say(f"calibrated the SA/FA boundary on training text: delta {cal['delta']} (SA {cal['sa_fraction']}, "
         f"loss {cal['elastic_loss']})")
@@ -181,7 +186,8 @@ def _train_decoder(model, task, context: int, opts, say, name: str, backbone_rec
     extra = {
         "description": opts.description or f"Elastic Attention routers on {name} (frozen)",
         "training": {"task": "file" if data else "charlm", "train_config": tc.__dict__,
-                     "seconds": round(time.perf_counter() - t0, 1), "backbone": backbone_rec, **(data or {})},
+                     "seconds": round(time.perf_counter() - t0, 1), **session.record(), "backbone": backbone_rec,
+                     **(data or {})},
         "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table, "tokenizer": tokenizer,
     }
     return TrainResult(model, extra, table, note=note)

@@ -1,31 +1,26 @@
-"""Training progress on stderr."""
+"""Training progress on stderr, through tqdm: a live bar on a terminal, a line every 30 s in a log."""
 from __future__ import annotations
 
 import sys
-import time
 
 
 class Progress:
-    """A one-line progress bar on stderr (a plain log line every 10% when stderr is not a tty)."""
+    """`update(step, **fields)` moves the bar to `step` and shows the fields beside it."""
 
-    def __init__(self, total: int, desc: str, stream=None):
-        self.total, self.desc, self.stream = total, desc, stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.t0 = time.perf_counter()
-        self.last_decile = -1
+    def __init__(self, total: int, desc: str, stream=None, quiet: bool = False):
+        from tqdm.auto import tqdm
+
+        stream = stream or sys.stderr
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        self.bar = None if quiet else tqdm(total=total, desc=desc.strip(), file=stream, dynamic_ncols=tty,
+                                           mininterval=0.5 if tty else 30.0, ascii=not tty)
 
     def update(self, step: int, **fields):
-        frac = step / self.total
-        extra = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(frac, 1e-9) - elapsed
-        line = f"{self.desc} {step}/{self.total} [{elapsed:5.0f}s<{eta:4.0f}s] {extra}"
-        if self.tty:
-            bar = "#" * int(20 * frac)
-            self.stream.write(f"\r{self.desc} [{bar:<20}] {line[len(self.desc) + 1:]}\033[K")
-            if step == self.total:
-                self.stream.write("\n")
-        elif int(frac * 10) > self.last_decile:
-            self.last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        if self.bar is None:
+            return
+        if fields:
+            self.bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in fields.items()},
+                                 refresh=False)
+        self.bar.update(step - self.bar.n)
+        if step >= self.bar.total:
+            self.bar.close()

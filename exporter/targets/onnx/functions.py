@@ -22,9 +22,15 @@ def _private(f: onnx.FunctionProto) -> onnx.FunctionProto:
     rename = {n: f"{f.name}.{n}" for n in list(f.input) + list(f.output)}
     for seq in (f.input, f.output):
         seq[:] = [rename[n] for n in seq]
-    for node in f.node:
-        node.input[:] = [rename.get(n, n) for n in node.input]
-        node.output[:] = [rename.get(n, n) for n in node.output]
+
+    def walk(nodes) -> None:  # If branches read the formal inputs too
+        for node in nodes:
+            node.input[:] = [rename.get(n, n) for n in node.input]
+            node.output[:] = [rename.get(n, n) for n in node.output]
+            for a in node.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    walk(g.node)
+    walk(f.node)
     return f
 
 
@@ -43,6 +49,19 @@ class _Body:
     def const(self, value, dtype=np.int64) -> str:
         arr = np.array(value, dtype=dtype)
         return self("Constant", value=numpy_helper.from_array(arr))
+
+    def if_(self, cond: str, then_fn, else_fn, elem_type: int = TensorProto.FLOAT) -> str:
+        """An If node on the scalar bool `cond`: each branch's nodes are what its function adds (it
+        returns the branch's result, which may be an outer value). Branches read outer values by
+        name, so only the taken one runs: this is how a lowering skips work at run time."""
+        branches = []
+        for tag, fn in (("then", then_fn), ("else", else_fn)):
+            saved, self.nodes = self.nodes, []
+            result = self("Identity", fn())  # a branch output must be produced inside the branch
+            branches.append(helper.make_graph(self.nodes, f"{self.prefix}{tag}_{self.n}", [],
+                                              [helper.make_tensor_value_info(result, elem_type, None)]))
+            self.nodes = saved
+        return self("If", cond, then_branch=branches[0], else_branch=branches[1])
 
     def attr_int(self, attr: str) -> str:
         """A scalar int64 tensor holding the function's attribute `attr` (resolved at the call site)."""
@@ -148,12 +167,13 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
 CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
 
 
-def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
+def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.FunctionProto:
     """The body of adaptex.ConditionalFFN: y = x + keep * gate * FFN(LayerNorm(x)).
 
     sparse: NonZero over the flattened keep mask, Gather of the kept tokens, LayerNormalization and
     two Gemms on them only, ScatterND (no reduction) of the updated rows back. dense: every token
-    transformed, the update multiplied by keep * gate (static shapes)."""
+    transformed, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
+    nodes on the kept count pick nothing, every row, or the gathered rows at run time."""
     b = _Body("cf_")
     x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
     shape = b("Shape", x)  # (3,) = [B, T, d]
@@ -168,16 +188,29 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
         u = b("Gelu", b("Gemm", node.output[0], w1, b1, transB=1))  # (N, f)
         return b("Gemm", u, w2, b2, transB=1)  # (N, d)
 
-    if variant == "sparse":
-        idx = b("NonZero", b("Reshape", keep, b.const([-1])))  # (1, K) int64: kept token rows
+    def some() -> str:  # the kept rows only
+        idx = b("NonZero", kflat)  # (1, K) int64: kept token rows
         rows = b("Squeeze", idx, b.const([0]))  # (K,)
         xs = b("Gather", flat, rows, axis=0)  # (K, d)
         g = b("Unsqueeze", b("Gather", gate_flat, rows, axis=0), b.const([1]))  # (K, 1)
         new = b("Add", xs, b("Mul", ffn(xs), g))  # (K, d)
-        y = b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
+        return b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
+
+    def every(masked: bool) -> str:  # every row through the FFN (the update masked unless all are kept)
+        g = b("Mul", gate_flat, b("Cast", kflat, to=TensorProto.FLOAT)) if masked else gate_flat  # (B*T,)
+        return b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
+
+    kflat = b("Reshape", keep, b.const([-1]))
+    if variant == "sparse" and dispatch:
+        # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
+        # block); every token kept runs the FFN on all rows without the gather and scatter
+        kept = b("ReduceSum", b("Cast", kflat, to=TensorProto.INT64), keepdims=0)
+        y = b.if_(b("Equal", kept, b.const(0)), lambda: flat,
+                  lambda: b.if_(b("Equal", kept, b("Size", kflat)), lambda: every(False), some))
+    elif variant == "sparse":
+        y = some()
     else:
-        g = b("Mul", gate_flat, b("Cast", b("Reshape", keep, b.const([-1])), to=TensorProto.FLOAT))  # (B*T,)
-        y = b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
+        y = every(True)
     b.nodes.append(helper.make_node("Reshape", [y, shape], ["y"]))
     return _private(helper.make_function(
         DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
@@ -190,7 +223,7 @@ def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
 CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"]
 
 
-def conditional_attention_function(variant: str, partition: str = "topk") -> onnx.FunctionProto:
+def conditional_attention_function(variant: str, partition: str = "topk", dispatch: bool = False) -> onnx.FunctionProto:
     """The body of adaptex.ConditionalAttention: y = x + keep * gate * Attn(q(hn) over k, v + bias).
 
     sparse: per batch row the kept positions first, n = max(1, the batch's largest kept count) of
@@ -201,7 +234,8 @@ def conditional_attention_function(variant: str, partition: str = "topk") -> onn
     reduction; the rows are distinct) of the updated rows back. Rows past a sample's own count are
     not kept: their gate is zero and they are written back unchanged. n >= 1 keeps every tensor
     non-empty (a decode step whose token skips attends one ungated row). dense: every query row
-    attended, the update multiplied by keep * gate (static shapes)."""
+    attended, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
+    nodes on the kept count pick nothing, every row, or the gathered rows at run time."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
     b = _Body("ca_")
@@ -228,7 +262,7 @@ def conditional_attention_function(variant: str, partition: str = "topk") -> onn
         o = b("Transpose", b("MatMul", att, v), perm=[0, 2, 1, 3])  # (B, n, H, dh)
         return b("Add", b("MatMul", b("Reshape", o, head_merge), wo_t), bo)  # (B, n, d)
 
-    if variant == "sparse":
+    def some() -> str:  # the kept query rows only
         T = b("Squeeze", b("Shape", x, start=1, end=2), c0)  # scalar
         ki = b("Cast", keep, to=TensorProto.INT64)  # (B, T)
         cnt = b("ReduceSum", ki, c1, keepdims=1)  # (B, 1)
@@ -261,10 +295,21 @@ def conditional_attention_function(variant: str, partition: str = "topk") -> onn
         gs = b("Unsqueeze", b("Gather", b("Reshape", g, cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
-        b.nodes.append(helper.make_node("Reshape", [y, b("Shape", x)], ["y"]))
-    else:
+        return b("Reshape", y, b("Shape", x))
+
+    def every(masked: bool) -> str:  # every query row (the update masked unless all are kept)
         upd = attend(hn, bias)  # (B, T, d)
-        b.nodes.append(helper.make_node("Add", [x, b("Mul", upd, b("Unsqueeze", g, b.const([2])))], ["y"]))
+        return b("Add", x, b("Mul", upd, b("Unsqueeze", g if masked else gate, b.const([2]))))
+
+    if variant == "sparse" and dispatch:
+        # run-time dispatch on the decisions: no kept token runs no query side at all (a decode
+        # step's skipped block), every token kept runs it on all rows without gather and scatter
+        kept = b("ReduceSum", b("Cast", keep, to=TensorProto.INT64), keepdims=0)
+        y = b.if_(b("Equal", kept, b.const(0)), lambda: x,
+                  lambda: b.if_(b("Equal", kept, b("Size", keep)), lambda: every(False), some))
+    else:
+        y = some() if variant == "sparse" else every(True)
+    b.nodes.append(helper.make_node("Identity", [y], ["y"]))
     return _private(helper.make_function(
         DOMAIN, "ConditionalAttention", CA_INPUTS, ["y"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],

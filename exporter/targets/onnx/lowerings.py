@@ -72,8 +72,10 @@ def budgeted_attention_onnx_dense(ctx, node):
 def conditional_ffn_onnx_sparse(ctx, node):
     """NonZero over the keep mask (a data-dependent shape, internal to a TensorRT engine), Gather of
     the kept tokens, LayerNorm + FFN (two Gemms) on them only, ScatterND back without a reduction
-    attribute (TensorRT <= 10.8 refuses even 'none'): skipped tokens cost nothing."""
-    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("sparse")])
+    attribute (TensorRT <= 10.8 refuses even 'none'): skipped tokens cost nothing. On ONNX Runtime,
+    If nodes on the kept count run nothing when no token is kept and every row without the gather
+    when all are (a decode step at batch 1 is one or the other)."""
+    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("sparse", dispatch=ctx.target == "onnx")])
 
 
 @lowering("adaptex::conditional_ffn", target=BOTH, variant="dense")
@@ -86,8 +88,11 @@ def conditional_ffn_onnx_dense(ctx, node):
 def conditional_attention_onnx_sparse(ctx, node):
     """TopK over the keep mask (K = the batch's largest kept count), Gather of those query rows, Q
     projection, scores, Softmax, AV and output projection on them only, ScatterND back: a skipped
-    token's query side costs nothing (its keys and values are computed outside the op)."""
-    return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("sparse")])
+    token's query side costs nothing (its keys and values are computed outside the op). On ONNX
+    Runtime, If nodes on the kept count skip the query side when no token is kept and drop the
+    gather when all are."""
+    return OnnxLowering(conditional_attention_node,
+                        [fx.conditional_attention_function("sparse", dispatch=ctx.target == "onnx")])
 
 
 @lowering("adaptex::conditional_attention", target="tensorrt", variant="sparse", priority=10)

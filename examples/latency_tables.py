@@ -1,0 +1,125 @@
+"""Every latency table in the docs, regenerated: each shipped model's ONNX artifact against the
+fastest dense graph of its weights, over the grid the docs quote.
+
+    python examples/latency_tables.py                      # all shipped models, 1 and 2 threads
+    python examples/latency_tables.py --models tsa-charlm --threads 1
+    python examples/latency_tables.py --quick              # batch 1, two lengths: a smoke run
+
+Grid: batch {1, 8, 64} x sequence {32, 128, 512} (each model up to its position limit), plus the
+decoders' steps (one new token) after {127, 511} cached, at each batch. Each point is one
+interleaved bench (runtimes/bench.py): every graph once per round in shuffled order, the rounds in
+blocks, ratios as the median and min-max over blocks. At batch 1 every dense candidate is timed; at
+larger batches the three fastest of the same length at batch 1 (a large batch of the slow ones
+would take most of the run). Writes docs/results/latency.md (the tables), latency.csv (every graph
+at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at 1 and 2
+threads takes about an hour on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("budgetformer-graded", "tsa-charlm", "charlm-dense", "elastic-minilm", "elastic-charlm")
+
+
+def points(model, quick: bool) -> list[tuple[int, int, int]]:
+    """(batch, new tokens, cached tokens) for the model, within its limits."""
+    from adaptex.graphs.family import family_contract
+
+    limit = model.cfg.max_len
+    batches, seqs = ((1,), (32, 128)) if quick else ((1, 8, 64), (32, 128, 512))
+    out = [(b, t, 0) for b in batches for t in seqs if t <= limit]
+    if family_contract(model).decoder:
+        out += [(b, 1, p) for b in batches for p in ((127,) if quick else (127, 511)) if p + 1 <= limit]
+    return out
+
+
+def cell(x, iv=None, spec=".3f") -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:{spec}} [{iv[0]:{spec}}, {iv[1]:{spec}}]" if iv else f"{x:{spec}}"
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| batch | T | past | adaptive ms | yardstick | yardstick ms | latency ratio [min, max] | FLOP ratio | "
+           "realisation [min, max] | naive / yardstick |",
+           "|---:|---:|---:|---:|---|---:|---|---:|---|---:|"]
+    for r in rows:
+        out.append(f"| {r['batch']} | {r['seq']} | {r['past']} | {r['p50_ms']:.3f} | {r['dense_name']} | "
+                   f"{cell(r['dense_p50_ms'])} | {cell(r['latency_ratio'], r['latency_ratio_interval'])} | "
+                   f"{cell(r['flop_ratio'])} | {cell(r['realisation'], r['realisation_interval'])} | "
+                   f"{cell(r['naive_latency_ratio'])} |")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--quick", action="store_true", help="batch 1, T 32 and 128, one decode point")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="where latency.md and latency.csv go")
+    ap.add_argument("--images", default=str(ROOT / "docs" / "images"))
+    args = ap.parse_args(argv)
+    import onnxruntime
+
+    import adaptex
+    from adaptex.runtimes.bench import Bench, plot, write_csv
+
+    threads = [int(t) for t in args.threads.split(",")]
+    out, images = Path(args.out), Path(args.images)
+    out.mkdir(parents=True, exist_ok=True)
+    images.mkdir(parents=True, exist_ok=True)
+    all_rows, lines = [], []
+    for name in args.models.split(","):
+        model = adaptex.load(name)
+        info = model.adaptex_source
+        grid = points(model, args.quick)
+        lines += [f"## {name}", ""]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{name}.onnx"
+            adaptex.export(model, None, path)
+            with Bench(path, model, info, progress=lambda m: print(f"  {m}", file=sys.stderr)) as bench:
+                for thr in threads:
+                    rows, best = [], {}
+                    for batch, seq, past in sorted(grid):  # batch 1 first: it picks the candidates
+                        print(f"{name}: threads={thr} batch={batch} T={seq} past={past}", file=sys.stderr, flush=True)
+                        only = best.get((seq, past)) if batch > 1 else None
+                        r = bench.run(batch=batch, seq=seq, past=past, threads=thr, warmup=3, min_runs=10,
+                                      time_budget_s=6.0, memory=False, only=only)
+                        if batch == 1:
+                            timed = sorted((c for c in r["candidates"] if c["dense"] and c["p50_ms"] is not None),
+                                           key=lambda c: c["p50_ms"])
+                            best[(seq, past)] = {c["name"] for c in timed[:3]}
+                        r["model"] = name
+                        rows.append(r)
+                    rows.sort(key=lambda r: (r["past"] > 0, r["batch"], r["seq"], r["past"]))
+                    all_rows += rows
+                    lines += [f"{thr} thread(s):", ""] + table(rows) + [""]
+                    b1 = [r for r in rows if r["batch"] == 1 and r["past"] == 0]
+                    if thr == threads[0] and len(b1) > 1:
+                        plot(b1, images / f"latency-{name}.png", title=f"{name}: batch 1, {thr} thread(s)")
+    head = [
+        "# Latency tables",
+        "",
+        f"Generated by `python examples/latency_tables.py` on {datetime.date.today()} ({platform.machine()}, "
+        f"{__import__('os').cpu_count()} CPUs, ONNX Runtime {onnxruntime.__version__}, adaptex {adaptex.__version__}). "
+        "Each row is one interleaved bench: the adaptive ONNX artifact against the fastest of the dense graphs "
+        "of the same weights (the yardstick column names it; docs/benchmarking.md lists the candidates), "
+        "medians, and the latency ratio and realisation as the median and [min, max] over 5 blocks. "
+        "`past` > 0 rows are decode steps (one new token after `past` cached). The naive column is the "
+        "stock export of the model's masked inference path, what a user gets without adaptex.",
+        "",
+    ]
+    (out / "latency.md").write_text("\n".join(head + lines) + "\n")
+    write_csv(all_rows, out / "latency.csv")
+    print(f"wrote {out / 'latency.md'} and {out / 'latency.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Surgery on a copy of an exported ONNX artifact, for tests that must fail when the product is wrong:
+bugs planted as a reviewer would plant them (a wrong function body, a wrong routing node), weights
+and op inputs poisoned, intermediates of a function body exposed as outputs so that the runtime
+itself says how many rows or heads it computed. Bodies are found by structure (the op that feeds a
+Softmax, the Gather indexed by TopK's order), never by the exporter's numbering, so a changed body
+breaks these helpers loudly rather than silently planting nothing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def load(path) -> onnx.ModelProto:
+    return onnx.load(str(path))
+
+
+def save(proto: onnx.ModelProto, path) -> Path:
+    onnx.save_model(proto, str(path))
+    return Path(path)
+
+
+def function(proto: onnx.ModelProto, name: str) -> onnx.FunctionProto:
+    found = [f for f in proto.functions if f.name == name]
+    assert found, f"no function {name} in the model (it has {[f.name for f in proto.functions]})"
+    return found[0]
+
+
+def calls(proto: onnx.ModelProto, name: str) -> list[onnx.NodeProto]:
+    return [n for n in proto.graph.node if n.op_type == name and n.domain == "adaptex"]
+
+
+def producer(nodes, value: str) -> onnx.NodeProto:
+    found = [n for n in nodes if value in n.output]
+    assert found, f"nothing produces {value}"
+    return found[0]
+
+
+def only(nodes, op_type: str) -> onnx.NodeProto:
+    found = [n for n in nodes if n.op_type == op_type]
+    assert len(found) == 1, f"expected one {op_type}, found {len(found)}"
+    return found[0]
+
+
+def _insert_after(nodes, anchor: onnx.NodeProto, new: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """Insert `new` right after `anchor` (node lists are topologically ordered); returns the inserted
+    nodes as they now live in the list (the messages passed in are copied)."""
+    at = next(i for i, n in enumerate(nodes) if n == anchor) + 1
+    for j, n in enumerate(new):
+        nodes.insert(at + j, n)
+    return [nodes[at + j] for j in range(len(new))]
+
+
+def _rewire(nodes, old: str, new: str) -> int:
+    n = 0
+    for node in nodes:
+        for i, v in enumerate(node.input):
+            if v == old:
+                node.input[i] = new
+                n += 1
+    assert n, f"nothing reads {old}"
+    return n
+
+
+def const_value(proto: onnx.ModelProto, name: str) -> np.ndarray:
+    for init in proto.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    node = producer(proto.graph.node, name)
+    assert node.op_type == "Constant", f"{name} is made by a {node.op_type}, not a constant"
+    return numpy_helper.to_array(node.attribute[0].t)
+
+
+def initializer(proto: onnx.ModelProto, name: str) -> onnx.TensorProto:
+    return next(i for i in proto.graph.initializer if i.name == name)
+
+
+# --- value bugs: the decisions reported right, the computation wrong ----------------------------------
+
+def lowest_heads(proto: onnx.ModelProto, fname: str = "BudgetedAttention") -> onnx.ModelProto:
+    """BudgetedAttention (sparse): the weights gathered for the *lowest*-scored heads, while the head
+    mask (scattered from the top-k order) still reports the right ones."""
+    f = function(proto, fname)
+    topk = only(f.node, "TopK")
+    order = topk.output[1]
+    low = helper.make_node("TopK", list(topk.input), ["planted.low_v", "planted.low_order"], axis=-1, largest=0,
+                           sorted=1)
+    _insert_after(f.node, topk, [low])
+    gathers = [n for n in f.node if n.op_type == "Gather" and n.input[1] == order]
+    assert len(gathers) == 3, "the sparse body gathers Q/K/V weights, biases and output columns by the order"
+    for n in gathers:
+        n.input[1] = "planted.low_order"
+    return proto
+
+
+def ffn_on_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalFFN") -> onnx.ModelProto:
+    """ConditionalFFN (sparse): the FFN gathers and updates the skipped tokens instead of the kept ones
+    (their gate is zero, so the kept tokens simply miss their update)."""
+    f = function(proto, fname)
+    nz = only(f.node, "NonZero")
+    flipped = helper.make_node("Not", [nz.input[0]], ["planted.skipped"])
+    _insert_after(f.node, producer(f.node, nz.input[0]), [flipped])
+    nz.input[0] = "planted.skipped"
+    return proto
+
+
+def queries_of_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalAttention") -> onnx.ModelProto:
+    """ConditionalAttention (sparse): the skipped tokens' query rows ordered first and attended
+    instead of the kept ones' (TopK of the keep mask taken smallest-first; in the TensorRT body's
+    CumSum partition, the kept and skipped slots swapped)."""
+    f = function(proto, fname)
+    topk = [n for n in f.node if n.op_type == "TopK"]
+    if topk:
+        attr = next(a for a in topk[0].attribute if a.name == "largest")
+        attr.i = 0
+        return proto
+    keep = f.input[2]
+    slot = [n for n in f.node if n.op_type == "Where" and n.input[0] == keep]
+    assert len(slot) == 1, "the CumSum partition picks a slot per token by keep once"
+    slot[0].input[1], slot[0].input[2] = slot[0].input[2], slot[0].input[1]
+    return proto
+
+
+def sa_heads_as_fa(proto: onnx.ModelProto, fname: str = "ElasticAttention") -> onnx.ModelProto:
+    """ElasticAttention (sparse): every (batch, head) pair attends fully, whatever its reported mode."""
+    f = function(proto, fname)
+    sa = f.input[3]
+    modes = [n for n in f.node if n.op_type == "Reshape" and n.input[0] == sa]
+    assert len(modes) == 1, "the sparse body flattens sa once"
+    out = modes[0].output[0]
+    none = [helper.make_node("Not", [out], ["planted.not_sa"]),
+            helper.make_node("And", [out, "planted.not_sa"], ["planted.no_sa"])]
+    _rewire(f.node, out, "planted.no_sa")
+    _insert_after(f.node, modes[0], none)
+    return proto
+
+
+def in_last_call(proto: onnx.ModelProto, fname: str, bug) -> onnx.ModelProto:
+    """Apply `bug` to a copy of function `fname` that only its last call uses, so that no later
+    routing sees the wrong values: the artifact's every decision stays right."""
+    f = function(proto, fname)
+    copy = onnx.FunctionProto()
+    copy.CopyFrom(f)
+    copy.name = fname + "Planted"
+    proto.functions.append(copy)
+    calls(proto, fname)[-1].op_type = copy.name
+    return bug(proto, copy.name)
+
+
+# --- decision bugs: the artifact decides differently from the model ----------------------------------
+
+def k_off_by_one(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """BudgetedAttention: k = clamp(ceil(s*H), 1, H), the bug a naive clamp makes."""
+    only(function(proto, "BudgetedAttention").node, "Floor").op_type = "Ceil"
+    return proto
+
+
+def shifted_keep_threshold(proto: onnx.ModelProto, output: str = "decisions.layer1.keep",
+                           delta: float = 0.1) -> onnx.ModelProto:
+    """A TSA router keeping a token where p <= threshold - delta."""
+    node = producer(proto.graph.node, output)
+    assert node.op_type == "LessOrEqual", node.op_type
+    thr = const_value(proto, node.input[1])
+    proto.graph.initializer.append(numpy_helper.from_array((thr - np.float32(delta)).astype(thr.dtype),
+                                                           "planted.threshold"))
+    node.input[1] = "planted.threshold"
+    return proto
+
+
+def inverted_head_modes(proto: onnx.ModelProto, layer: int = 0) -> onnx.ModelProto:
+    """An elastic router choosing SA where its FA logit is larger (the encoder's decision output, or
+    the decoder's routed modes before the prefill/decode choice)."""
+    out = f"decisions.layer{layer}.sa"
+    nodes = proto.graph.node
+    node = producer(nodes, out)
+    if node.op_type == "Or":  # a decoder: (has_past & head_modes) | (~has_past & routed)
+        inputs = {i.name for i in proto.graph.input}
+        routed = next(producer(nodes, v) for v in node.input if not inputs & set(producer(nodes, v).input))
+        node = next(producer(nodes, v) for v in routed.input if producer(nodes, v).op_type != "Not")
+    assert node.op_type == "Greater", node.op_type
+    node.op_type = "Less"
+    return proto
+
+
+def decode_ignores_head_modes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """An elastic decoder whose decode steps route afresh instead of taking head_modes.{i} (the
+    prefill's modes): (has_past & routed) | (~has_past & routed)."""
+    planted = 0
+    for node in proto.graph.node:
+        for i, v in enumerate(node.input):
+            if v.startswith("head_modes."):
+                choice = next(n for n in proto.graph.node if n.op_type == "Or" and node.output[0] in n.input)
+                other = producer(proto.graph.node, next(x for x in choice.input if x != node.output[0]))
+                routed = next(x for x in other.input if producer(proto.graph.node, x).op_type == "Greater")
+                node.input[i] = routed
+                planted += 1
+    assert planted, "no node reads head_modes.*"
+    return proto
+
+
+# --- probes -------------------------------------------------------------------------------------------
+
+def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = TensorProto.FLOAT) -> list[list[str]]:
+    """Make the outputs of every `op_type` node of function `fname` outputs of the function and of the
+    graph; returns, per call of the function (in graph order), the names they are given."""
+    f = function(proto, fname)
+    inner = [n.output[0] for n in f.node if n.op_type == op_type]
+    assert inner, f"{fname} has no {op_type}"
+    for j, v in enumerate(inner):
+        f.node.append(helper.make_node("Identity", [v], [f"{fname}.probe{j}"]))
+        f.output.append(f"{fname}.probe{j}")
+    names = []
+    for c, node in enumerate(calls(proto, fname)):
+        # a call names outputs up to its last used one: pad with empty names to the function's arity
+        node.output.extend([""] * (len(f.output) - len(inner) - len(node.output)))
+        mine = [f"probe.{fname}.{c}.{j}" for j in range(len(inner))]
+        node.output.extend(mine)
+        proto.graph.output.extend(helper.make_tensor_value_info(m, elem_type, None) for m in mine)
+        names.append(mine)
+    return names
+
+
+def run(proto: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """Run a (modified) model in ONNX Runtime, CPU, with every graph optimisation on."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    takes = {i.name for i in sess.get_inputs()}
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in takes})))
+
+
+def poison_heads(proto: onnx.ModelProto, call: onnx.NodeProto, heads: np.ndarray, value=np.nan) -> None:
+    """Set the Q, K and V rows and the output-projection columns of `heads` of one BudgetedAttention
+    call to `value`, in copies of its weight initializers (another call may share a tensor)."""
+    for pos, axis in ((4, 0), (6, 1)):  # w_qkv (3d, d): rows; w_o (d, d): columns
+        w = numpy_helper.to_array(initializer(proto, call.input[pos])).copy()
+        H = int(next(a.i for a in call.attribute if a.name == "num_heads"))
+        d = w.shape[1] if axis == 0 else w.shape[0]
+        dh = d // H
+        for h in heads:
+            for block in range(3 if axis == 0 else 1):
+                sl = slice(block * d + h * dh, block * d + (h + 1) * dh)
+                if axis == 0:
+                    w[sl] = value
+                else:
+                    w[:, sl] = value
+        name = f"planted.{call.name}.{pos}"
+        proto.graph.initializer.append(numpy_helper.from_array(w, name))
+        call.input[pos] = name
+
+
+INPUTS = {"ConditionalAttention": {"hn": 1, "keep": 2, "gate": 3}, "ConditionalFFN": {"keep": 1, "gate": 2}}
+
+
+def poison_skipped(proto: onnx.ModelProto, fname: str, inputs: tuple[str, ...]) -> None:
+    """NaN in the named inputs (hn, gate) of every `fname` call, for the tokens its own keep input says
+    are skipped: what a sparse lowering never reads and a dense one multiplies by zero (NaN * 0 is
+    NaN)."""
+    nan = "planted.nan"
+    if not any(i.name == nan for i in proto.graph.initializer):
+        proto.graph.initializer.append(numpy_helper.from_array(np.array(np.nan, np.float32), nan))
+        proto.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), "planted.last_axis"))
+    for c, node in enumerate(calls(proto, fname)):
+        keep = node.input[INPUTS[fname]["keep"]]
+        for what in inputs:
+            pos = INPUTS[fname][what]
+            out = f"planted.{fname}.{c}.{what}"
+            cond = keep
+            if what == "hn":  # (B, T, d): the (B, T) mask broadcast over the features
+                cond = out + ".keep"
+                proto.graph.node.append(helper.make_node("Unsqueeze", [keep, "planted.last_axis"], [cond]))
+            proto.graph.node.append(helper.make_node("Where", [cond, node.input[pos], nan], [out]))
+            node.input[pos] = out
+    onnx_sort(proto)
+
+
+def onnx_sort(proto: onnx.ModelProto) -> None:
+    """Topologically sort the main graph after nodes were appended out of order."""
+    nodes = list(proto.graph.node)
+    known = {i.name for i in proto.graph.input} | {i.name for i in proto.graph.initializer} | {""}
+    done, order = set(), []
+    while len(order) < len(nodes):
+        progress = False
+        for i, n in enumerate(nodes):
+            if i not in done and all(v in known for v in n.input):
+                order.append(n)
+                done.add(i)
+                known.update(n.output)
+                progress = True
+        assert progress, "the planted graph has a cycle or a dangling input"
+    del proto.graph.node[:]
+    proto.graph.node.extend(order)

@@ -1,0 +1,233 @@
+"""bench's yardstick and accounting: the dense candidates it builds are the same weights, the fastest
+is the yardstick, ratios come per block with their interval, the numbers it writes (CSV, plot,
+profile) are the ones it measured, and the cache serves a second run. Timing figures themselves are
+never asserted (benchmarks print numbers; tests check how they are computed)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from adaptex.cli import main
+from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_candidates
+from adaptex.exporter.targets.onnx.passes import layernorm_rows
+from adaptex.graphs import checkpoint
+from adaptex.graphs.family import family_contract
+from adaptex.runtimes.bench import Bench, Timing, _report
+
+
+class _Meta:
+    artifact, runtime, meta = "a.onnx", "test", {"variant": "sparse", "family": "t"}
+
+
+def _timing(name, per_block, dense=True, n=4):
+    t = Timing(name, f"{name}.onnx", how=name, dense=dense)
+    for b, ms in enumerate(per_block):
+        t.times_ms += [ms] * n
+        t.block_of += [b] * n
+    return t
+
+
+def test_the_fastest_dense_candidate_is_the_yardstick_and_ratios_are_per_block():
+    ad = _timing("adaptive", [8.0, 9.0, 10.0], dense=False)
+    slow, fast = _timing("dense", [12.0, 12.0, 12.0]), _timing("dense-legacy", [10.0, 10.0, 10.0])
+    naive = _timing("naive", [11.0, 11.0, 11.0], dense=False)
+    untimed = Timing("original", None, how="x", reason="stock export failed: no")
+    r = _report(_Meta, [ad, slow, fast, untimed, naive], {"flop_ratio": 0.5, "executed_flop_ratio": 0.5},
+                batch=1, seq=8, past=0, threads=1, warmup=1, blocks=3, profiles=None)
+    assert r["dense_name"] == "dense-legacy" and r["dense_p50_ms"] == 10.0
+    assert r["latency_ratio"] == pytest.approx(0.9) and r["latency_ratio_interval"] == pytest.approx([0.8, 1.0])
+    # realisation per block: (1 - ratio) / (1 - FLOP ratio), then the median
+    assert r["realisation"] == pytest.approx(0.2) and r["realisation_interval"] == pytest.approx([0.0, 0.4])
+    assert r["naive_latency_ratio"] == pytest.approx(1.1)
+    ratios = {c["name"]: c["ratio_to_fastest"] for c in r["candidates"]}
+    assert ratios == {"dense": pytest.approx(1.2), "dense-legacy": 1.0, "original": None, "naive": pytest.approx(1.1)}
+    assert any("reaches 1.0" in w for w in r["warnings"])  # [0.8, 1.0] touches 1: no difference established
+
+
+def test_a_realisation_above_one_is_flagged_not_reported_plainly():
+    ad = _timing("adaptive", [5.0, 5.0, 5.0], dense=False)
+    r = _report(_Meta, [ad, _timing("dense", [10.0, 10.0, 10.0])], {"flop_ratio": 0.8, "executed_flop_ratio": 0.8},
+                batch=1, seq=8, past=0, threads=1, warmup=1, blocks=3, profiles=None)
+    assert r["realisation"] == pytest.approx(2.5)
+    assert any("realisation above 1" in w and "--profile" in w for w in r["warnings"])
+
+
+def test_no_dense_graph_timed_says_why():
+    ad = _timing("adaptive", [5.0], dense=False)
+    r = _report(_Meta, [ad, Timing("dense", None, reason="stock export failed: boom")], {},
+                batch=1, seq=8, past=0, threads=1, warmup=1, blocks=1, profiles=None)
+    assert r["latency_ratio"] is None and "boom" in r["dense_reason"]
+
+
+def test_layernorm_rows_keeps_the_values_and_stops_the_skip_layernorm_fusion(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    D = 24
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(D).astype(np.float32), n) for n in ("g", "b", "bias")]
+    inits.append(numpy_helper.from_array(rng.standard_normal((D, D)).astype(np.float32) * 0.1, "W"))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["m", "bias"], ["t"]),
+             helper.make_node("Add", ["t", "s"], ["u"]),
+             helper.make_node("LayerNormalization", ["u", "g", "b"], ["y"], axis=-1, epsilon=1e-5)]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "T", D]) for n in ("x", "s", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "g", io[:2], io[2:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    assert layernorm_rows(model) == 1
+    onnx.checker.check_model(model, full_check=True)
+    feeds = {"x": rng.standard_normal((2, 7, D)).astype(np.float32), "s": rng.standard_normal((2, 7, D)).astype(np.float32)}
+    fused = {}
+    for name, data in (("before", before), ("after", model.SerializeToString())):
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        fused[name] = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        ops = {n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node}
+        assert ("SkipLayerNormalization" in ops) == (name == "before"), ops
+    np.testing.assert_allclose(fused["after"], fused["before"], atol=1e-5)
+
+
+def test_onnx_artifacts_get_the_rows_pass(tiny_onnx):
+    proto = onnx.load(str(tiny_onnx["sparse"]))
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    lns = [n for n in proto.graph.node if n.op_type == "LayerNormalization"]
+    assert lns and all(producers[n.input[0]].op_type != "Add" for n in lns)
+
+
+@pytest.fixture(scope="module")
+def candidates(tiny_checkpoint, tmp_path_factory):
+    model, _ = checkpoint.load(tiny_checkpoint)
+    return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"))
+
+
+def test_every_dense_candidate_computes_the_dense_model(candidates):
+    """The yardstick must be the same weights: each dense candidate's output is the model's dense mode."""
+    model, graphs = candidates
+    names = {g.name for g in graphs}
+    assert {"dense", "dense-legacy", "dense+rows", "naive"} <= names
+    assert {g.name for g in graphs if g.name.endswith("+ortopt")} == {"dense+ortopt", "dense-legacy+ortopt"}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[2, 12:] = 0
+    with torch.no_grad():
+        want, _ = model(torch.from_numpy(ids), torch.from_numpy(mask), mode="dense")
+    timed = 0
+    for g in graphs:
+        if g.path is None:
+            assert g.reason, g.name  # every candidate that is not there says why
+            continue
+        if not g.dense:
+            continue
+        sess = ort.InferenceSession(g.path, providers=["CPUExecutionProvider"])
+        got = sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-4, err_msg=g.name)
+        timed += 1
+    assert timed >= 3
+
+
+def test_the_cache_serves_a_second_bench_and_rebuilds_a_damaged_entry(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTEX_CACHE_DIR", str(tmp_path / "cache"))
+    model, _ = checkpoint.load(tiny_checkpoint)
+    contract = family_contract(model)
+    said = []
+    first = cached_onnx_candidates(model, contract, tmp_path, said.append)
+    assert not any("from the cache" in m for m in said)
+    said.clear()
+    second = cached_onnx_candidates(model, contract, tmp_path, said.append)
+    assert any("from the cache" in m for m in said)
+    assert [(g.name, g.path) for g in first] == [(g.name, g.path) for g in second]
+    victim = next(g.path for g in second if g.path)
+    __import__("os").remove(victim)
+    said.clear()
+    third = cached_onnx_candidates(model, contract, tmp_path, said.append)
+    assert not any("from the cache" in m for m in said) and all(isinstance(g, Graph) for g in third)
+    assert __import__("os").path.isfile(victim)
+
+
+def test_bench_grid_csv_plot_and_profile(tiny_onnx, tmp_path, capsys):
+    out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
+    code = main(["bench", str(tiny_onnx["sparse"]), "--seq", "8,16", "--threads", "1,2", "--runs", "10", "--warmup", "3",
+                 "--blocks", "2", "--no-memory", "--csv", str(out_csv), "--plot", str(out_png), "--json"])
+    text = capsys.readouterr().out
+    assert code == 0
+    rows = json.loads(text)["sweep"]
+    assert [(r["threads"], r["seq"]) for r in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
+    for r in rows:
+        assert r["blocks"] == 2 and len(r["latency_ratio_interval"]) == 2
+        lo, hi = r["latency_ratio_interval"]
+        assert lo <= r["latency_ratio"] <= hi
+        timed = [c for c in r["candidates"] if c["dense"] and c["p50_ms"] is not None]
+        assert r["dense_p50_ms"] == min(c["p50_ms"] for c in timed)
+    table = list(csv.DictReader(out_csv.open()))
+    assert len(table) == sum(sum(1 for s in r["stats"].values() if s) for r in rows)
+    yard = [t for t in table if t["yardstick"] == "True"]
+    assert len(yard) == len(rows) and all(float(t["ratio_to_yardstick"]) == 1.0 for t in yard)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    code = main(["bench", str(tiny_onnx["sparse"]), "--seq", "16", "--runs", "5", "--warmup", "1", "--no-memory",
+                 "--profile", "--json"])
+    prof = json.loads(capsys.readouterr().out)["profile"]
+    assert code == 0 and prof["adaptive"]["adaptive_ms"] > 0  # the BudgetedAttention nodes, found by name
+    dense = next(k for k in prof if k != "adaptive")
+    assert prof[dense]["adaptive_ms"] == 0 and prof[dense]["rest_ms"] > 0
+    assert any(k.endswith("(adaptive)") for k in prof["adaptive"]["by_op_ms"])
+
+
+def test_bench_refuses_profile_for_other_targets_and_bad_lists(tiny_onnx, capsys):
+    assert main(["bench", str(tiny_onnx["sparse"]), "--threads", "1,x"]) == 2
+    assert "--threads '1,x'" in capsys.readouterr().err
+    assert main(["bench", str(tiny_onnx["sparse"]), "--batch", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_bench_prints_candidates_and_the_yardstick(tiny_onnx, capsys):
+    assert main(["bench", str(tiny_onnx["sparse"]), "--seq", "16", "--runs", "5", "--warmup", "1", "--no-memory"]) == 0
+    text = capsys.readouterr().out
+    assert "<- yardstick" in text and "yardstick:" in text and "dense-legacy" in text
+    assert "median [min, max] over blocks" in text
+
+
+def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(tmp_path):
+    """An elastic encoder on a Hugging Face directory: the directory's own transformers model,
+    exported both ways, is timed beside the dense graphs, and it is the same function."""
+    pytest.importorskip("transformers")
+    from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
+    from adaptex.graphs.hf import load_encoder
+    from tests import hf_dirs
+
+    path = hf_dirs.make("roberta", tmp_path)
+    backbone, _, info = load_encoder(path)
+    b = backbone.cfg
+    cfg = ElasticConfig(backbone="hf", backbone_sha256=info["sha256"], backbone_path=str(path),
+                        num_layers=b.num_layers, num_heads=b.num_heads, head_dim=b.d_model // b.num_heads,
+                        vocab_size=b.vocab_size, max_len=b.max_tokens, sink=2, window=6, pool_tokens=8,
+                        router_hidden=8, backbone_config=b.to_dict())
+    model = ElasticEncoder(cfg, backbone).eval()
+    graphs = {g.name: g for g in onnx_candidates(model, family_contract(model), tmp_path / "c")}
+    assert graphs["original"].path and graphs["original-legacy"].path, graphs
+    assert "eager attention" in graphs["original-legacy"].how
+    ids = np.random.default_rng(1).integers(4, hf_dirs.VOCAB, size=(2, 12)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids), torch.from_numpy(mask), mode="full")[0].numpy()
+    for name in ("original", "original-legacy", "dense"):
+        got = ort.InferenceSession(graphs[name].path, providers=["CPUExecutionProvider"]).run(
+            None, {"input_ids": ids, "attention_mask": mask})[0]
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=name)
+
+
+def test_bench_object_reuses_its_graphs_across_points(tiny_checkpoint, tiny_onnx):
+    model, info = checkpoint.load(tiny_checkpoint)
+    said = []
+    with Bench(tiny_onnx["sparse"], model, info, progress=said.append) as b:
+        r1 = b.run(seq=8, runs=5, warmup=1, memory=False)
+        r2 = b.run(seq=16, runs=5, warmup=1, memory=False)
+    assert sum("exporting the dense graph" in m or "from the cache" in m for m in said) == 1
+    assert r1["seq"] == 8 and r2["seq"] == 16 and r1["runs"] == r2["runs"] == 5

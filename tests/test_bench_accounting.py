@@ -1,0 +1,225 @@
+"""Bench accounting by value, not by range: each family's FLOP model against an independent count on
+its tiny config, the executed FLOP ratio against what the runtime computed, the realisation formula,
+and the dense and naive counterparts against the model they are made from.
+
+Independent counts: torch's FlopCounterMode on the eager model (the op kernels' own skipping code
+for the adaptive modes), with CPU attention counted by torch's own SDPA formula, where the eager
+path computes what the FLOP model describes; a brute-force count of the keys each query sees where
+it does not (streaming heads, whose eager kernel works block-local)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from adaptex.graphs.budgetformer import flops_per_sample
+from adaptex.graphs.elastic import elastic_flops
+from adaptex.graphs.elastic_decoder import attention_flops
+from adaptex.graphs.family import family_contract
+from adaptex.graphs.tsa import flops_per_token
+from tests import planted, zoo
+
+
+def _sdpa_cpu(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def counted(fn) -> float:
+    """FLOPs (2 per multiply-add) torch executes in `fn`, CPU attention included."""
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fc, torch.no_grad():
+        fn()
+    return float(fc.get_total_flops())
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch):
+    """The TSA ops' eager kernels called directly (a custom op hides its kernel from the counter)."""
+    import adaptex.graphs.ops.conditional_attention as ca
+    import adaptex.graphs.ops.conditional_ffn as cf
+
+    monkeypatch.setattr(ca, "conditional_attention", ca.conditional_attention_eager)
+    monkeypatch.setattr(cf, "conditional_ffn", cf.conditional_ffn_eager)
+
+
+# --- the FLOP models ----------------------------------------------------------------------------------
+
+def test_budgetformer_flops_per_sample_counts_what_runs():
+    model = zoo.tiny_model()
+    cfg, T = model.cfg, 20
+    assert counted(lambda: model(*_bf_inputs(1, T), mode="dense")) == flops_per_sample(cfg, T, None)
+    pooling = 2 * T * cfg.d_model * cfg.num_layers  # each router's mean over the tokens (a GEMV) is left out
+    seen = set()
+    for seed in range(4):
+        ids, mask = _bf_inputs(1, T, seed)
+        with torch.no_grad():
+            ks = [int(d["k"][0]) for d in model(ids, mask)[1]]
+        seen.add(tuple(ks))
+        # eager: the kernel that projects and attends the selected heads only
+        assert counted(lambda: model(ids, mask, mode="eager")) == flops_per_sample(cfg, T, ks) + pooling
+        # naive: every head computed and masked, routers included: what the dense variant executes
+        assert counted(lambda: model(ids, mask, mode="naive")) == flops_per_sample(cfg, T, [cfg.num_heads] * 2) + pooling
+    assert len(seen) > 1
+
+
+def _bf_inputs(B, T, seed=0):
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(1, 64, size=(B, T)))
+    return ids, torch.ones(B, T, dtype=torch.long)
+
+
+def test_tsa_flops_per_token_counts_a_decode_step(eager_kernels):
+    """At a decode step (one token, every cached key visible) the model's mean context is exact: the
+    step's FLOPs, halved to multiply-adds, are flops_per_token's at that keep pattern."""
+    model = zoo.tiny_tsa()
+    cfg = model.cfg
+    text = torch.from_numpy(np.random.default_rng(0).integers(1, cfg.vocab_size, size=(1, 24)))
+    patterns = set()
+    for P in (3, 9, 14, 20):
+        with torch.no_grad():
+            _, _, past = model(text[:, :P])
+        step = text[:, P:P + 1]
+        keeps = None
+
+        def run(mode):
+            nonlocal keeps
+            _, dec, _ = model(step, past=past, mode=mode)
+            keeps = [float(d["keep"][0, 0]) for d in dec] if dec else keeps
+        assert counted(lambda: run("dense")) / 2 == flops_per_token(cfg, P + 1, None)
+        assert counted(lambda: run("hard")) / 2 == flops_per_token(cfg, P + 1, keeps)
+        patterns.add(tuple(keeps))
+    assert len(patterns) > 1, patterns
+
+
+def _visible(T: int, S: int, sink: int, window: int, causal: bool) -> np.ndarray:
+    """Per query, the keys a streaming head sees, counted one by one from the definition (docs/ops.md)."""
+    counts = []
+    for i in range(T):
+        a = S - T + i
+        seen = {j for j in range(S) if (j <= a or not causal) and
+                (j < sink or (0 <= a - j < window if causal else abs(j - a) <= window // 2))}
+        counts.append(len(seen))
+    return np.array(counts)
+
+
+def test_elastic_encoder_flops():
+    model = zoo.tiny_elastic()
+    cfg, T = model.cfg, 24
+    L, H, dh = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    ids = torch.from_numpy(np.random.default_rng(0).integers(1, cfg.vocab_size, size=(1, T)))
+    full = elastic_flops(cfg, np.zeros((L, H), bool), T)
+    assert counted(lambda: model(ids, torch.ones_like(ids), mode="full")) == full
+    # one SA head: T x T scores and values (4 T^2 dh FLOPs) become 4 dh per key it sees; the model
+    # charges every query the interior count (sink + window + 1), an upper bound at the edges
+    one = np.zeros((L, H), bool)
+    one[0, 0] = True
+    seen = _visible(T, T, cfg.sink, cfg.window, causal=False)
+    saved = full - elastic_flops(cfg, one, T)
+    assert saved == 4 * dh * (T * T - T * seen.max())
+    assert seen.max() == cfg.sink + cfg.window + 1 and saved <= 4 * dh * (T * T - seen.sum())
+
+
+def test_elastic_decoder_attention_flops():
+    model = zoo.tiny_elastic_decoder()
+    cfg = model.cfg
+    L, H, dh = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    text = torch.from_numpy(np.random.default_rng(0).integers(1, cfg.vocab_size, size=(1, 40)))
+    fa = np.zeros((L, H), bool)
+    for P in (5, 30):  # a step inside and past the window
+        with torch.no_grad():
+            _, _, past = model(text[:, :P])
+        elastic, full = attention_flops(cfg, fa, 1, P)
+        assert elastic == full == counted(lambda: model(text[:, P:P + 1], past=past, mode="full")) / 2
+    # prefill of 30 tokens, one SA head: causal sink + window keys per query, exactly
+    T = 30
+    one = fa.copy()
+    one[1, 2] = True
+    elastic, full = attention_flops(cfg, one, T)
+    causal = np.arange(1, T + 1)
+    seen = _visible(T, T, cfg.sink, cfg.window, causal=True)
+    assert full - elastic == 2 * dh * (causal.sum() - seen.sum())
+    assert attention_flops(cfg, fa, T)[0] == full
+
+
+# --- what an artifact executes --------------------------------------------------------------------------
+
+def test_executed_flop_ratio_is_what_the_runtime_computed(artifacts):
+    """BudgetFormer: the dense variant executes every head (plus its routers), the sparse one the batch's
+    largest k in every sample: the heads its runtime attended with (planted.expose)."""
+    model = artifacts.model("bf")
+    cfg, contract, T = model.cfg, family_contract(model), 20
+    H, L = cfg.num_heads, cfg.num_layers
+    dense = flops_per_sample(cfg, T, None)
+    ids = np.random.default_rng(5).integers(1, 64, size=(6, T))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for variant in ("sparse", "dense"):
+        proto = planted.load(artifacts("bf", "onnx", variant))
+        probes = planted.expose(proto, "BudgetedAttention", "Softmax")
+        out = planted.run(proto, feeds)
+        heads = [out[p[0]].shape[1] for p in probes]
+        ks = np.stack([out[f"decisions.layer{i}.k"] for i in range(L)], 1)
+        r = contract.flops(out, variant, T)
+        assert r["executed_flop_ratio"] == pytest.approx(flops_per_sample(cfg, T, heads) / dense, rel=1e-12)
+        assert r["flop_ratio"] == pytest.approx(np.mean([flops_per_sample(cfg, T, list(k)) for k in ks]) / dense)
+        if variant == "dense":
+            assert heads == [H] * L and 1.0 < r["executed_flop_ratio"] < 1.01  # every head, and the routers
+        else:
+            assert heads == list(ks.max(0)) and r["executed_flop_ratio"] >= r["flop_ratio"]
+            assert len(set(map(tuple, ks))) > 1, "the batch's samples should disagree on k"
+
+
+def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):
+    model = artifacts.model("tsa")
+    cfg, contract = model.cfg, family_contract(model)
+    B, T = 2, 24
+    feeds = contract.bench_feeds(None, B, T)
+    ctx = (T + 1) / 2
+    dense = flops_per_token(cfg, ctx, None)
+    for variant in ("sparse", "dense"):
+        proto = planted.load(artifacts("tsa", "onnx", variant))
+        ffn = planted.expose(proto, "ConditionalFFN", "Gemm")
+        queries = planted.expose(proto, "ConditionalAttention", "Softmax")
+        out = planted.run(proto, feeds)
+        ffn_rates = [out[f[0]].shape[0] / (B * T) for f in ffn]
+        query_rates = [out[q[0]].shape[2] / T for q in queries]
+        r = contract.flops(out, variant, T)
+        assert r["executed_flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, ffn_rates, query_rates) / dense)
+        keeps = [np.asarray(out[f"decisions.layer{i}.keep"]) for i in range(1, cfg.num_layers)]
+        assert r["flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, [k.mean() for k in keeps]) / dense)
+
+
+@pytest.mark.parametrize("family", ["el", "eldec"])
+def test_elastic_executed_ratio_is_one_dense_and_the_decisions_sparse(artifacts, family):
+    model = artifacts.model(family)
+    contract = family_contract(model)
+    feeds = contract.bench_feeds(None, 2, 40)
+    out = planted.run(planted.load(artifacts(family)), feeds)
+    assert contract.flops(out, "dense", 40)["executed_flop_ratio"] == 1.0
+    r = contract.flops(out, "sparse", 40)
+    assert r["executed_flop_ratio"] == r["flop_ratio"] < 1.0
+
+
+# --- the counterparts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
+def test_counterparts_compute_the_model(artifacts, shared_counterparts, family, tmp_path):
+    """The dense counterpart is the model with no routing; the naive export is the model's hard
+    decisions with everything computed (what a stock exporter makes of it): both export for every
+    family (README, Latency) and reproduce the eager model, decisions included."""
+    model = artifacts.model(family)
+    contract = family_contract(model)
+    made = shared_counterparts(model, contract, tmp_path)
+    assert made["dense"][1] is None and made["naive"][1] is None, made
+    feeds = contract.bench_feeds(None, 2, 20)
+    for name, mode in (("dense", contract.counterpart_modes["dense"]), ("naive", "hard")):
+        got = planted.run(planted.load(made[name][0]), feeds)  # the naive export against the model's inference
+        want = contract.reference(model, {k: v for k, v in feeds.items() if k in contract.input_names(mode)}, mode)
+        assert set(want.outputs) <= set(got), (name, sorted(set(want.outputs) - set(got)))
+        for out, ref in want.outputs.items():
+            if ref.dtype.kind in "bi":
+                assert np.array_equal(np.asarray(got[out]).astype(ref.dtype), ref), (name, out)
+            else:
+                np.testing.assert_allclose(got[out], ref, atol=1e-4, rtol=1e-3, err_msg=f"{name} {out}")
+    # the dense counterpart takes no decisions, the naive export the adaptive model's own
+    assert not contract.decisions(contract.counterpart_modes["dense"])
+    assert contract.decisions(contract.counterpart_modes["naive"]) == contract.decisions("hard")

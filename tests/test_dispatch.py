@@ -1,0 +1,112 @@
+"""Run-time dispatch in the ONNX Runtime lowerings of TSA's ops: a block no token keeps runs nothing
+(no FFN, no query side), a block every token keeps runs every row without the gather and scatter,
+and a mixed one the gathered rows. Each branch is checked against the dense reference, and ORT's
+profiler shows which kernels ran: the skipped work is not in the trace."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.graphs.ops import conditional_attention as ca
+from adaptex.graphs.ops import conditional_ffn as cf
+
+B, T, P, d, f, H = 2, 5, 3, 16, 32, 4
+
+
+def _model(function, node, inputs, weights) -> bytes:
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info(n, t, [f"{n}{i}" for i in range(r)]) for n, t, r in inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", "d"])],
+        [numpy_helper.from_array(w.numpy().astype(np.float32), n) for n, w in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", fx.ONNX_OPSET),
+                                                    helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION)],
+                              functions=[function])
+    onnx.checker.check_model(model, full_check=True)
+    return model.SerializeToString()
+
+
+def _run(model: bytes, feeds: dict, tmp_path) -> tuple[np.ndarray, Counter]:
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
+    sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    y = sess.run(None, feeds)[0]
+    events = json.loads(open(sess.end_profiling()).read())
+    ran = Counter(e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    return y, ran
+
+
+def _keeps(seed=0):
+    mixed = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
+    mixed[0, 0], mixed[1, 1] = True, False
+    return {"none": torch.zeros(B, T, dtype=torch.bool), "all": torch.ones(B, T, dtype=torch.bool), "mixed": mixed}
+
+
+@pytest.mark.parametrize("case", ["none", "all", "mixed"])
+def test_conditional_ffn_dispatch(case, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    w = {"ln_w": 1 + 0.3 * torch.randn(d, generator=g), "ln_b": 0.3 * torch.randn(d, generator=g),
+         "w1": 0.3 * torch.randn(f, d, generator=g), "b1": 0.3 * torch.randn(f, generator=g),
+         "w2": 0.3 * torch.randn(d, f, generator=g), "b2": 0.3 * torch.randn(d, generator=g)}
+    x = torch.randn(B, T, d, generator=g)
+    keep = _keeps()[case]
+    gate = torch.rand(B, T, generator=g)
+    node = helper.make_node("ConditionalFFN", ["x", "keep", "gate", *w], ["y"], domain=fx.DOMAIN, eps=1e-5)
+    model = _model(fx.conditional_ffn_function("sparse", dispatch=True), node,
+                   [("x", TensorProto.FLOAT, 3), ("keep", TensorProto.BOOL, 2), ("gate", TensorProto.FLOAT, 2)], w)
+    y, ran = _run(model, {"x": x.numpy(), "keep": keep.numpy(), "gate": gate.numpy()}, tmp_path)
+    ref = cf.conditional_ffn_dense_reference(x, keep, gate, *w.values(), 1e-5)
+    np.testing.assert_allclose(y, ref.numpy(), atol=1e-5)
+    ffn = ran["Gemm"] + ran["MatMul"] + ran["FusedGemm"] + ran["LayerNormalization"]
+    if case == "none":
+        assert ffn == 0 and ran["NonZero"] == 0, ran  # nothing of the FFN ran
+        np.testing.assert_array_equal(y, x.numpy())
+    elif case == "all":
+        assert ffn > 0 and ran["NonZero"] == 0 and ran["ScatterND"] == 0, ran  # no gather, no scatter
+    else:
+        assert ffn > 0 and ran["NonZero"] == 1 and ran["ScatterND"] == 1, ran
+
+
+@pytest.mark.parametrize("case", ["none", "all", "mixed"])
+def test_conditional_attention_dispatch(case, tmp_path):
+    from adaptex.graphs.tsa import attention_mask_4d
+
+    g = torch.Generator().manual_seed(2)
+    w = {"wq": 0.3 * torch.randn(d, d, generator=g), "bq": 0.1 * torch.randn(d, generator=g),
+         "wo": 0.3 * torch.randn(d, d, generator=g), "bo": 0.1 * torch.randn(d, generator=g)}
+    x, hn = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    k, v = torch.randn(B, H, P + T, d // H, generator=g), torch.randn(B, H, P + T, d // H, generator=g)
+    keep = _keeps(3)[case]
+    gate = torch.rand(B, T, generator=g)
+    key_ok = torch.ones(B, P + T, dtype=torch.bool)
+    key_ok[1, :2] = False
+    bias = torch.zeros(B, 1, T, P + T).masked_fill(~attention_mask_4d(key_ok, P, T)[:, None], float("-inf"))
+    node = helper.make_node("ConditionalAttention", ["x", "hn", "keep", "gate", "k", "v", "bias", *w], ["y"],
+                            domain=fx.DOMAIN, num_heads=H)
+    feeds = {n: t.numpy() for n, t in dict(x=x, hn=hn, keep=keep, gate=gate, k=k, v=v, bias=bias).items()}
+    model = _model(fx.conditional_attention_function("sparse", dispatch=True), node,
+                   [(n, TensorProto.BOOL if n == "keep" else TensorProto.FLOAT, a.ndim) for n, a in feeds.items()], w)
+    y, ran = _run(model, feeds, tmp_path)
+    ref = ca.conditional_attention_dense_reference(x, hn, keep, gate, k, v, bias, *w.values(), H)
+    np.testing.assert_allclose(y, ref.numpy(), atol=1e-5)
+    query_side = ran["MatMul"] + ran["FusedMatMul"] + ran["Softmax"] + ran["Gemm"]
+    if case == "none":
+        assert query_side == 0, ran  # no projection, no scores, no softmax
+        np.testing.assert_array_equal(y, x.numpy())
+    elif case == "all":
+        assert query_side > 0 and ran["TopK"] == 0 and ran["ScatterND"] == 0, ran
+    else:
+        assert query_side > 0 and ran["TopK"] == 1 and ran["ScatterND"] == 1, ran
+
+
+def test_tensorrt_bodies_have_no_if():
+    """TensorRT keeps the single-path bodies (its conditionals are not what these were checked on)."""
+    for fn in (fx.conditional_ffn_function("sparse"), fx.conditional_attention_function("sparse", partition="cumsum")):
+        assert "If" not in {n.op_type for n in fn.node}

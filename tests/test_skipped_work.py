@@ -1,0 +1,220 @@
+"""The sparse variant really skips work, seen from the runtime that runs the artifact (batch 1):
+- poison: NaN in the weights of the heads a layer did not select, and in the inputs a skipped
+  token's query side and FFN would read (its query row, its gate): the sparse artifact's outputs stay
+  bit for bit what they were; the dense one, which multiplies that work by zero, turns NaN;
+- sizes: the intermediates of the function bodies exposed as outputs give the heads, rows and
+  (batch, head) pairs the runtime computed, which must be those the decisions imply (the dense
+  variant: all of them).
+On ONNX Runtime (the ONNX and the TensorRT-bound ONNX) and the MIL evaluator (Core ML)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adaptex.runtimes import coreml_mil
+from adaptex.runtimes.coreml_mil import MilReferenceRunner
+from tests import planted
+
+TARGETS = ["onnx", "tensorrt"]
+
+
+def _ids(T: int, vocab: int, seed: int) -> dict:
+    ids = np.random.default_rng(seed).integers(1, vocab, size=(1, T)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def _prefill(T: int, contract, vocab: int, seed: int) -> dict:
+    feeds = _ids(T, vocab, seed)
+    return {**feeds, **contract.empty_cache(1), **contract.initial_extra(1)}
+
+
+def _layers(out: dict, field: str) -> list[np.ndarray]:
+    names = sorted((n for n in out if n.startswith("decisions.") and n.endswith("." + field)),
+                   key=lambda n: int(n.split(".")[1][5:]))
+    return [np.asarray(out[n]) for n in names]
+
+
+# --- BudgetFormer: the heads not selected -------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_weights_of_heads_not_selected_are_never_read(artifacts, target, variant):
+    clean = planted.load(artifacts("bf", target, variant))
+    H = artifacts.model("bf").cfg.num_heads
+    seen = set()
+    for seed in range(3):
+        feeds = _ids(24, 64, seed)
+        want = planted.run(clean, feeds)
+        masks = _layers(want, "head_mask")
+        seen |= {int(m.sum()) for m in masks}
+        poisoned = planted.load(artifacts("bf", target, variant))
+        for call, mask in zip(planted.calls(poisoned, "BudgetedAttention"), masks):
+            planted.poison_heads(poisoned, call, np.flatnonzero(~mask[0]))
+        got = planted.run(poisoned, feeds)
+        if variant == "sparse":
+            assert all(np.array_equal(got[n], want[n]) for n in want), "a poisoned head was read"
+        else:
+            assert not np.isfinite(got["logits"]).all(), "the dense variant should have read every head"
+    assert seen - {H}, "the inputs should leave some heads unselected"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_runtime_attends_with_k_heads(artifacts, target):
+    """At batch 1 each layer's score tensor has k heads; in a batch the largest k (the executed FLOP
+    count's premise, runtimes/bench.py); the dense variant every head."""
+    H = artifacts.model("bf").cfg.num_heads
+    for variant in ("sparse", "dense"):
+        proto = planted.load(artifacts("bf", target, variant))
+        probes = planted.expose(proto, "BudgetedAttention", "Softmax")
+        for B, seed in ((1, 0), (1, 1), (4, 2)):
+            feeds = _ids(20, 64, seed) if B == 1 else {
+                "input_ids": np.random.default_rng(seed).integers(1, 64, size=(B, 20)),
+                "attention_mask": np.ones((B, 20), np.int64)}
+            out = planted.run(proto, feeds)
+            for (scores,), k in zip(probes, _layers(out, "k")):
+                heads = out[scores].shape[1]
+                assert heads == (k.max() if variant == "sparse" else H), (variant, B, heads, k)
+
+
+# --- TSA: the skipped tokens ----------------------------------------------------------------------------
+
+def _tsa_feeds(artifacts) -> dict:
+    """A prefill in which every gated block keeps some tokens and skips others (the untrained tiny
+    routers decide mostly by position: 24 tokens mix both in each block)."""
+    import torch
+
+    from adaptex.graphs.family import family_contract
+
+    model = artifacts.model("tsa")
+    for seed in range(50):
+        feeds = _prefill(24, family_contract(model), model.cfg.vocab_size, seed)
+        with torch.no_grad():
+            _, decisions, _ = model(torch.from_numpy(feeds["input_ids"]))
+        if all(d["keep"].any() and not d["keep"].all() for d in decisions):
+            return feeds
+    raise AssertionError("no input of 50 mixes kept and skipped tokens in every block")
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_query_rows_and_ffn_inputs_of_skipped_tokens_are_never_read(artifacts, target, variant):
+    feeds = _tsa_feeds(artifacts)
+    clean = planted.load(artifacts("tsa", target, variant))
+    want = planted.run(clean, feeds)
+    keeps = _layers(want, "keep")
+    assert all(k.any() and not k.all() for k in keeps)
+    poisoned = planted.load(artifacts("tsa", target, variant))
+    planted.poison_skipped(poisoned, "ConditionalAttention", ("hn", "gate"))
+    planted.poison_skipped(poisoned, "ConditionalFFN", ("gate",))
+    got = planted.run(poisoned, feeds)
+    if variant == "sparse":
+        assert all(np.array_equal(got[n], want[n]) for n in want), "a skipped token's query or FFN input was read"
+    else:
+        assert not np.isfinite(got["logits"]).all(), "the dense variant should have computed the skipped tokens"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_runtime_runs_the_ffn_and_queries_of_kept_tokens_only(artifacts, target):
+    feeds = _tsa_feeds(artifacts)
+    T = feeds["input_ids"].shape[1]
+    for variant in ("sparse", "dense"):
+        proto = planted.load(artifacts("tsa", target, variant))
+        ffn = planted.expose(proto, "ConditionalFFN", "Gemm")
+        queries = planted.expose(proto, "ConditionalAttention", "Softmax")
+        out = planted.run(proto, feeds)
+        for (fc1, fc2), (scores,), keep in zip(ffn, queries, _layers(out, "keep")):
+            kept = int(keep.sum())
+            rows = kept if variant == "sparse" else T
+            assert out[fc1].shape[0] == out[fc2].shape[0] == rows, (variant, out[fc1].shape, kept)
+            assert out[scores].shape[2] == rows, (variant, out[scores].shape, kept)  # (B, H, n, S)
+
+
+# --- elastic attention: the head modes ----------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["el", "eldec"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target):
+    """Sparse: FA pairs score (N_fa, T, S), SA pairs (N_sa, blocks, Bq, sinks + L) with sinks + L < S,
+    each count the decisions' own; dense: every head (B, H, T, S)."""
+    from adaptex.graphs.family import family_contract
+
+    model = artifacts.model(family)
+    cfg, contract = model.cfg, family_contract(model)
+    T = 48
+    feeds = _prefill(T, contract, cfg.vocab_size, 4) if contract.decoder else _ids(T, cfg.vocab_size, 4)
+    for variant in ("sparse", "dense"):
+        proto = planted.load(artifacts(family, target, variant))
+        probes = planted.expose(proto, "ElasticAttention", "Softmax")
+        out = planted.run(proto, feeds)
+        sa = _layers(out, "sa")
+        assert any(m.any() for m in sa) and any((~m).any() for m in sa), "both modes should occur"
+        for names, modes in zip(probes, sa):
+            shapes = [out[n].shape for n in names]
+            if variant == "dense":
+                assert shapes == [(1, cfg.num_heads, T, T)]
+                continue
+            (n_fa, *fa_rest), (n_sa, blocks, bq, width) = shapes
+            assert (n_fa, n_sa) == (int((~modes).sum()), int(modes.sum()))
+            assert fa_rest == [T, T]
+            assert blocks * bq >= T and width < T, shapes  # O(T (sink + window)) scores, not T x T
+
+
+# --- the MIL evaluator (Core ML) ----------------------------------------------------------------------
+
+def _mil_feeds(feeds: dict) -> dict:
+    return {k: v.astype(np.int32) for k, v in feeds.items()}
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_mil_program_never_reads_the_heads_not_selected(artifacts, variant):
+    path = artifacts("bf", "coreml", variant, "fp32")
+    feeds = _mil_feeds(_ids(24, 64, 0))
+    want = MilReferenceRunner(path).infer(feeds)
+    masks = _layers(want, "head_mask")
+    assert any(not m.all() for m in masks)
+    runner = MilReferenceRunner(path)  # its own copy of the program, poisoned in place
+    fn = runner.program.functions["main"]
+    gathers = [op for op in fn.operations if op.op_type == "gather" and op.inputs["x"].val is not None
+               and op.inputs["x"].val.ndim == 3]  # the head-major weights, biases and output columns
+    layers = list(dict.fromkeys(op.inputs["indices"].name for op in gathers))
+    assert len(layers) == len(masks)
+    for op in gathers:
+        mask = masks[layers.index(op.inputs["indices"].name)]
+        op.inputs["x"].val[~mask[0].astype(bool)] = np.nan
+    got = runner.infer(feeds)
+    if variant == "sparse":
+        assert all(np.array_equal(got[n], want[n]) for n in want), "a poisoned head was read"
+    else:
+        assert not np.isfinite(got["logits"]).all()
+
+
+def _shapes(path, feeds: dict) -> dict[str, tuple]:
+    shapes = {}
+    runner = MilReferenceRunner(path)
+    coreml_mil.run(runner.program, coreml_mil.coreml_feeds(runner.meta, feeds),
+                   on_op=lambda op, outs: shapes.__setitem__(op.name, outs[0].shape))
+    return shapes, runner
+
+
+def test_mil_program_attends_with_k_heads(artifacts):
+    H = artifacts.model("bf").cfg.num_heads
+    feeds = _mil_feeds(_ids(20, 64, 1))
+    for variant in ("sparse", "dense"):
+        shapes, runner = _shapes(artifacts("bf", "coreml", variant, "fp32"), feeds)
+        ks = _layers(runner.infer(feeds), "k")
+        heads = [s[1] for n, s in shapes.items() if n.endswith("_attn_softmax")]
+        assert heads == [int(k[0]) if variant == "sparse" else H for k in ks], (variant, heads)
+
+
+def test_mil_program_splits_heads_by_mode(artifacts):
+    model = artifacts.model("el")
+    T = 48
+    feeds = _mil_feeds(_ids(T, model.cfg.vocab_size, 4))
+    shapes, runner = _shapes(artifacts("el", "coreml", "sparse", "fp32"), feeds)
+    sa = [m > 0.5 for m in _layers(runner.infer(feeds), "sa")]
+    for li, modes in enumerate(sa):
+        pre = "elastic_attention" + (f"_{li}" if li else "")
+        # each group carries one spare pair (no zero-size tensor on Core ML), computed and dropped
+        assert shapes[f"{pre}_sa_pairs"][0] == int(modes.sum()) + 1
+        assert shapes[f"{pre}_fa_pairs"][0] == int((~modes).sum()) + 1
+        assert shapes[f"{pre}_sa_loc_scores"][-1] < T and shapes[f"{pre}_fa_scores"][1:] == (T, T)
