@@ -100,8 +100,7 @@ def tiny_onnx(artifacts):
 @pytest.fixture(scope="session")
 def tiny_coreml(artifacts):
     """The tiny checkpoint as an fp32 Core ML package (sparse), the session's: {"sparse": path}. Tests
-    that alter a package alter a copy."""
-    pytest.importorskip("coremltools", reason="the Core ML target needs coremltools (installed by make test)")
+    that alter a package alter a copy. coremltools is a required test dependency: no skip."""
     return {"sparse": artifacts("bf", "coreml", "sparse", "fp32")}
 
 

@@ -196,7 +196,8 @@ def test_bench_prints_candidates_and_the_yardstick(tiny_onnx, capsys):
 def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(tmp_path):
     """An elastic encoder on a Hugging Face directory: the directory's own transformers model,
     exported both ways, is timed beside the dense graphs, and it is the same function."""
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (a test dependency: the original checkpoint's export needs it)
+
     from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
     from adaptex.graphs.hf import load_encoder
     from tests import hf_dirs
