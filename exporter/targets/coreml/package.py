@@ -141,8 +141,9 @@ def check_package_files(path: Path) -> None:
     root = path.resolve()
     for p in path.rglob("*"):
         if p.is_symlink() or not p.resolve().is_relative_to(root):
-            raise AdaptexError(f"{path}: {p.relative_to(path)} is a link outside the package; adaptex reads only "
-                               "files inside it; re-export the package")
+            where = "inside" if p.resolve().is_relative_to(root) else f"outside the package ({p.resolve()})"
+            raise AdaptexError(f"{path}: {p.relative_to(path)} is a link to {where}; adaptex reads only plain "
+                               "files inside a package; re-export the package")
 
 
 def package_meta(spec, path: Path) -> dict:
