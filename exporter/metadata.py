@@ -139,6 +139,8 @@ def read_onnx_metadata(path: str | os.PathLike) -> dict:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:
         raise AdaptexError(f"{path}: not a readable ONNX model ({type(e).__name__}); re-export it") from None
+    if not model.HasField("graph"):  # a few bytes can parse as an empty ModelProto
+        raise AdaptexError(f"{path}: not an ONNX model (no graph); re-export it")
     props = {p.key: p.value for p in model.metadata_props}
     if META_KEY not in props:
         raise AdaptexError(f"{path}: an ONNX model that has no adaptex metadata, so it was not written by "

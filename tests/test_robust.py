@@ -153,6 +153,17 @@ def test_an_empty_or_garbage_onnx_file_says_so(tmp_path, capsys, monkeypatch, co
         OnnxRuntimeRunner(path)
 
 
+@pytest.mark.parametrize("content, match", [(b"", "is empty (0 bytes), not an ONNX model"),
+                                            (b"\x10\x07", "not an ONNX model (no graph)")])
+def test_lint_refuses_an_empty_file_instead_of_passing_it(tmp_path, capsys, content, match):
+    """Bytes that parse as an empty ModelProto have no nodes to break a rule: not a pass."""
+    path = tmp_path / "m.onnx"
+    path.write_bytes(content)
+    assert match in one_line_error(capsys, "lint", path)
+    if content:
+        assert match in one_line_error(capsys, "inspect", path)
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "empty"])
 def test_a_corrupt_package_is_one_line(tiny_coreml, tmp_path, capsys, damage):
     pkg = _copy_package(tiny_coreml["sparse"], tmp_path / "m.mlpackage")
