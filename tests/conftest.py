@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests import zoo
+
+# `make fuzz` (HYPOTHESIS_PROFILE=fuzz): tests/test_fuzz.py with many examples (FUZZ_EXAMPLES, default
+# 2000) instead of the few that keep `make test` fast.
+settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "2000")), deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def _coreml_runtime_reason() -> str | None:
