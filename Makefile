@@ -2,6 +2,8 @@
 #   make demo   venv + install + export, check and bench the shipped default model; the three app
 #               artifacts exported into examples/web/models (then: make serve, or the one-liner it prints)
 #   make test   venv + install + the test suite (with the browser and Node tests of examples/)
+#   make fuzz   venv + install + the fuzz tests (runner inputs, CLI arguments) with many examples:
+#               FUZZ_EXAMPLES per test, default 2000 (make test runs a few of each)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +16,7 @@ PORT   ?= 8000
 APP_MODELS := tsa-charlm budgetformer-graded elastic-minilm
 SERVE  := $(PYTHON) -m http.server -d $(WEB) --bind 127.0.0.1 $(PORT)
 
-.PHONY: demo test test-slow test-gpu mutate install clean apps-deps chromium web serve
+.PHONY: demo test test-slow test-gpu fuzz mutate install clean apps-deps chromium web serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +73,9 @@ demo: $(STAMP) web
 
 test: $(STAMP) apps-deps
 	$(PY) -m pytest -q -m "not slow"
+
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -82,19 +82,26 @@ def _feeds(inputs: Iterable, names: list[str]) -> list[dict[str, np.ndarray]]:
     out = []
     for item in inputs:
         if isinstance(item, dict):
-            out.append({k: _array(v) for k, v in item.items()})
+            out.append({k: _array(v, k) for k, v in item.items()})
             continue
         item = item if isinstance(item, (tuple, list)) else (item,)
         if len(item) != len(names):
             from adaptex.graphs.errors import InputError
 
             raise InputError(f"an input has {len(item)} tensors, the artifact takes {len(names)} ({', '.join(names)})")
-        out.append({n: _array(v) for n, v in zip(names, item)})
+        out.append({n: _array(v, n) for n, v in zip(names, item)})
     return out
 
 
-def _array(v) -> np.ndarray:
-    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+def _array(v, name: str = "an input") -> np.ndarray:
+    """A caller's input as a numpy array of numbers in native byte order (or a one-line InputError)."""
+    a = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+    if a.dtype.kind not in "biuf":
+        from adaptex.graphs.errors import InputError
+
+        raise InputError(f"{name}: dtype {a.dtype} (shape {list(a.shape)}), not numbers; inputs are arrays of "
+                         "numbers (token ids, masks, caches)")
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
 def _reference(path, model, inputs, threads, **runner_options):
@@ -108,7 +115,8 @@ def _reference(path, model, inputs, threads, **runner_options):
     if model is None:
         model, info = load_source_model(meta, None)
     else:
-        check_source(meta, model=model, name=type(model).__name__)
+        check_source(meta, model=model, name=(getattr(model, "adaptex_source", None) or {}).get("name")
+                     or type(model).__name__)
         info = getattr(model, "adaptex_source", None)
     feeds = _feeds(inputs, list(meta["inputs"])) if inputs is not None else None
     example = None

@@ -17,36 +17,69 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
 import onnxruntime as ort
 
 
+class GenerateError(Exception):
+    """A model file or prompt this script cannot use: printed as one line, exit status 2."""
+
+
 class Generator:
     def __init__(self, path: str, threads: int = 1):
+        if not os.path.isfile(path):
+            what = "a directory" if os.path.isdir(path) else "no such file"
+            raise GenerateError(f"{path}: {what}; pass an .onnx decoder written by "
+                                "'adaptex export tsa-charlm --target onnx -o tsa.onnx'")
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.log_severity_level = 3
-        self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise GenerateError(f"{path}: not a readable ONNX model ({first}); re-export it with "
+                                "'adaptex export ... --target onnx'") from None
         meta = self.session.get_modelmeta().custom_metadata_map
         if "adaptex" not in meta:
-            raise SystemExit(f"{path}: no adaptex metadata; export it with 'adaptex export ... --target onnx'")
-        self.meta = json.loads(meta["adaptex"])
-        self.family = self.meta.get("family")
-        if self.family not in ("tsa", "elastic_decoder"):
-            raise SystemExit(f"{path}: a {self.family} artifact, not a TSA or elastic decoder")
-        cfg = self.meta["config"]
-        self.layers, self.heads = cfg["num_layers"], cfg["num_heads"]
-        self.head_dim, self.bound, self.vocab = cfg["d_model"] // cfg["num_heads"], cfg["max_len"], cfg["vocab_size"]
+            raise GenerateError(f"{path}: no adaptex metadata; export it with 'adaptex export ... --target onnx'")
+        try:
+            self.meta = json.loads(meta["adaptex"])
+            self.family = self.meta.get("family")
+            if self.family not in ("tsa", "elastic_decoder"):
+                raise GenerateError(f"{path}: a {self.family} artifact, not a TSA or elastic decoder; export "
+                                    "tsa-charlm or elastic-charlm")
+            cfg = self.meta["config"]
+            self.layers, self.heads = int(cfg["num_layers"]), int(cfg["num_heads"])
+            self.head_dim, self.bound = int(cfg["d_model"]) // self.heads, int(cfg["max_len"])
+            self.vocab = int(cfg["vocab_size"])
+        except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+            raise GenerateError(f"{path}: its adaptex metadata is unreadable ({type(e).__name__}: {e}); "
+                                "re-export it with adaptex") from None
         self.outputs = [o.name for o in self.session.get_outputs()]
+        want = {"input_ids", "attention_mask", *(f"past_key_values.{i}.{kv}" for i in range(self.layers)
+                                                 for kv in ("key", "value"))}
+        if self.family == "elastic_decoder":
+            want |= {f"head_modes.{i}" for i in range(self.layers)}
+        got = {i.name for i in self.session.get_inputs()}
+        if got != want:
+            raise GenerateError(f"{path}: the graph's inputs {sorted(got - want)[:3] or sorted(got)[:3]} are not the "
+                                f"{self.family} decoder's its metadata describes; re-export it with adaptex")
         self.modes = {}  # an elastic decoder's head modes: zeros at prefill (ignored), then the prefill's
         self.tokenizer = self.meta.get("tokenizer") or {"kind": "ids"}
+
+    def unknown(self, text: str) -> list[str]:
+        """The characters of `text` the model's vocabulary lacks (each once, in order)."""
+        known = set((self.tokenizer.get("itos") or [])[2:])
+        return list(dict.fromkeys(c for c in text if c not in known))
 
     def encode(self, text: str) -> list[int]:
         itos = self.tokenizer.get("itos")
         if not itos:
-            raise SystemExit("this model's tokenizer is id-level: pass --prompt-ids")
+            raise GenerateError("this model's tokenizer is id-level: pass --prompt-ids")
         stoi = {c: i for i, c in enumerate(itos) if i >= 2}
         return [stoi.get(c, self.tokenizer.get("unk", 1)) for c in text]
 
@@ -57,7 +90,11 @@ class Generator:
     def step(self, ids: np.ndarray, past: dict, past_len: int) -> dict:
         feeds = {"input_ids": ids, "attention_mask": np.ones((ids.shape[0], past_len + ids.shape[1]), np.int64),
                  **past, **self.modes}
-        return dict(zip(self.outputs, self.session.run(None, feeds)))
+        try:
+            return dict(zip(self.outputs, self.session.run(None, feeds)))
+        except Exception as e:  # a graph that does not take what its metadata says
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise GenerateError(f"ONNX Runtime failed on the decoder ({first}); re-export it with adaptex") from None
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy decoding; returns the new ids and each step's keep rate (mean over gated blocks; an
@@ -95,21 +132,45 @@ class Generator:
         return new, keep
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1 (the number of tokens to generate)")
+    return n
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(prog="tsa_generate", description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a TSA or elastic decoder exported with adaptex export --target onnx")
     ap.add_argument("--prompt", default=None, help="text (character-level models)")
     ap.add_argument("--prompt-ids", default=None, help="space-separated token ids")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate (at least 1)")
     args = ap.parse_args(argv)
-    gen = Generator(args.model)
     try:
+        gen = Generator(args.model)
         if args.prompt_ids is not None:
+            bad = [t for t in args.prompt_ids.split() if not t.lstrip("-").isdigit()]
+            if bad:
+                raise GenerateError(f"--prompt-ids: {bad[0]!r} is not a token id; pass space-separated integers")
             prompt = [int(t) for t in args.prompt_ids.split()]
         else:
-            prompt = gen.encode(args.prompt if args.prompt is not None else "def ")
+            text = args.prompt if args.prompt is not None else "def "
+            prompt = gen.encode(text)
+            missing = gen.unknown(text)
+            if missing:
+                codes = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing[:8]) + (" ..." if len(missing) > 8 else "")
+                print(f"tsa_generate: warning: the model's vocabulary lacks {codes}; they are fed as <unk>",
+                      file=sys.stderr)
         ids, keep = gen.generate(prompt, args.max_new_tokens)
-    except ValueError as e:
+    except (GenerateError, ValueError) as e:
         print(f"tsa_generate: error: {e}", file=sys.stderr)
         return 2
     sep = "" if gen.tokenizer.get("itos") else " | "

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from importlib import metadata as _pkg
 from pathlib import Path
 from typing import Iterator
@@ -140,11 +139,51 @@ def read_onnx_metadata(path: str | os.PathLike) -> dict:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:
         raise AdaptexError(f"{path}: not a readable ONNX model ({type(e).__name__}); re-export it") from None
+    if not model.HasField("graph"):  # a few bytes can parse as an empty ModelProto
+        raise AdaptexError(f"{path}: not an ONNX model (no graph); re-export it")
     props = {p.key: p.value for p in model.metadata_props}
     if META_KEY not in props:
         raise AdaptexError(f"{path}: an ONNX model that has no adaptex metadata, so it was not written by "
                            "'adaptex export'; export the model with adaptex first")
-    return parse(props[META_KEY], path)
+    meta = parse(props[META_KEY], path)
+    check_onnx_io(model.graph, meta, path)
+    return meta
+
+
+def _onnx_io(values, skip=()) -> dict[str, tuple[str, int]]:
+    """{name: (numpy dtype name, rank)} of a graph's inputs or outputs."""
+    from onnx import helper
+
+    out = {}
+    for v in values:
+        if v.name in skip:
+            continue
+        t = v.type.tensor_type
+        try:
+            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        except (KeyError, ValueError, TypeError):
+            dtype = f"elem_type {t.elem_type}"
+        out[v.name] = (dtype, len(t.shape.dim) if t.HasField("shape") else -1)
+    return out
+
+
+def check_onnx_io(graph, meta: dict, where) -> None:
+    """Refuse metadata that does not describe the graph it rides on (adaptex metadata copied onto
+    another model): every input and output by name, dtype and rank, before any run."""
+    got = {"inputs": _onnx_io(graph.input, {i.name for i in graph.initializer}), "outputs": _onnx_io(graph.output)}
+    for side in ("inputs", "outputs"):
+        want = meta[side]
+        if set(got[side]) != set(want):
+            missing, extra = sorted(set(want) - set(got[side])), sorted(set(got[side]) - set(want))
+            raise AdaptexError(f"{where}: its adaptex metadata does not describe this graph: the metadata's {side} "
+                               f"{missing[:3]} are not the graph's, the graph's {extra[:3]} are not in the metadata "
+                               "(metadata copied from another model?); re-export the model with adaptex")
+        for name, (dtype, rank) in got[side].items():
+            spec = want[name]
+            if dtype != spec["dtype"] or rank not in (-1, len(spec["shape"])):
+                raise AdaptexError(f"{where}: its adaptex metadata does not describe this graph: {side[:-1]} "
+                                   f"{name!r} is {dtype} of rank {rank} in the graph, {spec['dtype']} of rank "
+                                   f"{len(spec['shape'])} in the metadata; re-export the model with adaptex")
 
 
 def format_metadata(meta: dict) -> str:
@@ -212,22 +251,16 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
     out = check_writable(out)
     parent = out.parent if str(out.parent) else Path(".")
     _cleanup_stale(parent, out.name)
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=files.sibling_prefix(out), suffix=".tmp", dir=parent)
-        os.close(fd)
-        try:
-            yield Path(tmp)
+        with files.owned(files.fresh_name(parent, files.sibling_prefix(out), ".tmp"), files.make_file) as tmp:
+            yield tmp
             umask = os.umask(0)
             os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; an artifact is ordinary data
+            os.chmod(tmp, 0o666 & ~umask)  # made private; an artifact is ordinary data
             os.replace(tmp, out)
-        except OSError as e:
-            raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written, and the "
-                              "previous file, if any, is untouched") from e
-    finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+    except OSError as e:
+        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written, and the "
+                          "previous file, if any, is untouched") from e
 
 
 @contextlib.contextmanager

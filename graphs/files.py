@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -37,7 +38,7 @@ def _owner(name: str) -> int | None:
 
 def _remove(p: Path) -> None:
     try:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
     except OSError:
         pass
 
@@ -64,18 +65,48 @@ def sibling_prefix(path: Path) -> str:
     return f".{path.name}.{TAG}-{os.getpid()}-"
 
 
+def fresh_name(directory: str | os.PathLike, prefix: str, suffix: str = "") -> Path:
+    """A path in `directory` that does not exist yet. Callers hold the name *before* they create it
+    (os.mkdir, os.open with O_EXCL), so that an interruption right after the creation still finds the
+    name in their `finally` (mkdtemp and mkstemp return it only after creating it: a Ctrl-C between
+    the two left an empty directory behind)."""
+    return Path(directory) / f"{prefix}{secrets.token_hex(4)}{suffix}"
+
+
+def make_dir(path: Path) -> None:
+    os.mkdir(path, 0o700)
+
+
+def make_file(path: Path) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+@contextlib.contextmanager
+def owned(path: Path, create) -> Iterator[Path]:
+    """create(path) (make_dir or make_file), yield it, and remove it on exit, however the block ends:
+    also when an interruption lands right after the creation. A name somebody else took meanwhile
+    (FileExistsError) is left alone."""
+    ours = True
+    try:
+        try:
+            create(path)
+        except FileExistsError:
+            ours = False
+            raise
+        yield path
+    finally:
+        if ours:
+            _remove(path)
+
+
 @contextlib.contextmanager
 def temp_dir(kind: str, parent: str | os.PathLike | None = None) -> Iterator[Path]:
     """A private directory (in the system temp directory unless `parent`), deleted on exit."""
     if parent is None:
         sweep_temp()
-    path = None
-    try:
-        path = Path(tempfile.mkdtemp(prefix=f"{TAG}-{os.getpid()}-{kind}-", dir=parent))
+    with owned(fresh_name(parent if parent is not None else tempfile.gettempdir(),
+                          f"{TAG}-{os.getpid()}-{kind}-"), make_dir) as path:
         yield path
-    finally:
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -130,9 +161,7 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     directory that `recover` puts back."""
     out = Path(out).absolute()
     recover(out)
-    work = None
-    try:
-        work = Path(tempfile.mkdtemp(prefix=sibling_prefix(out), dir=out.parent))
+    with owned(fresh_name(out.parent, sibling_prefix(out)), make_dir) as work:
         new = work / out.name
         yield new
         os.chmod(new, 0o755)  # mkdtemp-style privacy is not wanted for an artifact or a checkpoint
@@ -144,6 +173,3 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
             if (work / "old").exists() and not out.exists():
                 os.replace(work / "old", out)
             raise
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaptex.graphs.errors import InputError
+from adaptex.graphs.errors import AdaptexError, InputError
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,21 @@ class IOSpec:
     name: str
     dtype: str  # numpy dtype name
     shape: tuple  # ints, or names of dynamic axes
+
+
+def max_threads() -> int:
+    """The most threads a runtime is asked for: beyond a few per core a runtime only starts threads
+    (ONNX Runtime hangs at a thousand and crashes at a hundred thousand)."""
+    import os
+
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
+def check_threads(n: int | None, flag: str = "--threads") -> None:
+    """Refuse a thread count a runtime cannot use, naming the range."""
+    if n is not None and not 0 <= n <= max_threads():
+        raise AdaptexError(f"{flag} {n}: must lie in 0..{max_threads()} (0: the runtime's default; this machine "
+                           f"has {__import__('os').cpu_count()} cores)")
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,9 @@ def validate_feeds(feeds: dict, specs: dict[str, IOSpec], limits: ModelLimits | 
         if a.dtype.name != spec.dtype:
             raise InputError(f"{name}: dtype {a.dtype.name}, expected {spec.dtype}; "
                              f"convert with .astype(np.{spec.dtype})")
+        if not a.dtype.isnative:  # a big-endian array: a runtime would read its bytes as other numbers
+            raise InputError(f"{name}: {a.dtype.name} in non-native byte order ({a.dtype.str}); convert with "
+                             f".astype(np.{spec.dtype})")
         if a.ndim != len(spec.shape):
             raise InputError(f"{name}: rank {a.ndim} (shape {list(a.shape)}), expected rank {len(spec.shape)} "
                              f"{list(spec.shape)}; add the batch axis with [None] for one sequence")

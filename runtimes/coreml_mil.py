@@ -289,8 +289,13 @@ def load_program(path: Path):
     spec = load_spec(path)
     if not spec.HasField("mlProgram"):
         raise AdaptexError(f"{path}: not an ML program package; adaptex checks mlprogram packages only")
-    return spec, milproto_load(spec, specification_version=spec.specificationVersion,
-                               file_weights_dir=os.path.join(path, "Data", "com.apple.CoreML", "weights"))
+    weights = os.path.join(path, "Data", "com.apple.CoreML", "weights")
+    try:
+        return spec, milproto_load(spec, specification_version=spec.specificationVersion, file_weights_dir=weights)
+    except Exception as e:  # coremltools reads weight.bin here: missing, truncated or overwritten
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise AdaptexError(f"{path}: a corrupt ML package: its program or weights cannot be read ({type(e).__name__}: "
+                           f"{first}); re-export it") from None
 
 
 _SCALAR_ARGS = ("axis", "num_splits", "dtype", "mode", "transpose_x", "transpose_y", "keep_dims", "ascending",

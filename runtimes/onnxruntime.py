@@ -5,7 +5,7 @@ from pathlib import Path
 
 from adaptex.exporter.metadata import read_onnx_metadata
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.base import IOSpec, Runner, limits_of
+from adaptex.runtimes.base import IOSpec, Runner, check_threads, limits_of
 
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool)": "bool",
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
@@ -14,6 +14,7 @@ _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool
 def session_options(threads: int | None):
     import onnxruntime as ort
 
+    check_threads(threads)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
@@ -28,6 +29,7 @@ class OnnxRuntimeRunner(Runner):
     name = "onnxruntime"
 
     def __init__(self, path: str | Path, threads: int | None = None, require_metadata: bool = True):
+        check_threads(threads)
         self.path = Path(path)
         self.meta = read_onnx_metadata(self.path) if require_metadata else {}
         super().__init__(limits_of(self.meta))

@@ -14,12 +14,13 @@ KINDS = {".onnx": "onnx", ".mlpackage": "coreml", ".plan": "tensorrt", ".engine"
 
 def artifact_kind(path: str | Path) -> str:
     """'onnx', 'coreml' or 'tensorrt' by the artifact's suffix; a one-line error for anything else."""
-    path = Path(str(path).rstrip("/"))
+    path = Path(str(path).rstrip("/") or str(path))
     kind = KINDS.get(path.suffix)
     if kind is None:
-        what = "a directory" if path.is_dir() else "a file" if path.exists() else "no such artifact"
-        raise AdaptexError(f"{path}: {what} with suffix {path.suffix or '(none)'!r} is not an adaptex artifact; "
-                           "adaptex reads .onnx, .mlpackage and TensorRT .plan/.engine artifacts")
+        what = "a directory" if path.is_dir() else "a file" if path.exists() else "no such file, and a name"
+        suffix = f"suffix {path.suffix!r}" if path.suffix else "no suffix"
+        raise AdaptexError(f"{path}: {what} with {suffix}, not an adaptex artifact; adaptex reads .onnx, "
+                           ".mlpackage and TensorRT .plan/.engine artifacts")
     return kind
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.family import Contract, Reference, family_contract
 from adaptex.runtimes.base import Runner
 from adaptex.runtimes.report import MARGIN_UNITS, MARGINS, TOLERANCES, DecisionStat, OutputStat, ParityReport
@@ -66,6 +66,12 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
     if items is None:
         raise AdaptexError("this model has no parity input generator; pass its inputs (inputs=[...] in Python, "
                            "--inputs FILE.npz on the command line)")
+    if not items:
+        raise AdaptexError("no inputs to compare (an empty list); pass at least one batch, or let a shipped model "
+                           "generate its own")
+    if inputs is not None:  # the caller's arrays, made to look like generated ones (dtypes, byte order)
+        want = reference.input_metadata()
+        items = [conform(item, want) if isinstance(item, dict) else item for item in items]
     specs = artifact.input_metadata()
     axes = _batch_axes(getattr(artifact, "meta", None) or {})
     for bi, item in enumerate(items):
@@ -102,6 +108,28 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
         report.failures += [f"{name} ({r.op_type}): reaches {r.worst:.4g}, past fp16's 65504"
                             for name, r in report.ranges.over()]
     return report
+
+
+def conform(feeds: dict, specs: dict) -> dict:
+    """Feeds in the dtypes `specs` name (native byte order), converted only where no value changes:
+    float ids 3.0 become 3, a float mask of 0.5 is refused (an InputError naming the fix)."""
+    out = dict(feeds)
+    for name, spec in specs.items():
+        if name not in feeds:
+            continue  # the artifact's validation names what is missing
+        a = np.asarray(feeds[name])
+        want = np.dtype(spec.dtype)
+        if a.dtype.kind not in "biuf":
+            raise InputError(f"{name}: dtype {a.dtype}, not numbers; pass {want.name} values")
+        with np.errstate(invalid="ignore", over="ignore"):
+            conv = a.astype(want)
+            lossy = want.kind in "biu" and not np.array_equal(conv.astype(a.dtype), a)
+        if lossy:
+            bad = a[conv.astype(a.dtype) != a].ravel()[0].item()
+            raise InputError(f"{name}: {a.dtype.name} values that are not {want.name} values (e.g. {bad}); pass "
+                             f"{want.name} values")
+        out[name] = conv
+    return out
 
 
 def _batch_axes(meta: dict) -> dict[str, int]:

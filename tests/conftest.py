@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests import zoo
+
+# `make fuzz` (HYPOTHESIS_PROFILE=fuzz): tests/test_fuzz.py with many examples (FUZZ_EXAMPLES, default
+# 2000) instead of the few that keep `make test` fast.
+settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "2000")), deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def _coreml_runtime_reason() -> str | None:
@@ -95,6 +103,30 @@ def tiny_checkpoint(family_checkpoints):
 def tiny_onnx(artifacts):
     """The tiny checkpoint exported to ONNX, both variants: {variant: path}."""
     return {variant: artifacts("bf", "onnx", variant) for variant in ("sparse", "dense")}
+
+
+@pytest.fixture(scope="session")
+def tiny_coreml(artifacts):
+    """The tiny checkpoint as an fp32 Core ML package (sparse), the session's: {"sparse": path}. Tests
+    that alter a package alter a copy. coremltools is a required test dependency: no skip."""
+    return {"sparse": artifacts("bf", "coreml", "sparse", "fp32")}
+
+
+CHARS = ["<pad>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz (),")  # 32: the tiny decoder's vocabulary
+
+
+@pytest.fixture(scope="session")
+def tiny_tsa_chars(tmp_path_factory):
+    """A tiny TSA decoder with a character tokenizer (ASCII letters only), exported to ONNX (sparse):
+    (checkpoint dir, onnx path)."""
+    from adaptex.graphs import checkpoint
+
+    d = tmp_path_factory.mktemp("tsa-chars")
+    checkpoint.save(d / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
+                                                "tokenizer": {"kind": "chars", "pad": 0, "unk": 1, "itos": CHARS}})
+    model, info = checkpoint.load(d / "ck")
+    zoo.export(model, info, d / "tsa.onnx")
+    return d / "ck", d / "tsa.onnx"
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # named with the command's own help, not the top-level one
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
         return args.run(args)
     except AdaptexError as e:  # UsageError included
         err(str(e))

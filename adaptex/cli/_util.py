@@ -23,16 +23,24 @@ def say(msg: str) -> None:
 def set_threads(n: int | None) -> None:
     import torch
 
+    from adaptex.runtimes.base import check_threads
+
+    check_threads(n)
     if n:
         torch.set_num_threads(n)
 
 
 def at_least(args, **bounds) -> None:
-    """Refuse numeric flags below their bound: at_least(args, samples=1, threads=0)."""
+    """Refuse numeric flags below their bound, and NaN or infinite ones: at_least(args, samples=1)."""
+    import math
+
     for name, low in bounds.items():
         v = getattr(args, name, None)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"{flag} {v}: must be a finite number (at least {low})")
         if v is not None and v < low:
-            raise UsageError(f"--{name.replace('_', '-')} {v}: must be at least {low}")
+            raise UsageError(f"{flag} {v}: must be at least {low}")
 
 
 def load_model(spec: str | None):
@@ -42,6 +50,9 @@ def load_model(spec: str | None):
     import importlib
     import os
 
+    if spec is not None and not spec.strip():
+        raise UsageError("the model is an empty name; pass a shipped model ('adaptex models' lists them), a "
+                         "checkpoint directory or MODULE:FUNCTION, or leave it out for the default model")
     if spec and ":" in spec and not os.path.exists(spec):
         mod_name, _, fn_name = spec.partition(":")
         try:
@@ -80,10 +91,17 @@ def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8
             raise UsageError(f"--inputs {path}: holds {sorted(arrays)}, the model takes {names}; name the arrays "
                              "after the inputs")
     keys = names or list(arrays)
-    rows = {arrays[k].shape[0] for k in keys if arrays[k].ndim}
+    if not keys:
+        raise UsageError(f"--inputs {path}: holds no arrays; write one with numpy.savez(path, input_ids=..., ...)")
+    scalars = [k for k in keys if arrays[k].ndim == 0]
+    if scalars:
+        raise UsageError(f"--inputs {path}: {scalars[0]} is a scalar; every array needs a first axis, the batch")
+    rows = {arrays[k].shape[0] for k in keys}
     if len(rows) != 1:
         raise UsageError(f"--inputs {path}: the arrays' first axes (the batch) differ: {sorted(rows)}")
     n = rows.pop()
+    if n == 0:
+        raise UsageError(f"--inputs {path}: the arrays hold no rows (a batch of 0); pass at least one input")
     return [{k: arrays[k][i:i + batch] for k in keys} for i in range(0, n, batch)]
 
 

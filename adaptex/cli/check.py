@@ -39,7 +39,7 @@ def run(args) -> int:
     from adaptex.api import _feeds, check
     from adaptex.runtimes.open import open_artifact
 
-    at_least(args, samples=1, threads=0, atol=0, rtol=0)
+    at_least(args, samples=1, threads=0, atol=0, rtol=0, seed=0)
     set_threads(args.threads)
     options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges)
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore

@@ -41,7 +41,13 @@ def run(args) -> int:
         raise UsageError(f"unknown variant {args.variant!r}; choose one of {', '.join(VARIANTS)}")
     target = targets.load(args.target)
     mine = {o.dest for o in target.options}
-    given = {o.dest: getattr(args, o.dest) for o, _ in targets.all_options() if getattr(args, o.dest, None)}
+    given = {o.dest: getattr(args, o.dest) for o, _ in targets.all_options()
+             if getattr(args, o.dest, None) not in (None, False)}
+    empty = [f"--{d.replace('_', '-')}" for d, v in given.items() if isinstance(v, str) and not v.strip()]
+    if args.precision is not None and not args.precision.strip():
+        empty.insert(0, "--precision")
+    if empty:
+        raise UsageError(f"{empty[0]} is empty; give it a value or leave it out for the default")
     foreign = [f"--{d.replace('_', '-')}" for d in given if d not in mine]
     if foreign:
         raise UsageError(f"{', '.join(foreign)} {'applies' if len(foreign) == 1 else 'apply'} to another target, "

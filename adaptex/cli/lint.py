@@ -28,10 +28,14 @@ def run(args) -> int:
                          "nothing to lint)")
     if not path.is_file():
         raise UsageError(f"{path}: no such file; export one with 'adaptex export --target tensorrt --onnx-only -o {path}'")
+    if path.stat().st_size == 0:
+        raise UsageError(f"{path}: is empty (0 bytes), not an ONNX model; pass an .onnx file")
     try:
         model = onnx.load(str(path))
     except Exception as e:
         raise UsageError(f"{path}: not a readable ONNX model ({type(e).__name__}); pass an .onnx file") from None
+    if not model.HasField("graph") or not model.graph.node:  # bytes that parse as an empty ModelProto
+        raise UsageError(f"{path}: not an ONNX model (no graph); pass an .onnx file")
     try:
         violations = tensorrt_rules.lint(model, args.trt_version, tuple(args.plugin or ()))
     except ValueError as e:

@@ -141,8 +141,9 @@ def check_package_files(path: Path) -> None:
     root = path.resolve()
     for p in path.rglob("*"):
         if p.is_symlink() or not p.resolve().is_relative_to(root):
-            raise AdaptexError(f"{path}: {p.relative_to(path)} is a link outside the package; adaptex reads only "
-                               "files inside it; re-export the package")
+            where = "inside" if p.resolve().is_relative_to(root) else f"outside the package ({p.resolve()})"
+            raise AdaptexError(f"{path}: {p.relative_to(path)} is a link to {where}; adaptex reads only plain "
+                               "files inside a package; re-export the package")
 
 
 def package_meta(spec, path: Path) -> dict:
@@ -151,7 +152,27 @@ def package_meta(spec, path: Path) -> dict:
     if metadata.META_KEY not in ud:
         raise AdaptexError(f"{path}: has no adaptex metadata, so it was not written by 'adaptex export'; "
                            "export the model with adaptex first")
-    return metadata.parse(ud[metadata.META_KEY], path)
+    meta = metadata.parse(ud[metadata.META_KEY], path)
+    check_spec_io(spec, meta, path)
+    return meta
+
+
+def check_spec_io(spec, meta: dict, path) -> None:
+    """Refuse metadata that does not describe the package's program (adaptex metadata copied onto
+    another package): every feature by name and rank."""
+    for side, features in (("inputs", spec.description.input), ("outputs", spec.description.output)):
+        got = {f.name: len(f.type.multiArrayType.shape) if f.type.HasField("multiArrayType") else None
+               for f in features}
+        want = {s.get("coreml_name", coreml_name(n)): len(s["shape"]) for n, s in meta[side].items()}
+        if set(got) != set(want):
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            raise AdaptexError(f"{path}: its adaptex metadata does not describe this package: the metadata's {side} "
+                               f"{missing[:3]} are not the package's features, the package's {extra[:3]} are not in "
+                               "the metadata (metadata copied from another model?); re-export the model with adaptex")
+        for name, rank in got.items():
+            if rank and rank != want[name]:
+                raise AdaptexError(f"{path}: its adaptex metadata does not describe this package: feature {name!r} "
+                                   f"has rank {rank}, the metadata says {want[name]}; re-export the model with adaptex")
 
 
 def load_spec(path: str | Path):

@@ -54,10 +54,9 @@ TOPK_MAX_K = 3840
 
 def _version(v: str) -> tuple[int, int]:
     parts = str(v).split(".")
-    try:
-        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-    except ValueError:
-        raise ValueError(f"TensorRT version {v!r} is not of the form MAJOR.MINOR (e.g. 10.8)") from None
+    if not all(p.isascii() and p.isdigit() for p in parts[:2]):
+        raise ValueError(f"TensorRT version {v!r} is not of the form MAJOR.MINOR (e.g. 10.8)")
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
 
 
 @dataclass
