@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from adaptex.cli._util import UsageError, at_least, load_model, progress_bar, read_inputs, say, set_threads
+from adaptex.runtimes.base import check_threads
 
 
 def add_parser(sub) -> None:
@@ -69,6 +70,8 @@ def run(args) -> int:
     batches = _ints("--batch", args.batch, 1, "1,8,64")
     pasts = _ints("--past", args.past, 0, "127,511")
     threads = _ints("--threads", args.threads, 0, "1,2")
+    for t in threads:  # every value before any point is timed
+        check_threads(t)
     kind = artifact_kind(args.artifact)
     if kind == "coreml" and not coreml.available():
         raise UsageError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
