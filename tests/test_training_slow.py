@@ -41,3 +41,24 @@ def test_short_budgetformer_schedule_lands_within_the_documented_spread(tmp_path
     for name, f in expected.items():
         margin = max(3 * f["std"], 0.02)
         assert abs(got[0][name] - f["mean"]) <= margin, (name, got[0][name], f)
+
+
+def test_the_recorded_spread_is_in_the_repository():
+    """`make test-slow` on a fresh clone reads the recorded spread: it must be committed, hold the
+    short BudgetFormer schedule over at least 3 seeds, and every recorded model's figures over its runs."""
+    recorded = json.loads(RESULTS.read_text())
+    assert recorded["schedule"] == "short" and len(recorded["seeds"]) >= 3
+    mod, cmd = short_command("budgetformer-graded")
+    assert recorded["models"]["budgetformer-graded"]["command"] == "adaptex train " + " ".join(cmd)
+    for model, r in recorded["models"].items():
+        assert len(r["runs"]) >= 3, model
+        for name, f in r["figures"].items():
+            values = [run[name] for run in r["runs"]]
+            assert f["values"] == values and abs(f["mean"] - sum(values) / len(values)) < 1e-12, (model, name)
+
+
+def test_warm_start_figures_are_read_against_the_start():
+    mod, _ = short_command("tsa-warm")
+    metrics = {"tsa_hard": {"loss": 2.02, "ops_saved": 0.12}, "baseline": None, "init": {"loss": 2.0}}
+    got = mod.figures("tsa-warm", metrics)
+    assert got["dense loss"] == 2.0 and abs(got["loss increase"] - 0.01) < 1e-12 and got["ops saved"] == 0.12
