@@ -75,11 +75,12 @@ def test_tensorrt_engine_without_gpu_names_onnx_only(tmp_path, capsys, tiny_chec
     assert no_files(tmp_path)
 
 
-@pytest.mark.parametrize("where", ["missing_dir", "dir_is_file", "out_is_dir"])
+@pytest.mark.parametrize("where", ["ancestor_is_file", "dir_is_file", "out_is_dir"])
 def test_unwritable_output(tmp_path, capsys, tiny_checkpoint, where):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    out = {"missing_dir": tmp_path / "no" / "m.onnx", "dir_is_file": blocker / "m.onnx", "out_is_dir": tmp_path}[where]
+    # (a missing parent directory is created, like mkdir -p: tests/test_cli.py)
+    out = {"ancestor_is_file": blocker / "sub" / "m.onnx", "dir_is_file": blocker / "m.onnx", "out_is_dir": tmp_path}[where]
     fails(capsys, "export", tiny_checkpoint, "--target", "onnx", "-o", out, match=str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
