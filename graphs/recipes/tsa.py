@@ -267,10 +267,11 @@ def file_task(opts, context: int):
 DENSE_DECODER = dict(context=512, max_len=4096, steps=1400, batch_size=8, lr=2e-3)
 
 
-# Warm starts (--init): distilled from the dense model, routers fresh with p = sigmoid(-2.5) = 0.08
-# (kept tokens' updates scaled by 0.92: the start stays close to the dense model), a larger rate for
-# the routers, straight-through hard decisions throughout (the controller sees real skips), and
-# lambda by dual ascent on the hard keep rate toward --ops-saved (default 15%).
+# Warm starts (--init): distilled from the dense model; routers initialised by importance (fit to
+# skip the tokens the start model's next block changes least, the last layer scaled so that kept
+# tokens' gates stay near 1; router_bias is the constant-bias fallback), a larger rate for the
+# routers, straight-through hard decisions throughout (the controller sees real skips), and lambda
+# by dual ascent on the hard keep rate toward --ops-saved (default 15%). docs/training.md has the result.
 WARM = dict(steps=300, batch_size=32, lr=3e-4, router_lr_mult=10.0, router_bias=-2.5, lambda_lr=1.0,
             st_frac=1.0, warmup=50, ops_saved=0.15, router_init="importance")
 
