@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -147,13 +148,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
+DEMO = Path(__file__).resolve().parent / "web" / "models" / "tsa-charlm.onnx"  # written by make demo
+
+
 def main(argv=None) -> int:
     ap = _Parser(prog="tsa_generate", description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a TSA or elastic decoder exported with adaptex export --target onnx")
+    ap.add_argument("model", nargs="?", default=None,
+                    help="a TSA or elastic decoder exported with adaptex export --target onnx (default: the "
+                         "tsa-charlm artifact make demo writes)")
     ap.add_argument("--prompt", default=None, help="text (character-level models)")
     ap.add_argument("--prompt-ids", default=None, help="space-separated token ids")
     ap.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate (at least 1)")
     args = ap.parse_args(argv)
+    if args.model is None:
+        if not DEMO.is_file():
+            print(f"tsa_generate: error: no model given and {DEMO.relative_to(DEMO.parents[3])} does not exist; run "
+                  "'make demo' first, or 'adaptex export tsa-charlm --target onnx -o tsa.onnx' and pass tsa.onnx",
+                  file=sys.stderr)
+            return 2
+        args.model = str(DEMO)
     try:
         gen = Generator(args.model)
         if args.prompt_ids is not None:

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,3 +33,15 @@ def test_bring_your_data_runs_end_to_end(tmp_path):
     rows = [line for line in out.splitlines() if "heads per layer" in line]
     assert len(rows) == 4 and all(line.split()[0] in ("billing", "shipping", "account") for line in rows), out
     assert (tmp_path / "classifier.onnx").is_file() and (tmp_path / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("script", ["ort_classify.py", "tsa_generate.py", "trt_run.py"])
+def test_examples_without_arguments_run_or_say_what_to_run_first(script, tmp_path):
+    """With no arguments an example runs on what `make demo` wrote, or prints one line naming what to
+    run first: never a traceback."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "make demo" in lines[0] or "usage" in lines[0].lower(), lines[0]
