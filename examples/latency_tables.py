@@ -65,16 +65,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="where latency.md and latency.csv go")
     ap.add_argument("--images", default=str(ROOT / "docs" / "images"))
     args = ap.parse_args(argv)
-    import onnxruntime
-
     import adaptex
-    from adaptex.runtimes.bench import Bench, plot, write_csv
+    from adaptex.runtimes.bench import Bench, plot
 
     threads = [int(t) for t in args.threads.split(",")]
     out, images = Path(args.out), Path(args.images)
     out.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
-    all_rows, lines = [], []
+    all_rows, lines, failed = [], [], []
     for name in args.models.split(","):
         model = adaptex.load(name)
         info = model.adaptex_source
@@ -89,8 +87,14 @@ def main(argv=None) -> int:
                     for batch, seq, past in sorted(grid):  # batch 1 first: it picks the candidates
                         print(f"{name}: threads={thr} batch={batch} T={seq} past={past}", file=sys.stderr, flush=True)
                         only = best.get((seq, past)) if batch > 1 else None
-                        r = bench.run(batch=batch, seq=seq, past=past, threads=thr, warmup=3, min_runs=10,
-                                      time_budget_s=6.0, memory=False, only=only)
+                        try:
+                            r = bench.run(batch=batch, seq=seq, past=past, threads=thr, warmup=3, min_runs=10,
+                                          time_budget_s=6.0, memory=False, only=only)
+                        except Exception as e:  # one failed point is a line in the table, not a lost run
+                            failed.append(f"{name}: threads={thr} batch={batch} T={seq} past={past}: "
+                                          f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                            print(f"  failed: {failed[-1]}", file=sys.stderr)
+                            continue
                         if batch == 1:
                             timed = sorted((c for c in r["candidates"] if c["dense"] and c["p50_ms"] is not None),
                                            key=lambda c: c["p50_ms"])
@@ -103,6 +107,17 @@ def main(argv=None) -> int:
                     b1 = [r for r in rows if r["batch"] == 1 and r["past"] == 0]
                     if thr == threads[0] and len(b1) > 1:
                         plot(b1, images / f"latency-{name}.png", title=f"{name}: batch 1, {thr} thread(s)")
+        write(out, lines, all_rows, failed)  # after each model: a later failure loses nothing
+    print(f"wrote {out / 'latency.md'} and {out / 'latency.csv'}")
+    return 1 if failed else 0
+
+
+def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> None:
+    import onnxruntime
+
+    import adaptex
+    from adaptex.runtimes.bench import write_csv
+
     head = [
         "# Latency tables",
         "",
@@ -115,10 +130,9 @@ def main(argv=None) -> int:
         "stock export of the model's masked inference path, what a user gets without adaptex.",
         "",
     ]
-    (out / "latency.md").write_text("\n".join(head + lines) + "\n")
-    write_csv(all_rows, out / "latency.csv")
-    print(f"wrote {out / 'latency.md'} and {out / 'latency.csv'}")
-    return 0
+    tail = ["## Points that failed", ""] + [f"- {f}" for f in failed] + [""] if failed else []
+    (out / "latency.md").write_text("\n".join(head + lines + tail) + "\n")
+    write_csv(rows, out / "latency.csv")
 
 
 if __name__ == "__main__":

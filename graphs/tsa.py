@@ -250,6 +250,8 @@ class TSAFamily(DecoderContract):
         The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's
         largest per-sample kept count in every sample."""
         cfg = self.cfg
+        if not cfg.adaptive:  # a dense decoder (no routers): every token runs every block
+            return {"flop_ratio": 1.0, "executed_flop_ratio": 1.0}
         keeps = [np.asarray(outputs[f"decisions.layer{li}.keep"]).reshape(-1, seq) for li in range(1, cfg.num_layers)]
         rates = [float(k.mean()) for k in keeps]
         ctx = past + (seq + 1) / 2

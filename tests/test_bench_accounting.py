@@ -223,3 +223,24 @@ def test_counterparts_compute_the_model(artifacts, shared_counterparts, family, 
     # the dense counterpart takes no decisions, the naive export the adaptive model's own
     assert not contract.decisions(contract.counterpart_modes["dense"])
     assert contract.decisions(contract.counterpart_modes["naive"]) == contract.decisions("hard")
+
+
+def test_a_dense_decoder_benches_at_flop_ratio_one(tmp_path, capsys):
+    """A TSA decoder without routers (charlm-dense's kind) has no keep decisions: bench accounts it as
+    computing everything, and runs."""
+    import json
+
+    from adaptex.cli import main
+    from adaptex.graphs import checkpoint
+
+    model = zoo.tiny_tsa(adaptive=False)
+    checkpoint.save(tmp_path / "ck", model, {"training": {"task": "copy"}, "description": "dense test decoder",
+                                             "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
+    model, info = checkpoint.load(tmp_path / "ck")
+    out = tmp_path / "dense.onnx"
+    zoo.export(model, info, out)
+    capsys.readouterr()
+    assert main(["bench", str(out), "--seq", "8", "--runs", "5", "--warmup", "1", "--blocks", "1", "--no-memory",
+                 "--json", "--quiet"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["flop_ratio"] == 1.0 and r["executed_flop_ratio"] == 1.0 and r["realisation"] is None

@@ -45,7 +45,7 @@ def tiny_tsa(seed: int = 0, spread: float = 20.0, head_scale: float = 20.0, **ov
     torch.manual_seed(seed)
     model = TSADecoder(TSAConfig(**{**TINY_TSA, **overrides}))
     with torch.no_grad():
-        for r in model.routers:
+        for r in model.routers or ():  # none in a dense decoder (adaptive=False)
             r.net[0].weight.mul_(spread)
             r.net[2].weight.mul_(spread)
         model.ln_f.weight.mul_(head_scale)  # the LM head is tied to the embeddings: scale the norm before it
