@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--images", default=str(ROOT / "docs" / "images"))
     args = ap.parse_args(argv)
     import adaptex
-    from adaptex.runtimes.bench import Bench, plot
+    from adaptex.runtimes.bench import Bench
+    from adaptex.runtimes.bench_report import plot
 
     threads = [int(t) for t in args.threads.split(",")]
     out, images = Path(args.out), Path(args.images)
@@ -116,7 +117,7 @@ def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> N
     import onnxruntime
 
     import adaptex
-    from adaptex.runtimes.bench import write_csv
+    from adaptex.runtimes.bench_report import write_csv
 
     head = [
         "# Latency tables",

@@ -223,7 +223,8 @@ def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_che
     from pathlib import Path
 
     from adaptex.runtimes import coreml
-    from adaptex.runtimes.bench import format_bench, run_bench
+    from adaptex.runtimes.bench import run_bench
+    from adaptex.runtimes.bench_report import format_bench
     from adaptex.runtimes.coreml_mil import load_program, run
 
     def predictor(path, units):

@@ -61,7 +61,8 @@ def _ints(flag: str, text: str, low: int, example: str) -> list[int]:
 
 def run(args) -> int:
     from adaptex.runtimes import coreml
-    from adaptex.runtimes.bench import Bench, format_bench, format_sweep, plot, write_csv
+    from adaptex.runtimes.bench import Bench
+    from adaptex.runtimes.bench_report import format_bench, format_sweep, plot, write_csv
     from adaptex.runtimes.open import artifact_kind, open_artifact
     from adaptex.runtimes.source import load_source_model
 
