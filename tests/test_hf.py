@@ -14,19 +14,12 @@ from adaptex.cli import main
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, CheckpointError
 from adaptex.graphs.hf import load_decoder, load_encoder
-from tests import hf_dirs
+from tests import hf_dirs, zoo
 
 DECODERS, ENCODERS = ("gpt2", "llama"), ("roberta", "distilbert")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small models on a shared machine: one intra-op thread is many times faster than two competing
-    for the cores (and the figures do not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +100,7 @@ def _spread_llama(path, spread: float = 30.0):
     model = ElasticDecoder.from_backbone(backbone, sha256=info["sha256"], path=str(path), sink=2, window=6,
                                          pool_tokens=8, router_hidden=16)
     ids, _ = _batch(B=64, T=24, seed=3)
-    with torch.no_grad():
-        for li, r in enumerate(model.routers):
-            r.router[2].weight.mul_(spread)
-            _, dec, _ = model(ids, mode="hard_dense")
-            gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]
-            r.router[2].bias[1] -= gap.median()
+    zoo.center_head_modes(model, ids, spread)
     return model.eval()
 
 

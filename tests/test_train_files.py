@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from adaptex.cli import main
 from adaptex.exporter.metadata import read_onnx_metadata
@@ -17,14 +16,7 @@ SMALL = ["--steps", "4", "--batch-size", "4", "--d-model", "32", "--heads", "4",
          "--eval-size", "16", "--no-baseline", "--seed", "1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small models on a shared machine: one intra-op thread is many times faster than two competing
-    for the cores (and the figures do not depend on it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _train_export_check(tmp_path, capsys, family: str, data, *extra, export: bool = True) -> tuple[dict, dict]:

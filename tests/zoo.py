@@ -90,15 +90,21 @@ def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, win
     bb = TSADecoder(TSAConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=128,
                               adaptive=False))
     model = ElasticDecoder.from_backbone(bb, sink=sink, window=window, pool_tokens=8, router_hidden=16)
-    ids = torch.randint(1, 40, (64, 24))
+    center_head_modes(model, torch.randint(1, 40, (64, 24)), spread)
+    with torch.no_grad():
+        model.backbone.ln_f.weight.mul_(head_scale)  # after routing is centred: the routers read keys only
+    return model.eval()
+
+
+def center_head_modes(model, ids, spread: float) -> None:
+    """Scale an elastic decoder's routers by `spread` and shift each layer's SA logit so that the
+    median (batch, head) of `ids` sits on the SA/FA boundary: both modes occur, decided clearly."""
     with torch.no_grad():
         for li, r in enumerate(model.routers):
             r.router[2].weight.mul_(spread)
             _, dec, _ = model(ids, mode="hard_dense")
             gap = dec[li]["logits"][..., 1] - dec[li]["logits"][..., 0]
             r.router[2].bias[1] -= gap.median()
-        model.backbone.ln_f.weight.mul_(head_scale)  # after routing is centred: the routers read keys only
-    return model.eval()
 
 
 def export(model, info: dict | None, path, target: str = "onnx", **kw) -> dict:

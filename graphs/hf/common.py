@@ -12,24 +12,13 @@ from pathlib import Path
 import torch
 
 from adaptex.graphs.errors import CheckpointError
+from adaptex.graphs.minilm import CONFIG, TOKENIZER, WEIGHTS, check_model_dir  # noqa: F401 (re-exported)
 
-CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 LAYOUTS = "BERT, RoBERTa, DistilBERT (encoders), GPT-2, LLaMA (decoders)"
 
 
 def check_dir(path) -> Path:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; pass a Hugging Face model directory (config.json, "
-                              "model.safetensors, tokenizer.json)")
-    missing = [f for f in (CONFIG, WEIGHTS, TOKENIZER) if not (path / f).is_file()]
-    if missing:
-        found = sorted(p.name for p in path.iterdir())[:8]
-        hint = (" (a sharded checkpoint: load it with transformers and save_pretrained it with "
-                "max_shard_size large enough for one file)" if (path / f"{WEIGHTS}.index.json").is_file() else "")
-        raise CheckpointError(f"{path}: unknown backbone format, {', '.join(missing)} missing (found {found}){hint}; "
-                              f"expected a directory with {CONFIG}, {WEIGHTS} and {TOKENIZER}")
-    return path
+    return check_model_dir(path, "a Hugging Face model directory", "a directory")
 
 
 def read_config(path: Path) -> dict:
