@@ -111,7 +111,7 @@ def format_sweep(rows: list[dict], skipped: list[str]) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ["threads", "batch", "seq", "past", "graph", "role", "yardstick", "n", "p50_ms", "p90_ms", "p95_ms",
+CSV_COLUMNS = ["model", "threads", "batch", "seq", "past", "graph", "role", "yardstick", "n", "p50_ms", "p90_ms", "p95_ms",
                "p99_ms", "mean_ms", "std_ms", "min_ms", "ratio_to_yardstick", "latency_ratio", "latency_ratio_lo",
                "latency_ratio_hi", "flop_ratio", "realisation", "realisation_lo", "realisation_hi"]
 
@@ -133,7 +133,7 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
                 continue
             cand = next((c for c in r["candidates"] if c["name"] == name), None)
             role = "adaptive" if name == "adaptive" else ("dense" if cand and cand["dense"] else "naive")
-            w.writerow({"threads": r["threads"], "batch": r["batch"], "seq": r["seq"], "past": r.get("past", 0),
+            w.writerow({"model": r.get("model", ""), "threads": r["threads"], "batch": r["batch"], "seq": r["seq"], "past": r.get("past", 0),
                         "graph": name, "role": role, "yardstick": name == r["dense_name"], "n": s["n"],
                         **{k: round(s[k], 4) for k in ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "mean_ms", "std_ms",
                                                       "min_ms")},

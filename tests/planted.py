@@ -245,12 +245,14 @@ def _lift(nodes, op_type: str, elem_type: int, rank: int, tag: str) -> list[str]
     return names
 
 
-def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = TensorProto.FLOAT) -> list[list[str]]:
+def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = TensorProto.FLOAT,
+           rank: int | None = None) -> list[list[str]]:
     """Make the outputs of every `op_type` node of function `fname` (in its If branches too) outputs of
     the function and of the graph; returns, per call of the function (in graph order), the names they
-    are given. A probe of a branch that did not run comes back empty (size 0)."""
+    are given. A probe of a branch that did not run comes back empty (size 0); `rank` is the rank of
+    those outputs (default: the op type's usual one in the bodies, RANK)."""
     f = function(proto, fname)
-    inner = _lift(f.node, op_type, elem_type, RANK.get(op_type, 1), f"{fname}.lift")
+    inner = _lift(f.node, op_type, elem_type, rank or RANK.get(op_type, 1), f"{fname}.lift")
     assert inner, f"{fname} has no {op_type}"
     for j, v in enumerate(inner):
         f.node.append(helper.make_node("Identity", [v], [f"{fname}.probe{j}"]))

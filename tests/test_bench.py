@@ -166,6 +166,7 @@ def test_bench_grid_csv_plot_and_profile(tiny_onnx, tmp_path, capsys):
         assert r["dense_p50_ms"] == min(c["p50_ms"] for c in timed)
     table = list(csv.DictReader(out_csv.open()))
     assert len(table) == sum(sum(1 for s in r["stats"].values() if s) for r in rows)
+    assert {t["model"] for t in table} == {tiny_onnx["sparse"].name}  # which artifact each row times
     yard = [t for t in table if t["yardstick"] == "True"]
     assert len(yard) == len(rows) and all(float(t["ratio_to_yardstick"]) == 1.0 for t in yard)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -51,15 +51,19 @@ def test_block_local_layout_costs_sink_plus_window_per_query():
     assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
 
 
-def _function_session(variant, sink, window, causal):
+def _function_model(variant, sink, window, causal):
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
-    m = helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
-                          opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1)],
-                          functions=[fx.elastic_attention_function(variant)])
-    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
+                             opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1)],
+                             functions=[fx.elastic_attention_function(variant)])
+
+
+def _function_session(variant, sink, window, causal):
+    return ort.InferenceSession(_function_model(variant, sink, window, causal).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
@@ -73,6 +77,29 @@ def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, causal):
             got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
                                   "key_mask": km.numpy()})[0]
             assert np.abs((got - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5
+
+
+@pytest.mark.parametrize("sink,window", [(2, 6), (0, 3), (4, 64), (3, 1)])
+def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
+    """A decode step (T = 1, causal) takes the sparse body's step branch: the same output as the
+    reference for caches shorter and longer than sink + window, with padded keys, and its SA pairs'
+    scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S."""
+    from tests import planted
+
+    proto = _function_model("sparse", sink, window, True)
+    (*general, fa_probe, sa_probe), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+    assert len(general) == 2  # the general body's (else branch) come first, then the step's
+    for B, H, S in ((2, 4, 1), (1, 3, 5), (2, 2, 40)):
+        q, k, v, sa, km = _inputs(B, H, 1, S, seed=S)
+        for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, sink, window, True)
+            out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                      "key_mask": km.numpy()})
+            assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, 1, S).numpy()).max() < 1e-5, (B, H, S, modes)
+            n_sa = int(modes.sum())
+            width = min(sink, S) + S - max(S - window, min(sink, S))
+            assert out[fa_probe].shape == (B * H - n_sa, 1, S)
+            assert out[sa_probe].shape == (n_sa, 1, width) and width <= min(S, sink + window)
 
 
 # --- the model ------------------------------------------------------------------------------------

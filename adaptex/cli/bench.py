@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from adaptex.cli._util import UsageError, at_least, load_model, progress_bar, read_inputs, say, set_threads
 from adaptex.runtimes.base import check_threads
@@ -119,7 +120,7 @@ def run(args) -> int:
     if not rows:
         raise UsageError(f"every point is above the model's limit of {limit} positions: lower --seq/--past")
     if args.csv:
-        write_csv(rows, args.csv)
+        write_csv([{"model": Path(args.artifact).name, **r} for r in rows], args.csv)
     if args.plot:
         plot(rows, args.plot, title=f"{args.artifact}: adaptive against the fastest dense graph")
     if args.json:

@@ -57,7 +57,9 @@ class _Body:
         branches = []
         for tag, fn in (("then", then_fn), ("else", else_fn)):
             saved, self.nodes = self.nodes, []
-            result = self("Identity", fn())  # a branch output must be produced inside the branch
+            result = fn()
+            if not any(result in n.output for n in self.nodes):  # an outer value: a branch output must be
+                result = self("Identity", result)  # produced inside the branch (an Identity copies, so only then)
             branches.append(helper.make_graph(self.nodes, f"{self.prefix}{tag}_{self.n}", [],
                                               [helper.make_tensor_value_info(result, elem_type, None)]))
             self.nodes = saved
@@ -164,6 +166,25 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
     ))
 
 
+def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare) -> str:
+    """Run-time dispatch on the keep mask (ONNX Runtime): every token kept runs `every()` (all rows,
+    no gather or scatter: a decode step's kept block, one If), none kept returns `unchanged` (a decode
+    step's skipped block), a mix runs `some()` (the gathered rows), the last two one If deeper.
+
+    ONNX Runtime (1.32, CPU) pre-packs a MatMul's constant weights when they are initializers of the
+    graph the MatMul is in or of its parent, not of a graph further out (measured: ten 32x128x128
+    MatMuls, 107 us one If deep, 129 us two deep, the same as with the weights fed as inputs). So
+    `prepare()` runs first in the outer else branch and makes there the copies of the weights that
+    `some()` reads (transposes of initializers, which fold to initializers of that branch at load,
+    109 us): the gathered rows' MatMuls stay pre-packed and a decode step keeps its single If."""
+    kept = b("ReduceSum", b("Cast", keep, to=TensorProto.INT64), keepdims=0)
+
+    def not_every() -> str:
+        prepare()
+        return b.if_(b("Equal", kept, b.const(0)), lambda: unchanged, some)
+    return b.if_(b("Equal", kept, b("Size", keep)), every, not_every)
+
+
 CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
 
 
@@ -171,22 +192,31 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
     """The body of adaptex.ConditionalFFN: y = x + keep * gate * FFN(LayerNorm(x)).
 
     sparse: NonZero over the flattened keep mask, Gather of the kept tokens, LayerNormalization and
-    two Gemms on them only, ScatterND (no reduction) of the updated rows back. dense: every token
+    two MatMuls on them only, ScatterND (no reduction) of the updated rows back. dense: every token
     transformed, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
-    nodes on the kept count pick nothing, every row, or the gathered rows at run time."""
+    nodes on the kept count pick nothing, every row, or the gathered rows at run time (see
+    _dispatch)."""
     b = _Body("cf_")
     x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
     shape = b("Shape", x)  # (3,) = [B, T, d]
     flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", ln_w), axis=0))  # (B*T, d); folds at load
     gate_flat = b("Reshape", gate, b.const([-1]))  # (B*T,)
+    # (in, out) weights, transposed outside any If: they fold to initializers at load, and MatMul +
+    # Add is the pattern ONNX Runtime's fusions know (MatMul+Add, bias+Gelu)
+    W = {}  # the (in, out) weights the FFN's MatMuls read (made again one If deeper by `transposed`)
+
+    def transposed() -> None:
+        W["w1"], W["w2"] = b("Transpose", w1, perm=[1, 0]), b("Transpose", w2, perm=[1, 0])
+    transposed()
+
     def ffn(h_in: str) -> str:  # (N, d) -> (N, d)
         node = helper.make_node("LayerNormalization", [h_in, ln_w, ln_b], [f"cf_ln_{b.n + 1}"], axis=-1)
         # epsilon is the function's attribute `eps`, resolved at the call site
         node.attribute.append(onnx.AttributeProto(name="epsilon", ref_attr_name="eps", type=onnx.AttributeProto.FLOAT))
         b.n += 1
         b.nodes.append(node)
-        u = b("Gelu", b("Gemm", node.output[0], w1, b1, transB=1))  # (N, f)
-        return b("Gemm", u, w2, b2, transB=1)  # (N, d)
+        u = b("Gelu", b("Add", b("MatMul", node.output[0], W["w1"]), b1))  # (N, f)
+        return b("Add", b("MatMul", u, W["w2"]), b2)  # (N, d)
 
     def some() -> str:  # the kept rows only
         idx = b("NonZero", kflat)  # (1, K) int64: kept token rows
@@ -204,9 +234,7 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
         # block); every token kept runs the FFN on all rows without the gather and scatter
-        kept = b("ReduceSum", b("Cast", kflat, to=TensorProto.INT64), keepdims=0)
-        y = b.if_(b("Equal", kept, b.const(0)), lambda: flat,
-                  lambda: b.if_(b("Equal", kept, b("Size", kflat)), lambda: every(False), some))
+        y = _dispatch(b, kflat, lambda: every(False), flat, some, transposed)
     elif variant == "sparse":
         y = some()
     else:
@@ -235,7 +263,8 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     not kept: their gate is zero and they are written back unchanged. n >= 1 keeps every tensor
     non-empty (a decode step whose token skips attends one ungated row). dense: every query row
     attended, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
-    nodes on the kept count pick nothing, every row, or the gathered rows at run time."""
+    nodes on the kept count pick nothing, every row, or the gathered rows at run time (see
+    _dispatch)."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
     b = _Body("ca_")
@@ -247,20 +276,24 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     dh1 = b("Div", d1, H1)
     scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))
     # the score scale folded into the query weights: no Mul over the (B, H, n, S) scores
-    wq_s = b("Mul", b("Transpose", wq, perm=[1, 0]), scale)  # (d, d)
     bq_s = b("Mul", bq, scale)
-    wo_t = b("Transpose", wo, perm=[1, 0])
+    W = {}  # the (in, out) projection weights the MatMuls read (made again one If deeper by `projections`)
+
+    def projections() -> None:
+        W["q"] = b("Mul", b("Transpose", wq, perm=[1, 0]), scale)  # (d, d)
+        W["o"] = b("Transpose", wo, perm=[1, 0])
+    projections()
     head_split = b("Concat", c0, c0, H1, dh1, axis=0)  # [0, 0, H, dh]
     head_merge = b("Concat", c0, c0, d1, axis=0)  # [0, 0, d]
     g = b("Mul", gate, b("Cast", keep, to=TensorProto.FLOAT))  # (B, T): zero for the skipped tokens
 
     def attend(hq: str, bias_rows: str) -> str:  # (B, n, d), (B, 1, n, S) -> (B, n, d)
-        q = b("Add", b("MatMul", hq, wq_s), bq_s)  # (B, n, d)
+        q = b("Add", b("MatMul", hq, W["q"]), bq_s)  # (B, n, d)
         q = b("Transpose", b("Reshape", q, head_split), perm=[0, 2, 1, 3])  # (B, H, n, dh)
         scores = b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2]))  # (B, H, n, S)
         att = b("Softmax", b("Add", scores, bias_rows), axis=-1)
         o = b("Transpose", b("MatMul", att, v), perm=[0, 2, 1, 3])  # (B, n, H, dh)
-        return b("Add", b("MatMul", b("Reshape", o, head_merge), wo_t), bo)  # (B, n, d)
+        return b("Add", b("MatMul", b("Reshape", o, head_merge), W["o"]), bo)  # (B, n, d)
 
     def some() -> str:  # the kept query rows only
         T = b("Squeeze", b("Shape", x, start=1, end=2), c0)  # scalar
@@ -304,9 +337,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs no query side at all (a decode
         # step's skipped block), every token kept runs it on all rows without gather and scatter
-        kept = b("ReduceSum", b("Cast", keep, to=TensorProto.INT64), keepdims=0)
-        y = b.if_(b("Equal", kept, b.const(0)), lambda: x,
-                  lambda: b.if_(b("Equal", kept, b("Size", keep)), lambda: every(False), some))
+        y = _dispatch(b, keep, lambda: every(False), x, some, projections)
     else:
         y = some() if variant == "sparse" else every(True)
     b.nodes.append(helper.make_node("Identity", [y], ["y"]))
@@ -377,70 +408,103 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
         mf = b("Reshape", b("Expand", b("Unsqueeze", key_mask, b.const([1])), b("Concat", B1, H1, S1, axis=0)),
                b("Concat", cm1, S1, axis=0))  # (BH, S)
         modes = b("Reshape", sa, cm1)  # (BH,)
-        out = b("Mul", qf, b.const(0.0, np.float32))  # (BH, T, dh) zeros
-        # FA pairs: every visible key
-        idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
-        rows = b("Squeeze", idx, b.const([1]))
-        qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-        scores = b("MatMul", b("Mul", qa, scale), b("Transpose", ka, perm=[0, 2, 1]))  # (Nf, T, S)
-        zero, neg = b.const(0.0, np.float32), b.const(NEG, np.float32)
-        scores = b("Add", scores, b("Where", b("Unsqueeze", ma, b.const([1])), zero, neg))  # padded keys
-        if causal_known is not False:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
-            is_causal_fa = b("Equal", causal, c1)
-            kdiag = b("Where", is_causal_fa, b("Add", b("Sub", S, T), c1), S)
-            full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
-                     value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
-            scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
-        fa_o = b("MatMul", b("Softmax", scores, axis=-1), va)
-        out = b("ScatterND", out, idx, fa_o)
-        # SA pairs: block-local windows plus sinks
-        idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
-        rows = b("Squeeze", idx, b.const([1]))
-        qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-        is_causal = b("Equal", causal, c1)
-        Bq = b("Max", b("Min", window, T), c1)
-        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
-        half = b("Div", window, b.const(2))
-        before = b("Where", is_causal, b("Sub", window, c1), half)
-        L = b("Add", Bq, b("Where", is_causal, b("Sub", window, c1), b("Mul", half, b.const(2))))
-        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
-        j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
-              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
-        a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
-        d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
-        inwin = _pick(b, is_causal, b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
-                      b("LessOrEqual", b("Abs", d), half))
-        j3 = b("Unsqueeze", j, b.const([1]))
-        valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
-                  b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
-        jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
-        pad = b("Sub", b("Mul", nb, Bq), T)
-        qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
-        qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
-                                dh1, axis=0))  # (Ns, nb, Bq, dh)
-        kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
-        s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
-        vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
-                    b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
-        ns = b("Min", sink, S)
-        ns1 = b("Unsqueeze", ns, b.const([0]))
-        k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
-        v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
-        s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
-        jn = b("Range", c0, ns, c1)  # (ns,)
-        sink_c = b("Or", b("LessOrEqual", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2]))),
-                   b("Not", is_causal))  # (nb, Bq, ns)
-        vis_sink = b("And", b("Unsqueeze", sink_c, b.const([0])),
-                     b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2])))
-        scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
-                   b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
-        p = b("Softmax", scores, axis=-1)
-        end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
-        o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
-              b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
-        o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
-        o = b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
-        out = b("ScatterND", out, idx, o)
+
+        def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
+            out = b("Mul", qf, b.const(0.0, np.float32))  # (BH, T, dh) zeros
+            # FA pairs: every visible key
+            idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
+            rows = b("Squeeze", idx, b.const([1]))
+            qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+            scores = b("MatMul", b("Mul", qa, scale), b("Transpose", ka, perm=[0, 2, 1]))  # (Nf, T, S)
+            zero, neg = b.const(0.0, np.float32), b.const(NEG, np.float32)
+            scores = b("Add", scores, b("Where", b("Unsqueeze", ma, b.const([1])), zero, neg))  # padded keys
+            if causal_known is not False:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
+                is_causal_fa = b("Equal", causal, c1)
+                kdiag = b("Where", is_causal_fa, b("Add", b("Sub", S, T), c1), S)
+                full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
+                scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
+            fa_o = b("MatMul", b("Softmax", scores, axis=-1), va)
+            out = b("ScatterND", out, idx, fa_o)
+            # SA pairs: block-local windows plus sinks
+            idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
+            rows = b("Squeeze", idx, b.const([1]))
+            qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+            is_causal = b("Equal", causal, c1)
+            Bq = b("Max", b("Min", window, T), c1)
+            nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
+            half = b("Div", window, b.const(2))
+            before = b("Where", is_causal, b("Sub", window, c1), half)
+            L = b("Add", Bq, b("Where", is_causal, b("Sub", window, c1), b("Mul", half, b.const(2))))
+            a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
+            j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
+                  b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
+            a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
+            d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
+            inwin = _pick(b, is_causal, b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
+                          b("LessOrEqual", b("Abs", d), half))
+            j3 = b("Unsqueeze", j, b.const([1]))
+            valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
+                      b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
+            jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
+            pad = b("Sub", b("Mul", nb, Bq), T)
+            qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
+            qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
+                                    dh1, axis=0))  # (Ns, nb, Bq, dh)
+            kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
+            s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
+            vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
+                        b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
+            ns = b("Min", sink, S)
+            ns1 = b("Unsqueeze", ns, b.const([0]))
+            k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
+            v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
+            s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
+            jn = b("Range", c0, ns, c1)  # (ns,)
+            sink_c = b("Or", b("LessOrEqual", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2]))),
+                       b("Not", is_causal))  # (nb, Bq, ns)
+            vis_sink = b("And", b("Unsqueeze", sink_c, b.const([0])),
+                         b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2])))
+            scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
+                       b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
+            p = b("Softmax", scores, axis=-1)
+            end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
+            o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
+                  b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
+            o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
+            o = b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
+            out = b("ScatterND", out, idx, o)
+            return out
+
+        def step() -> str:  # a decode step (T = 1, causal): the query is the last position
+            zeros = b("Mul", qf, b.const(0.0, np.float32))  # (BH, 1, dh)
+
+            def scores_of(qx: str, kx: str, mx: str) -> str:  # (N, 1, L), padded keys at NEG
+                bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
+                return b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+
+            # FA pairs: every key is at or before the query, so only padding is masked
+            idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
+            rows = b("Squeeze", idx, b.const([1]))
+            qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+            out = b("ScatterND", zeros, idx, b("MatMul", b("Softmax", scores_of(qa, ka, ma), axis=-1), va))
+            # SA pairs read their sinks [0, ns) and their window [ws, S) of the cache, nothing else:
+            # the positions are gathered for every pair first (L = ns + S - ws <= sink + window), the
+            # SA pairs' rows of that after
+            ns = b("Min", sink, S)
+            ws = b("Max", b("Sub", S, window), ns)
+            keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
+            idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
+            rows = b("Squeeze", idx, b.const([1]))
+            qs = b("Gather", qf, rows, axis=0)
+            ks, vs, ms = (b("Gather", b("Gather", t, keys, axis=1), rows, axis=0) for t in (kf, vf, mf))
+            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores_of(qs, ks, ms), axis=-1), vs))
+
+        if causal_known is False:  # an encoder's calls: never a decode step
+            out = general()
+        else:  # one If: a step reads O(sink + window) keys per SA pair in ~30 nodes, not the ~90 of the
+            # general body, whose per-node cost dominates a step (ONNX Runtime, CPU)
+            out = b.if_(b("And", b("Equal", T, c1), b("Equal", causal, c1)), step, general)
         b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
     return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
