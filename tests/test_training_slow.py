@@ -57,6 +57,20 @@ def test_the_recorded_spread_is_in_the_repository():
             assert f["values"] == values and abs(f["mean"] - sum(values) / len(values)) < 1e-12, (model, name)
 
 
+def test_the_full_schedule_spread_is_the_documented_commands():
+    """docs/results/training_seeds_full.json (docs/training.md's full-schedule rows): every model it
+    holds ran the script's `full` command, the one the shipped model came from, over at least 3 seeds."""
+    recorded = json.loads(RESULTS.with_name("training_seeds_full.json").read_text())
+    assert recorded["schedule"] == "full" and len(recorded["seeds"]) >= 3 and recorded["models"]
+    mod, _ = short_command("elastic-charlm")
+    for model, r in recorded["models"].items():
+        assert r["command"] == "adaptex train " + " ".join(mod.MODELS[model]["full"]), model
+        assert sorted(run["seed"] for run in r["runs"]) == sorted(recorded["seeds"]), model
+        for name, f in r["figures"].items():
+            values = [run[name] for run in r["runs"]]
+            assert f["values"] == values and f["min"] == min(values) and f["max"] == max(values), (model, name)
+
+
 def test_warm_start_figures_are_read_against_the_start():
     mod, _ = short_command("tsa-warm")
     metrics = {"tsa_hard": {"loss": 2.02, "ops_saved": 0.12}, "baseline": None, "init": {"loss": 2.0}}
