@@ -51,14 +51,14 @@ def test_block_local_layout_costs_sink_plus_window_per_query():
     assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
 
 
-def _function_model(variant, sink, window, causal):
+def _function_model(variant, sink, window, causal, decode_step=True):
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
     return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
                              opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1)],
-                             functions=[fx.elastic_attention_function(variant)])
+                             functions=[fx.elastic_attention_function(variant, decode_step=decode_step)])
 
 
 def _function_session(variant, sink, window, causal):
@@ -100,6 +100,24 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
             width = min(sink, S) + S - max(S - window, min(sink, S))
             assert out[fa_probe].shape == (B * H - n_sa, 1, S)
             assert out[sa_probe].shape == (n_sa, 1, width) and width <= min(S, sink + window)
+
+
+def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):
+    """TensorRT before 10.6 wants an If's branches to give equal shapes; the step branch gives
+    (BH, 1, dh) against (BH, T, dh), so the TensorRT-bound body is the general one alone (it
+    computes a decode step too), and the ONNX Runtime body holds the If."""
+    from tests import planted
+
+    for target, ifs in (("tensorrt", 0), ("onnx", 1)):
+        proto = planted.load(artifacts("eldec", target, "sparse"))
+        body = planted.function(proto, "ElasticAttention")
+        assert sum(n.op_type == "If" for n in body.node) == ifs, target
+    q, k, v, sa, km = _inputs(2, 3, 1, 20, seed=1)
+    ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, 2, 5, True)
+    sess = ort.InferenceSession(_function_model("sparse", 2, 5, True, decode_step=False).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(), "key_mask": km.numpy()})[0]
+    assert np.abs((got - ref.numpy()) * _real_rows(km, 1, 20).numpy()).max() < 1e-5
 
 
 # --- the model ------------------------------------------------------------------------------------

@@ -376,7 +376,8 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
     return b("MatMul", b("Softmax", b("Where", visible, scores, b.const(NEG, np.float32)), axis=-1), v)
 
 
-def elastic_attention_function(variant: str, causal_known: bool | None = None) -> onnx.FunctionProto:
+def elastic_attention_function(variant: str, causal_known: bool | None = None,
+                               decode_step: bool = False) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) head pairs of each mode gathered (NonZero over sa); FA pairs attend every
@@ -385,7 +386,11 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
     puts both groups back. dense: the full score matrix for every head, SA heads through a band
     mask (static shapes). The sparse FA group masks by addition: a (BH, 1, S) padding bias, and for a
     causal call a (T, S) bias of NEG above the diagonal made by one Trilu (no T x S comparisons);
-    causal_known=False (every call site is an encoder's) drops that causal bias altogether."""
+    causal_known=False (every call site is an encoder's) drops that causal bias altogether.
+    decode_step (ONNX Runtime): an If sends a causal call with T = 1 (a decode step) to a short body
+    that reads only the SA pairs' sinks and window. Not for TensorRT: the operator docs of TensorRT
+    10.1 and 10.6 ask an If's branches for equal output shapes (here (BH, 1, dh) against (BH, T, dh)),
+    only later releases for equal ranks; its engines take the general body, which serves T = 1 too."""
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
@@ -500,7 +505,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None) -
             ks, vs, ms = (b("Gather", b("Gather", t, keys, axis=1), rows, axis=0) for t in (kf, vf, mf))
             return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores_of(qs, ks, ms), axis=-1), vs))
 
-        if causal_known is False:  # an encoder's calls: never a decode step
+        if causal_known is False or not decode_step:  # an encoder's calls (never a decode step), or TensorRT
             out = general()
         else:  # one If: a step reads O(sink + window) keys per SA pair in ~30 nodes, not the ~90 of the
             # general body, whose per-node cost dominates a step (ONNX Runtime, CPU)
