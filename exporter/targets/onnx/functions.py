@@ -414,23 +414,24 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
                b("Concat", cm1, S1, axis=0))  # (BH, S)
         modes = b("Reshape", sa, cm1)  # (BH,)
 
-        def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
-            out = b("Mul", qf, b.const(0.0, np.float32))  # (BH, T, dh) zeros
-            # FA pairs: every visible key
+        def padded_scores(qx: str, kx: str, mx: str) -> str:  # (N, Tq, L) scaled, padded keys at NEG
+            bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
+            return b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+
+        def full_pairs(out: str, causal_bias: bool) -> str:  # the FA pairs over every visible key, into out
             idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
             rows = b("Squeeze", idx, b.const([1]))
             qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            scores = b("MatMul", b("Mul", qa, scale), b("Transpose", ka, perm=[0, 2, 1]))  # (Nf, T, S)
-            zero, neg = b.const(0.0, np.float32), b.const(NEG, np.float32)
-            scores = b("Add", scores, b("Where", b("Unsqueeze", ma, b.const([1])), zero, neg))  # padded keys
-            if causal_known is not False:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
-                is_causal_fa = b("Equal", causal, c1)
-                kdiag = b("Where", is_causal_fa, b("Add", b("Sub", S, T), c1), S)
+            scores = padded_scores(qa, ka, ma)  # (Nf, T, S)
+            if causal_bias:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
+                kdiag = b("Where", b("Equal", causal, c1), b("Add", b("Sub", S, T), c1), S)
                 full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
                          value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
                 scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
-            fa_o = b("MatMul", b("Softmax", scores, axis=-1), va)
-            out = b("ScatterND", out, idx, fa_o)
+            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores, axis=-1), va))
+
+        def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
+            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), causal_known is not False)
             # SA pairs: block-local windows plus sinks
             idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
             rows = b("Squeeze", idx, b.const([1]))
@@ -482,17 +483,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             return out
 
         def step() -> str:  # a decode step (T = 1, causal): the query is the last position
-            zeros = b("Mul", qf, b.const(0.0, np.float32))  # (BH, 1, dh)
-
-            def scores_of(qx: str, kx: str, mx: str) -> str:  # (N, 1, L), padded keys at NEG
-                bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
-                return b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
-
             # FA pairs: every key is at or before the query, so only padding is masked
-            idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
-            rows = b("Squeeze", idx, b.const([1]))
-            qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            out = b("ScatterND", zeros, idx, b("MatMul", b("Softmax", scores_of(qa, ka, ma), axis=-1), va))
+            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), False)  # into (BH, 1, dh) zeros
             # SA pairs read their sinks [0, ns) and their window [ws, S) of the cache, nothing else:
             # the positions are gathered for every pair first (L = ns + S - ws <= sink + window), the
             # SA pairs' rows of that after
@@ -503,7 +495,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             rows = b("Squeeze", idx, b.const([1]))
             qs = b("Gather", qf, rows, axis=0)
             ks, vs, ms = (b("Gather", b("Gather", t, keys, axis=1), rows, axis=0) for t in (kf, vf, mf))
-            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores_of(qs, ks, ms), axis=-1), vs))
+            return b("ScatterND", out, idx, b("MatMul", b("Softmax", padded_scores(qs, ks, ms), axis=-1), vs))
 
         if causal_known is False or not decode_step:  # an encoder's calls (never a decode step), or TensorRT
             out = general()
