@@ -9,12 +9,14 @@ import torch
 import adaptex.graphs  # noqa: F401  (registers the adaptex ops)
 from adaptex.exporter.errors import ExportError
 from adaptex.graphs.family import Contract
+from adaptex.graphs.nn.record import traced_control_flow
 
 
 def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = "hard",
-          float_bools: bool = False) -> torch.export.ExportedProgram:
+          float_bools: bool = False, control_flow: bool = False) -> torch.export.ExportedProgram:
     """torch.export the model in inference mode (contract: default, its shipped family's). float_bools:
-    bool inputs as float32 0/1 (Core ML has no bool features; the layers read them back with .bool())."""
+    bool inputs as float32 0/1 (Core ML has no bool features; the layers read them back with .bool()).
+    control_flow: layers may skip work behind a torch.cond (an ONNX `If`; graphs.nn.traced_control_flow)."""
     if contract is None:
         from adaptex.graphs.family import family_contract
 
@@ -25,7 +27,7 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     if float_bools:
         example = tuple(t.float() if t.dtype == torch.bool else t for t in example)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow):
             warnings.simplefilter("ignore")
             return torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode))
     except Exception as e:  # torch.export raises many types; the first line is the useful one

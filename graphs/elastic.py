@@ -304,7 +304,9 @@ def head_mode_descriptions(cfg, d: dict) -> dict:
     for i in range(cfg.num_layers):
         d[f"decisions.layer{i}.sa"] = (f"layer {i}: 1 where the head ran streaming attention (sink {cfg.sink}, "
                                        f"window {cfg.window}), 0 full attention [batch, {H}]")
-        d[f"decisions.layer{i}.logits"] = f"layer {i}: the router's [FA, SA] logits [batch, {H}, 2]"
+        d[f"decisions.layer{i}.logits"] = (f"layer {i}: the router's [FA, SA] logits [batch, {H}, 2]" +
+                                           (" (a decode step runs no router: the given head_modes one-hot)"
+                                            if hasattr(cfg, "num_kv_heads") else ""))
     return d
 
 

@@ -20,11 +20,13 @@ the head modes; Hkv = the KV heads, H for a decoder without grouped-query attent
   decisions.layer{i}.logits (B, Hkv, 2) [FA, SA]
 At prefill (an empty cache) the routers decide and `head_modes.{i}` is ignored (pass zeros); at a
 decode step (a non-empty cache) the graph uses `head_modes.{i}` as given: feed back the prefill's
-`decisions.layer{i}.sa`, as `present.*` is fed back as `past_key_values.*`.
+`decisions.layer{i}.sa`, as `present.*` is fed back as `past_key_values.*`. A decode step runs no
+router (an `If` in ONNX Runtime artifacts, so its cost is O(1) in the cache; other targets compute
+both and select): its `decisions.layer{i}.logits` are the given modes one-hot, [1, 0] FA, [0, 1] SA.
 
 Router pooling: keys of the first N and the last N real tokens of the sequence, positions counted
 from the first real token (decoder batches are left-padded, as for generation). Slicing both runs
-keeps a router O(N) whatever the length, so it costs a decode step little.
+keeps a router O(N) whatever the length.
 """
 from __future__ import annotations
 

@@ -198,12 +198,21 @@ def inverted_head_modes(proto: onnx.ModelProto, layer: int = 0) -> onnx.ModelPro
 
 def decode_ignores_head_modes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """An elastic decoder whose decode steps route afresh instead of taking head_modes.{i} (the
-    prefill's modes): (has_past & routed) | (~has_past & routed)."""
+    prefill's modes): (has_past & routed) | (~has_past & routed), and where the router sits in an If
+    that skips it at decode steps (ONNX Runtime artifacts), that If always takes the routing branch."""
+    never = "planted.never"
+    for node in proto.graph.node:
+        then = next((a.g for a in node.attribute if a.name == "then_branch"), None)
+        if node.op_type == "If" and then is not None and any(
+                v.startswith("head_modes.") for n in then.node for v in n.input):
+            if never not in {i.name for i in proto.graph.initializer}:
+                proto.graph.initializer.append(numpy_helper.from_array(np.array(False), never))
+            node.input[0] = never
     planted = 0
     for node in proto.graph.node:
         for i, v in enumerate(node.input):
-            if v.startswith("head_modes."):
-                choice = next(n for n in proto.graph.node if n.op_type == "Or" and node.output[0] in n.input)
+            choice = next((n for n in proto.graph.node if n.op_type == "Or" and node.output[0] in n.input), None)
+            if v.startswith("head_modes.") and choice is not None:  # not the nodes making the one-hot logits
                 other = producer(proto.graph.node, next(x for x in choice.input if x != node.output[0]))
                 routed = next(x for x in other.input if producer(proto.graph.node, x).op_type == "Greater")
                 node.input[i] = routed
@@ -242,6 +251,17 @@ def _lift(nodes, op_type: str, elem_type: int, rank: int, tag: str) -> list[str]
             lifted = f"{tag}.{n.output[0]}.slot{j}"
             n.output.append(lifted)
             names.append(lifted)
+    return names
+
+
+def expose_branches(proto: onnx.ModelProto, op_type: str, elem_type: int = TensorProto.FLOAT,
+                    rank: int | None = None) -> list[str]:
+    """Make the outputs of every `op_type` node inside the main graph's If branches outputs of the
+    graph; returns their names (a probe of a branch that did not run comes back empty)."""
+    names = [v for v in _lift(proto.graph.node, op_type, elem_type, rank or RANK.get(op_type, 1), "main.lift")
+             if v.startswith("main.lift.")]
+    assert names, f"no If branch of the main graph has a {op_type}"
+    proto.graph.output.extend(helper.make_tensor_value_info(v, elem_type, None) for v in names)
     return names
 
 

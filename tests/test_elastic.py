@@ -83,12 +83,14 @@ def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, causal):
 def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     """A decode step (T = 1, causal) takes the sparse body's step branch: the same output as the
     reference for caches shorter and longer than sink + window, with padded keys, and its SA pairs'
-    scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S."""
+    scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S. A step whose
+    pairs are all FA or all SA takes a branch of its own (no gather of pairs, no scatter)."""
     from tests import planted
 
     proto = _function_model("sparse", sink, window, True)
-    (*general, fa_probe, sa_probe), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
-    assert len(general) == 2  # the general body's (else branch) come first, then the step's
+    # the general body's probes (else branch) come first, then the step's: mixed (FA, SA), all SA, all FA
+    (*general, mixed_fa, mixed_sa, every_sa, every_fa), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+    assert len(general) == 2
     for B, H, S in ((2, 4, 1), (1, 3, 5), (2, 2, 40)):
         q, k, v, sa, km = _inputs(B, H, 1, S, seed=S)
         for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
@@ -98,8 +100,14 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
             assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, 1, S).numpy()).max() < 1e-5, (B, H, S, modes)
             n_sa = int(modes.sum())
             width = min(sink, S) + S - max(S - window, min(sink, S))
-            assert out[fa_probe].shape == (B * H - n_sa, 1, S)
-            assert out[sa_probe].shape == (n_sa, 1, width) and width <= min(S, sink + window)
+            assert width <= min(S, sink + window) and not planted.ran(out, general)
+            ran = {p for p in (mixed_fa, mixed_sa, every_sa, every_fa) if out[p].size}
+            fa, sa = (every_fa, None) if n_sa == 0 else (None, every_sa) if n_sa == B * H else (mixed_fa, mixed_sa)
+            assert ran == {fa, sa} - {None}, (B, H, S, modes)
+            if fa:
+                assert out[fa].shape == (B * H - n_sa, 1, S)
+            if sa:
+                assert out[sa].shape == (n_sa, 1, width)
 
 
 def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):

@@ -67,6 +67,8 @@ def test_decode_steps_reuse_the_prefill_modes(model):
         # a decode step takes the modes as given, whatever its own routers would say
         lt, dt, past = model(ids[:, t:t + 1], mask[:, :t + 1], past=past, head_modes=modes)
         assert all(torch.equal(a["sa"], m) for a, m in zip(dt, modes))
+        # the routers do not run: a step's logits are the given modes one-hot ([1, 0] FA, [0, 1] SA)
+        assert all(torch.equal(a["logits"], torch.stack([~m, m], -1).float()) for a, m in zip(dt, modes))
         steps.append(lt[:, -1])
     whole, _, _ = model(ids, mask, force_sa=modes)
     assert (torch.stack(steps, 1) - whole[:, 40:]).abs().max() < 1e-5
@@ -100,6 +102,36 @@ def test_one_traced_graph_serves_prefill_and_decode(model):
     ins, outs = contract.input_names(), contract.output_names()
     assert ins[-2:] == ["head_modes.0", "head_modes.1"] and "past_key_values.1.value" in ins
     assert outs[-4:] == ["decisions.layer0.sa", "decisions.layer0.logits", "decisions.layer1.sa", "decisions.layer1.logits"]
+
+
+def test_a_decode_step_runs_no_router(artifacts, model):
+    """In an ONNX Runtime artifact each layer's router sits in the else branch of an If on the cache
+    (torch.cond): a prefill runs it, a decode step runs none of it (its MatMuls' probes come back
+    empty) and gives the fed modes one-hot as its logits, as eager does. TensorRT-bound graphs
+    compute both and select (no If in their main graph)."""
+    from tests import planted
+
+    proto = planted.load(artifacts("eldec"))
+    assert sum(n.op_type == "If" for n in proto.graph.node) == model.cfg.num_layers
+    probes = planted.expose_branches(proto, "MatMul")
+    L, H, dh = model.cfg.num_layers, model.cfg.num_heads, model.cfg.head_dim
+    ids, mask = _ids(B=2, T=30, seed=4)
+    feeds = {"input_ids": ids[:, :29].numpy(), "attention_mask": mask[:, :29].numpy(),
+             **{f"past_key_values.{i}.{kv}": np.zeros((2, H, 0, dh), np.float32) for i in range(L) for kv in ("key", "value")},
+             **{f"head_modes.{i}": np.zeros((2, H), bool) for i in range(L)}}
+    out = planted.run(proto, feeds)
+    assert planted.ran(out, probes) and len(planted.ran(out, probes)) == len(probes)  # every router ran
+    modes = {f"head_modes.{i}": out[f"decisions.layer{i}.sa"] for i in range(L)}
+    feeds = {"input_ids": ids[:, 29:].numpy(), "attention_mask": mask.numpy(), **modes,
+             **{f"past_key_values.{i}.{kv}": out[f"present.{i}.{kv}"] for i in range(L) for kv in ("key", "value")}}
+    step = planted.run(proto, feeds)
+    assert planted.ran(step, probes) == []  # no router ran
+    for i in range(L):
+        m = modes[f"head_modes.{i}"]
+        assert np.array_equal(step[f"decisions.layer{i}.sa"], m)
+        assert np.array_equal(step[f"decisions.layer{i}.logits"], np.stack([~m, m], -1).astype(np.float32))
+    trt = planted.load(artifacts("eldec", "tensorrt"))
+    assert not any(n.op_type == "If" for n in trt.graph.node)
 
 
 @pytest.mark.parametrize("target,variant,suffix", [("onnx", "sparse", ".onnx"), ("onnx", "dense", ".onnx"),

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder
+from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder, control_flow_traced
 from adaptex.graphs.ops import elastic_attention as ea
 
 
@@ -18,7 +18,7 @@ class HeadRouter(nn.Module):
 
     Pooling: mask-weighted over the real tokens' ranks (encoders), or, with edge_pooling, two runs of
     N keys sliced from the first real token (decoder batches are left-padded) and from the end: O(N)
-    whatever the length, so a decoder's router costs a decode step little."""
+    whatever the length (and a decoder's decode steps skip the router: ElasticAttention's head_modes)."""
 
     def __init__(self, num_heads: int, head_dim: int, hidden: int = 64, pool_tokens: int = 100,
                  edge_pooling: bool = False):
@@ -76,7 +76,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
     outputs by a straight-through Gumbel-softmax sample at temperature `tau` (anneal it).
     A decoder routes once at prefill and reuses the modes at decode steps: pass them as head_modes
     (B, H) bool, with use_modes (a bool scalar tensor; None: always) choosing them over the routed
-    ones inside one traced graph. Decisions: sa (B, H) bool, logits (B, H, 2).
+    ones inside one traced graph; where they are used the router does not run (a step costs it
+    nothing) and the logits are the given modes one-hot. Decisions: sa (B, H) bool, logits (B, H, 2).
 
     Grouped-query attention (kv_groups > 1): num_heads counts the KV heads; q has num_heads *
     kv_groups heads, k and v num_heads. A decision is per KV head, shared by its group of query
@@ -112,14 +113,38 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         o, dec = self._attend(q, k, v, key_mask, head_modes, use_modes, self.resolve_mode(mode), force_sa, tau)
         return (o, dec) if return_decisions else o
 
+    def _given_or_routed(self, k: Tensor, key_mask: Tensor, given: Tensor,
+                         use_modes: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(logits (B, Hkv, 2), the routed SA choice (B, Hkv)) where head modes are given. Where they
+        are used (a decode step: use_modes true, or None) the router does not run, so a step costs
+        it nothing, and the logits are the given modes one-hot ([1, 0] FA, [0, 1] SA). Otherwise (a
+        prefill) the router decides. Traced for a runtime that runs an `If` (traced_control_flow),
+        the choice is a torch.cond; elsewhere the graph computes both and selects."""
+        def given_logits(k: Tensor, key_mask: Tensor, given: Tensor) -> Tensor:
+            return torch.stack([~given, given], dim=-1).float()
+
+        def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor) -> Tensor:
+            return self.route(k, key_mask)
+
+        if use_modes is None or (not torch.compiler.is_exporting() and bool(use_modes)):
+            logits = given_logits(k, key_mask, given)
+        elif not torch.compiler.is_exporting():
+            logits = routed_logits(k, key_mask, given)
+        elif control_flow_traced():
+            logits = torch.cond(use_modes, given_logits, routed_logits, (k, key_mask, given))
+        else:  # both computed; the routed choice read before the select, as in the eager prefill
+            routed = routed_logits(k, key_mask, given)
+            return torch.where(use_modes, given_logits(k, key_mask, given), routed), routed[..., 1] > routed[..., 0]
+        return logits, logits[..., 1] > logits[..., 0]
+
     def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:
         key_mask = key_mask.bool()
         kq, vq = self._groups(k), self._groups(v)  # (B, H, S, dh) for the query heads
         if mode == "dense":  # every head full attention: the backbone itself
             fa = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
             return ea.elastic_attention_dense_reference(q, kq, vq, fa, key_mask, self.sink, self.window, self.causal), {}
-        logits = self.route(k, key_mask)  # (B, Hkv, 2)
         if mode in SOFT_MODES:
+            logits = self.route(k, key_mask)  # (B, Hkv, 2)
             g = F.gumbel_softmax(logits, tau=tau or self.tau, hard=True)[..., 1]  # (B, Hkv): 1 = SA, ST gradient
             sa = g > 0.5
             fa_o, sa_o = (ea.elastic_attention_dense_reference(q, kq, vq, self._groups(torch.full_like(sa, m)),
@@ -128,9 +153,12 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
             o = fa_o + (sa_o - fa_o) * self._groups(g)[:, :, None, None].to(q.dtype)
             self.record({"sa": sa, "logits": logits}, aux={"g": g})
             return o, {"sa": sa, "logits": logits, "g": g}
-        sa = logits[..., 1] > logits[..., 0]
-        if head_modes is not None:
+        if head_modes is None:
+            logits = self.route(k, key_mask)  # (B, Hkv, 2)
+            sa = logits[..., 1] > logits[..., 0]
+        else:
             given = head_modes.bool()
+            logits, sa = self._given_or_routed(k, key_mask, given, use_modes)
             # logic, not a bool Where (ONNX Runtime has none)
             sa = given if use_modes is None else (use_modes & given) | (~use_modes & sa)
         margin = None

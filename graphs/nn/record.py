@@ -86,6 +86,26 @@ def adaptive_mode(mode: str) -> Iterator[None]:
         _MODES.pop()
 
 
+@contextlib.contextmanager
+def traced_control_flow(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, a layer being traced may put data-dependent control flow in the graph
+    (torch.cond: an ONNX `If`) to skip work at run time. The exporter enables it for targets whose
+    runtime runs an `If` as such (ONNX Runtime); elsewhere layers trace a select of both results
+    (the same values, without the saving)."""
+    _CONTROL_FLOW.append(enabled)
+    try:
+        yield
+    finally:
+        _CONTROL_FLOW.pop()
+
+
+def control_flow_traced() -> bool:
+    """Whether a layer traced now may emit torch.cond (see traced_control_flow)."""
+    return bool(_CONTROL_FLOW and _CONTROL_FLOW[-1])
+
+
+_CONTROL_FLOW: list[bool] = []
+
 MODES = ("soft", "st", "hard", "naive", "dense", "eager")
 # the shipped families' older names: hard decisions computed densely, and no routing at all
 ALIASES = {"hard_dense": "naive", "full": "dense"}

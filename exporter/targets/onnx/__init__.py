@@ -30,7 +30,9 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx") -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
     target hands its engine builder ONNX too); returns (proto, lowering per op, inputs, outputs)."""
-    ep = trace(model, contract, mode="hard")
+    # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
+    # TensorRT-bound graphs select instead (TensorRT wants equal branch shapes and folds no If)
+    ep = trace(model, contract, mode="hard", control_flow=target == "onnx")
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
     table, functions, notes = {}, {}, {}

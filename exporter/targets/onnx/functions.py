@@ -483,19 +483,35 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             return out
 
         def step() -> str:  # a decode step (T = 1, causal): the query is the last position
-            # FA pairs: every key is at or before the query, so only padding is masked
-            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), False)  # into (BH, 1, dh) zeros
+            # A layer's pairs are often all FA or all SA: those steps take no gather of pairs, no
+            # scatter, and no copy of the FA pairs' cache (one If each, ~10 nodes against ~40)
+            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
+            return b.if_(b("Equal", n_sa, c0), every_fa,
+                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), lambda: sa_step(None, qf), mixed_step))
+
+        def attend_step(qx: str, kx: str, vx: str, mx: str) -> str:
+            return b("MatMul", b("Softmax", padded_scores(qx, kx, mx), axis=-1), vx)
+
+        def every_fa() -> str:  # every key is at or before the query, so only padding is masked
+            return attend_step(qf, kf, vf, mf)
+
+        def sa_step(rows, qx: str) -> str:
             # SA pairs read their sinks [0, ns) and their window [ws, S) of the cache, nothing else:
             # the positions are gathered for every pair first (L = ns + S - ws <= sink + window), the
-            # SA pairs' rows of that after
+            # SA pairs' rows of that after (rows None: every pair is SA)
             ns = b("Min", sink, S)
             ws = b("Max", b("Sub", S, window), ns)
             keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
+            ks, vs, ms = (b("Gather", t, keys, axis=1) for t in (kf, vf, mf))
+            if rows is not None:
+                ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (ks, vs, ms))
+            return attend_step(qx, ks, vs, ms)
+
+        def mixed_step() -> str:
+            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), False)  # into (BH, 1, dh) zeros
             idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
             rows = b("Squeeze", idx, b.const([1]))
-            qs = b("Gather", qf, rows, axis=0)
-            ks, vs, ms = (b("Gather", b("Gather", t, keys, axis=1), rows, axis=0) for t in (kf, vf, mf))
-            return b("ScatterND", out, idx, b("MatMul", b("Softmax", padded_scores(qs, ks, ms), axis=-1), vs))
+            return b("ScatterND", out, idx, sa_step(rows, b("Gather", qf, rows, axis=0)))
 
         if causal_known is False or not decode_step:  # an encoder's calls (never a decode step), or TensorRT
             out = general()
