@@ -31,7 +31,8 @@ from adaptex.graphs.nn.budgeted import (BudgetedAttention, BudgetRouter, Routing
                                         budget_loss, masked_mean)
 from adaptex.graphs.nn.elastic import ElasticAttention, HeadRouter, sparsity  # noqa: F401
 from adaptex.graphs.nn.record import (ALIASES, DECISION_KINDS, MODES, AdaptiveLayer, Recorder,  # noqa: F401
-                                      adaptive_mode, name_layers, record_decisions)
+                                      adaptive_mode, control_flow_traced, name_layers, record_decisions,
+                                      traced_control_flow)
 from adaptex.graphs.nn.tsa import (CausalSelfAttention, ConditionalBlock, TokenRouter, causal_bias,  # noqa: F401
                                    causal_visibility, depth_loss)
 
