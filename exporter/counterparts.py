@@ -16,12 +16,14 @@ several and times them all (runtimes/bench.py):
   skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
   it is what adaptex replaces.
 
-Exports are cached per weights (their hash) and library versions, so a sweep or a second bench of
-the same checkpoint does not export again.
+Exports are cached per weights (their hash), library versions and a hash of the graphs and exporter
+sources, so a sweep or a second bench of the same checkpoint does not export again, and a change to
+the code that makes them does.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -234,6 +236,21 @@ def cache_root() -> Path:
     return Path(base) / "adaptex"
 
 
+@functools.lru_cache(maxsize=1)
+def _code_hash() -> str:
+    """sha256 of the graphs and exporter sources that make the dense graphs (the rows pass, the naive
+    graph's lowerings): a cached graph from other code is exported again, whatever the version says."""
+    import adaptex.exporter
+    import adaptex.graphs
+
+    h = hashlib.sha256()
+    for pkg in (adaptex.graphs, adaptex.exporter):
+        root = Path(pkg.__file__).parent
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cache_key(model, contract, kind: str) -> str:
     import onnxruntime
     import torch
@@ -245,7 +262,8 @@ def _cache_key(model, contract, kind: str) -> str:
     except Exception:
         cfg = {}
     text = json.dumps({"kind": kind, "family": contract.family, "model": type(model).__name__, "config": cfg,
-                       "weights": state_hash(model), "adaptex": version(), "torch": torch.__version__,
+                       "weights": state_hash(model), "adaptex": version(), "code": _code_hash(),
+                       "torch": torch.__version__,
                        "onnxruntime": onnxruntime.__version__}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

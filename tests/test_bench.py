@@ -173,6 +173,18 @@ def test_the_cache_serves_a_second_bench_and_rebuilds_a_damaged_entry(tiny_check
     assert __import__("os").path.isfile(victim)
 
 
+def test_the_cache_key_follows_the_code_that_makes_the_graphs(tiny_checkpoint, monkeypatch):
+    """A change to the graphs or exporter sources (a pass, a lowering of the naive graph) is a new
+    cache entry, although the package version stays the same in a development install."""
+    from adaptex.exporter import counterparts
+
+    model, _ = checkpoint.load(tiny_checkpoint)
+    contract = family_contract(model)
+    before = counterparts._cache_key(model, contract, "onnx")
+    monkeypatch.setattr(counterparts, "_code_hash", lambda: "other code")
+    assert counterparts._cache_key(model, contract, "onnx") != before
+
+
 def test_bench_grid_csv_plot_and_profile(tiny_onnx, tmp_path, capsys):
     out_csv, out_png = tmp_path / "b.csv", tmp_path / "b.png"
     code = main(["bench", str(tiny_onnx["sparse"]), "--seq", "8,16", "--threads", "1,2", "--runs", "10", "--warmup", "3",
