@@ -31,7 +31,8 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
     target hands its engine builder ONNX too); returns (proto, lowering per op, inputs, outputs)."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
-    # TensorRT-bound graphs select instead (TensorRT wants equal branch shapes and folds no If)
+    # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
+    # (unverified on an engine here, so the TensorRT graph stays the one already checked)
     ep = trace(model, contract, mode="hard", control_flow=target == "onnx")
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
