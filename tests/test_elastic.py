@@ -88,9 +88,10 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     from tests import planted
 
     proto = _function_model("sparse", sink, window, True)
-    # the general body's probes (else branch) come first, then the step's: mixed (FA, SA), all SA, all FA
+    # the general body's probes (else branch: mixed FA and SA, all SA, all FA) come first, then the
+    # step's: mixed (FA, SA), all SA, all FA
     (*general, mixed_fa, mixed_sa, every_sa, every_fa), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
-    assert len(general) == 2
+    assert len(general) == 4
     for B, H, S in ((2, 4, 1), (1, 3, 5), (2, 2, 40)):
         q, k, v, sa, km = _inputs(B, H, 1, S, seed=S)
         for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
@@ -108,6 +109,35 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
                 assert out[fa].shape == (B * H - n_sa, 1, S)
             if sa:
                 assert out[sa].shape == (n_sa, 1, width)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_onnx_calls_of_one_mode_take_their_own_body(causal):
+    """ONNX Runtime bodies (T > 1): a call whose pairs are all FA attends in place, one all SA runs
+    the block-local body on every pair, and only a mix splits the pairs (NonZero, gathers,
+    ScatterND); each gives the reference's output."""
+    from tests import planted
+
+    proto = _function_model("sparse", 2, 6, causal)
+    probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+    # else branches first: the general body (mixed FA, mixed SA), then all SA, all FA (then the
+    # causal step branch's four, which a call with T > 1 never takes)
+    mixed_fa, mixed_sa, every_sa, every_fa = probes[:4]
+    B, H, T, S = 2, 3, 20, 20
+    q, k, v, sa, km = _inputs(B, H, T, S, seed=3)
+    sa[0, 0], sa[0, 1] = True, False  # a mix
+    for modes, fa_probe, sa_probe in ((sa, mixed_fa, mixed_sa), (torch.zeros_like(sa), every_fa, None),
+                                      (torch.ones_like(sa), None, every_sa)):
+        ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, 2, 6, causal)
+        out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                  "key_mask": km.numpy()})
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5
+        assert {p for p in probes if out[p].size} == {fa_probe, sa_probe} - {None}, modes
+        n_sa = int(modes.sum())
+        if fa_probe:
+            assert out[fa_probe].shape == (B * H - n_sa, T, S)
+        if sa_probe:
+            assert out[sa_probe].shape[0] == n_sa
 
 
 def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):

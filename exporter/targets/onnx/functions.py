@@ -422,20 +422,36 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
             rows = b("Squeeze", idx, b.const([1]))
             qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            scores = padded_scores(qa, ka, ma)  # (Nf, T, S)
+            scores = causal_scores(qa, ka, ma, causal_bias)  # (Nf, T, S)
+            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores, axis=-1), va))
+
+        def causal_scores(qx: str, kx: str, mx: str, causal_bias: bool) -> str:  # (N, T, S)
+            scores = padded_scores(qx, kx, mx)
             if causal_bias:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
                 kdiag = b("Where", b("Equal", causal, c1), b("Add", b("Sub", S, T), c1), S)
                 full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
                          value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
                 scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
-            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores, axis=-1), va))
+            return scores
 
         def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
             out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), causal_known is not False)
-            # SA pairs: block-local windows plus sinks
             idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
             rows = b("Squeeze", idx, b.const([1]))
             qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
+            return b("ScatterND", out, idx, block_local(qs, ks, vs, ms))
+
+        def every_fa_general() -> str:  # every pair FA: attention over the whole cache in place
+            scores = causal_scores(qf, kf, mf, causal_known is not False)
+            return b("MatMul", b("Softmax", scores, axis=-1), vf)
+
+        def by_modes() -> str:  # ONNX Runtime: a layer of one mode runs only that mode's body
+            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
+            return b.if_(b("Equal", n_sa, c0), every_fa_general,
+                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), lambda: block_local(qf, kf, vf, mf),
+                                       general))
+
+        def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
             is_causal = b("Equal", causal, c1)
             Bq = b("Max", b("Min", window, T), c1)
             nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
@@ -478,9 +494,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
                   b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
             o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
-            o = b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
-            out = b("ScatterND", out, idx, o)
-            return out
+            return b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
 
         def step() -> str:  # a decode step (T = 1, causal): the query is the last position
             # A layer's pairs are often all FA or all SA: those steps take no gather of pairs, no
@@ -513,11 +527,13 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             rows = b("Squeeze", idx, b.const([1]))
             return b("ScatterND", out, idx, sa_step(rows, b("Gather", qf, rows, axis=0)))
 
-        if causal_known is False or not decode_step:  # an encoder's calls (never a decode step), or TensorRT
+        if not decode_step:  # TensorRT: the general body alone
             out = general()
+        elif causal_known is False:  # an encoder's calls (never a decode step)
+            out = by_modes()
         else:  # one If: a step reads O(sink + window) keys per SA pair in ~30 nodes, not the ~90 of the
             # general body, whose per-node cost dominates a step (ONNX Runtime, CPU)
-            out = b.if_(b("And", b("Equal", T, c1), b("Equal", causal, c1)), step, general)
+            out = b.if_(b("And", b("Equal", T, c1), b("Equal", causal, c1)), step, by_modes)
         b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
     return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
