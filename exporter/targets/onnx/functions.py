@@ -422,8 +422,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
             rows = b("Squeeze", idx, b.const([1]))
             qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            scores = causal_scores(qa, ka, ma, causal_bias)  # (Nf, T, S)
-            return b("ScatterND", out, idx, b("MatMul", b("Softmax", scores, axis=-1), va))
+            return b("ScatterND", out, idx, attend(qa, ka, va, ma, causal_bias))  # (Nf, T, S) scores
 
         def causal_scores(qx: str, kx: str, mx: str, causal_bias: bool) -> str:  # (N, T, S)
             scores = padded_scores(qx, kx, mx)
@@ -434,6 +433,16 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
                 scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
             return scores
 
+        def attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
+            return b("MatMul", b("Softmax", causal_scores(qx, kx, mx, causal_bias), axis=-1), vx)
+
+        def one_mode_or_mixed(every_fa, every_sa, mixed) -> str:
+            """ONNX Runtime: a call whose pairs are all FA or all SA runs only that mode's body, on
+            every pair in place (no NonZero, gather or ScatterND); a mix runs `mixed` (two Ifs deep)."""
+            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
+            return b.if_(b("Equal", n_sa, c0), every_fa,
+                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), every_sa, mixed))
+
         def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
             out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), causal_known is not False)
             idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
@@ -441,15 +450,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
             return b("ScatterND", out, idx, block_local(qs, ks, vs, ms))
 
-        def every_fa_general() -> str:  # every pair FA: attention over the whole cache in place
-            scores = causal_scores(qf, kf, mf, causal_known is not False)
-            return b("MatMul", b("Softmax", scores, axis=-1), vf)
-
-        def by_modes() -> str:  # ONNX Runtime: a layer of one mode runs only that mode's body
-            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
-            return b.if_(b("Equal", n_sa, c0), every_fa_general,
-                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), lambda: block_local(qf, kf, vf, mf),
-                                       general))
+        def by_modes() -> str:  # any T: FA over every visible key in place, SA block-local, or a mix
+            return one_mode_or_mixed(lambda: attend(qf, kf, vf, mf, causal_known is not False),
+                                     lambda: block_local(qf, kf, vf, mf), general)
 
         def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
             is_causal = b("Equal", causal, c1)
@@ -498,16 +501,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
 
         def step() -> str:  # a decode step (T = 1, causal): the query is the last position
             # A layer's pairs are often all FA or all SA: those steps take no gather of pairs, no
-            # scatter, and no copy of the FA pairs' cache (one If each, ~10 nodes against ~40)
-            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
-            return b.if_(b("Equal", n_sa, c0), every_fa,
-                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), lambda: sa_step(None, qf), mixed_step))
-
-        def attend_step(qx: str, kx: str, vx: str, mx: str) -> str:
-            return b("MatMul", b("Softmax", padded_scores(qx, kx, mx), axis=-1), vx)
-
-        def every_fa() -> str:  # every key is at or before the query, so only padding is masked
-            return attend_step(qf, kf, vf, mf)
+            # scatter, and no copy of the FA pairs' cache (~10 nodes against ~40). FA: every key is
+            # at or before the query, so only padding is masked
+            return one_mode_or_mixed(lambda: attend(qf, kf, vf, mf), lambda: sa_step(None, qf), mixed_step)
 
         def sa_step(rows, qx: str) -> str:
             # SA pairs read their sinks [0, ns) and their window [ws, S) of the cache, nothing else:
@@ -519,7 +515,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
             ks, vs, ms = (b("Gather", t, keys, axis=1) for t in (kf, vf, mf))
             if rows is not None:
                 ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (ks, vs, ms))
-            return attend_step(qx, ks, vs, ms)
+            return attend(qx, ks, vs, ms)
 
         def mixed_step() -> str:
             out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), False)  # into (BH, 1, dh) zeros
