@@ -24,6 +24,7 @@ from torch import Tensor
 from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import BudgetedAttention, RoutingSchedule, masked_mean  # noqa: F401  (re-exported)
+from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
 
 MODES = ("soft", "hard", "naive", "eager", "dense")
 
@@ -269,14 +270,19 @@ class BudgetFormerFamily(Contract):
         ids = rng.integers(1, self.cfg.vocab_size, size=(batch, seq)).astype(np.int64)
         return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
         """The decisions' FLOP ratio per sample, and the executed one: the dense variant computes every
-        head; the sparse one, in a batch, the batch's largest k for every sample."""
+        head; the sparse one, in a batch, the batch's largest k for every sample, except on ONNX
+        Runtime where a batch whose k differ (GROUP_BELOW) is grouped by head and computes its k."""
         cfg = self.cfg
         L, H = cfg.num_layers, cfg.num_heads
         dense = flops_per_sample(cfg, seq, None)
         ks = np.stack([np.asarray(outputs[f"decisions.layer{i}.k"]) for i in range(L)], axis=1)  # (B, L)
         ratio = float(np.mean([flops_per_sample(cfg, seq, list(map(float, row))) for row in ks]) / dense)
-        executed = [float(H)] * L if variant == "dense" else [float(x) for x in ks.max(axis=0)]
+        if variant == "dense":
+            executed = [float(H)] * L
+        else:
+            grouped = [target == "onnx" and c.mean() < GROUP_BELOW * c.max() for c in ks.T]
+            executed = [float(c.mean() if g else c.max()) for c, g in zip(ks.T, grouped)]
         return {"flop_ratio": ratio, "executed_flop_ratio": flops_per_sample(cfg, seq, executed) / dense,
                 "mean_k_per_layer": [float(x) for x in ks.mean(axis=0)]}

@@ -421,7 +421,7 @@ class ElasticFamily(Contract):
 
         return original_encoder(self.cfg.backbone_path or None, self.cfg.max_len)
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)

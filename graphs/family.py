@@ -192,8 +192,9 @@ class Contract:
         Original (bench times its stock export as a dense candidate), else None."""
         return None
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict | None:
-        """{'flop_ratio', 'executed_flop_ratio', and a summary of the decisions}, or None."""
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict | None:
+        """{'flop_ratio', 'executed_flop_ratio', and a summary of the decisions}, or None. `target`
+        is the artifact's (its lowerings may execute differently: ONNX Runtime's dispatch at run time)."""
         return None
 
     # --- how parity walks an input (one call; a decoder steps through its cache) -----------------------

@@ -244,7 +244,7 @@ class TSAFamily(DecoderContract):
             d[f"decisions.layer{li}.p"] = f"block {li}: the router's skip probability p [batch, sequence]"
         return d
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0) -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
         """The FFN and the query side of attention of each gated block scale with its keep rate (keys and
         values are computed for every token); the mean attention context of a step is past + (seq + 1) / 2.
         The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's

@@ -327,7 +327,7 @@ class Bench:
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, self.compute_units)
         flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.meta.get("variant"),
-                               seq, past) or {}
+                               seq, past, target=self.meta.get("target", "onnx")) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles)
 

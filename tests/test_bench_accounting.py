@@ -144,28 +144,36 @@ def test_elastic_decoder_attention_flops():
 # --- what an artifact executes --------------------------------------------------------------------------
 
 def test_executed_flop_ratio_is_what_the_runtime_computed(artifacts):
-    """BudgetFormer: the dense variant executes every head (plus its routers), the sparse one the batch's
-    largest k in every sample: the heads its runtime attended with (planted.expose)."""
+    """BudgetFormer: the dense variant executes every head (plus its routers); the sparse one, in a batch
+    whose k differ, each sample's own k on ONNX Runtime (grouped by head) and the batch's largest k in
+    every sample on a TensorRT-bound graph: the heads its runtime attended with (planted.expose)."""
     model = artifacts.model("bf")
     cfg, contract, T = model.cfg, family_contract(model), 20
     H, L = cfg.num_heads, cfg.num_layers
     dense = flops_per_sample(cfg, T, None)
     ids = np.random.default_rng(5).integers(1, 64, size=(6, T))
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    for variant in ("sparse", "dense"):
-        proto = planted.load(artifacts("bf", "onnx", variant))
+    for target, variant in (("onnx", "sparse"), ("tensorrt", "sparse"), ("onnx", "dense")):
+        proto = planted.load(artifacts("bf", target, variant))
         probes = planted.expose(proto, "BudgetedAttention", "Softmax")
         out = planted.run(proto, feeds)
-        heads = [out[p[0]].shape[1] for p in probes]
+        heads = []  # per layer, the (sample, head) pairs attended over the batch, per sample
+        for call in probes:
+            scores = [out[p] for p in call]
+            padded = [a for a in scores if a.ndim == 4 and a.size]  # (B, heads, T, T)
+            heads.append(padded[0].shape[1] if padded else sum(a.shape[0] for a in scores if a.ndim == 3) / len(ids))
         ks = np.stack([out[f"decisions.layer{i}.k"] for i in range(L)], 1)
-        r = contract.flops(out, variant, T)
+        r = contract.flops(out, variant, T, target=target)
         assert r["executed_flop_ratio"] == pytest.approx(flops_per_sample(cfg, T, heads) / dense, rel=1e-12)
         assert r["flop_ratio"] == pytest.approx(np.mean([flops_per_sample(cfg, T, list(k)) for k in ks]) / dense)
         if variant == "dense":
             assert heads == [H] * L and 1.0 < r["executed_flop_ratio"] < 1.01  # every head, and the routers
-        else:
-            assert heads == list(ks.max(0)) and r["executed_flop_ratio"] >= r["flop_ratio"]
+        elif target == "tensorrt":
+            assert heads == list(ks.max(0)) and r["executed_flop_ratio"] > r["flop_ratio"]
             assert len(set(map(tuple, ks))) > 1, "the batch's samples should disagree on k"
+        else:  # grouped by head: each sample's own k, exactly the decisions' FLOPs (plus the routers')
+            assert heads == pytest.approx(list(ks.mean(0))) and heads != list(ks.max(0))
+            assert r["executed_flop_ratio"] == pytest.approx(r["flop_ratio"], rel=1e-12)
 
 
 def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):

@@ -30,6 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 OP_NAME = "adaptex::budgeted_attention"
+# ONNX Runtime's sparse lowering groups a batch's samples by head when their k differ this much (mean
+# k below GROUP_BELOW x the largest k), and otherwise attends with the largest k for every sample
+# (exporter/targets/onnx/functions.py); the executed FLOP count (graphs/budgetformer.py) follows it.
+GROUP_BELOW = 0.9
 
 
 def head_budget(s: Tensor, num_heads: int) -> Tensor:

@@ -42,7 +42,7 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
         res = entry.fn(ctx, node)
         table[node.target] = res.translation
         for f in res.functions:
-            functions[(f.domain, f.name)] = f
+            functions[(f.domain, f.name, f.overload)] = f
         notes[op_name(node)] = entry.fn.__name__
     fx.register_schema()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -57,10 +57,28 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     if target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
         passes.layernorm_rows(proto)
     proto.functions.extend(functions.values())
+    _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
     name_axes(proto, inputs, outputs)
     return proto, notes, inputs, outputs
+
+
+def _bind_overloads(proto: onnx.ModelProto) -> None:
+    """Point each adaptex call at its function overload where its op has any: a body specialised to
+    the call's head count (fx.budgeted_attention_function's grouped_heads) is the overload
+    `heads{num_heads}`. The tracer writes the calls without one."""
+    overloads = {(f.domain, f.name, f.overload) for f in proto.functions if f.overload}
+
+    def walk(nodes) -> None:
+        for node in nodes:
+            heads = next((a.i for a in node.attribute if a.name == "num_heads"), None)
+            if (node.domain, node.op_type, f"heads{heads}") in overloads:
+                node.overload = f"heads{heads}"
+            for a in node.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    walk(g.node)
+    walk(proto.graph.node)
 
 
 def name_axes(proto: onnx.ModelProto, inputs: dict, outputs: dict) -> None:

@@ -6,9 +6,13 @@ every op in them is a standard one a reader can check against the spec in docs/o
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
 
 DOMAIN = "adaptex"
 OPSET_VERSION = 1  # version of the adaptex op set
@@ -115,29 +119,73 @@ INPUTS = ["x", "key_mask", "s", "p", "w_qkv", "b_qkv", "w_o", "b_o"]
 OUTPUTS = ["y", "k", "head_mask"]
 
 
-def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
-    """The body of adaptex.BudgetedAttention for `variant` ("sparse" or "dense")."""
+def budgeted_attention_function(variant: str, grouped_heads: int | None = None) -> onnx.FunctionProto:
+    """The body of adaptex.BudgetedAttention for `variant` ("sparse" or "dense").
+
+    sparse: TopK with the batch's largest k as K, the selected heads' weights gathered per sample,
+    attention on K heads for every sample (heads past a sample's own k weighted by zero). With
+    `grouped_heads` = H (ONNX Runtime; the body then serves calls with H heads only and ships as the
+    function overload `heads{H}`), a batch whose k differ (mean k < GROUP_BELOW x the largest) takes
+    an If branch that groups the samples by head instead: for each of the H heads, the samples that
+    selected it are gathered and run through that head's own weights, so the batch computes sum_b k_b
+    head-samples rather than B x max_b k_b, and every projection reads a constant weight slice (ONNX
+    Runtime pre-packs those; the per-sample gathered weights above run at about half the rate)."""
     b = _Body("ba_")
     x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o = INPUTS
     H1, sH, k, topv, order, valid_f, mask_f = _routing(b, s, p, full_order=(variant == "dense"))
     d1 = b("Shape", w_o, start=0, end=1)  # (1,) = [d]
     c3, c1, cm1, c0 = b.const([3]), b.const([1]), b.const([-1]), b.const([0])
     if variant == "sparse":
-        # Gather the selected heads' weights first, head-major so that each gathered block is one
-        # contiguous copy and each head's Q, K and V come out of one MatMul already in attention
-        # layout (no transposes or squeezes of activations).
         dh1 = b("Div", d1, H1)  # (1,) = [dh]
-        w_h = b("Transpose", w_qkv, perm=[1, 0])  # (d, 3d); this chain folds to a constant in ORT
+        # Head-major weights (folded to constants in ONNX Runtime, outside any If): each head's Q, K
+        # and V come out of one MatMul already in attention layout (no transposes of activations).
+        w_h = b("Transpose", w_qkv, perm=[1, 0])  # (d, 3d)
         w_h = b("Reshape", w_h, b("Concat", d1, c3, H1, dh1, axis=0))  # (d, 3, H, dh)
         w_h = b("Transpose", w_h, perm=[2, 0, 1, 3])  # (H, d, 3, dh)
         w_h = b("Reshape", w_h, b("Concat", H1, d1, cm1, axis=0))  # (H, d, 3*dh)
-        wg = b("Gather", w_h, order, axis=0)  # (B, K, d, 3*dh)
         b_h = b("Transpose", b("Reshape", b_qkv, b("Concat", c3, H1, dh1, axis=0)), perm=[1, 0, 2])  # (H, 3, dh)
         b_h = b("Reshape", b_h, b("Concat", H1, c1, cm1, axis=0))  # (H, 1, 3*dh)
-        bg = b("Gather", b_h, order, axis=0)  # (B, K, 1, 3*dh)
-        qkv = b("Add", b("MatMul", b("Unsqueeze", x, b.const([1])), wg), bg)  # (B, K, T, 3*dh)
-        weights = b("Mul", b("Mul", topv, b("Unsqueeze", sH, b.const([1]))), valid_f)  # (B, K)
-        q, kk, v = b("Split", qkv, axis=-1, num_outputs=3, outputs=3)  # (B, K, T, dh) each
+        wo_h = b("Reshape", b("Transpose", w_o, perm=[1, 0]), b("Concat", H1, cm1, d1, axis=0))  # (H, dh, d)
+
+        def per_sample() -> str:  # the selected heads' weights gathered per sample, K = max_b k_b heads each
+            wg = b("Gather", w_h, order, axis=0)  # (B, K, d, 3*dh)
+            bg = b("Gather", b_h, order, axis=0)  # (B, K, 1, 3*dh)
+            qkv = b("Add", b("MatMul", b("Unsqueeze", x, b.const([1])), wg), bg)  # (B, K, T, 3*dh)
+            weights = b("Mul", b("Mul", topv, b("Unsqueeze", sH, b.const([1]))), valid_f)  # (B, K)
+            q, kk, v = b("Split", qkv, axis=-1, num_outputs=3, outputs=3)  # (B, K, T, dh) each
+            o = b("Mul", _attend(b, q, kk, v, key_mask), b("Unsqueeze", weights, b.const([2, 3])))
+            o = b("Reshape", b("Transpose", o, perm=[0, 2, 1, 3]), b.const([0, 0, -1]))  # (B, T, K*dh)
+            wo = b("Reshape", b("Gather", wo_h, order, axis=0), b("Concat", c0, cm1, d1, axis=0))  # (B, K*dh, d)
+            return b("Add", b("MatMul", o, wo), b_o)  # (B, T, d)
+
+        if grouped_heads is None:
+            y = per_sample()
+        else:
+            def by_head() -> str:  # each head on the samples that selected it: sum_b k_b head-samples
+                wts = b("Mul", b("Mul", b("Unsqueeze", sH, b.const([1])), p), mask_f)  # (B, H)
+                chosen = b("Greater", mask_f, b.const(0.0, np.float32))  # (B, H)
+                scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))  # (1,)
+                bias = b("Where", key_mask, b.const(0.0, np.float32), b.const(-np.inf, np.float32))  # (B, T)
+                bias = b("Unsqueeze", bias, b.const([1]))  # (B, 1, T)
+                y = b("Add", b("Mul", x, b.const(0.0, np.float32)), b_o)  # (B, T, d)
+                for h in range(grouped_heads):  # an empty group runs its nodes on zero rows
+                    hc = b.const(h)
+                    rows = b("Squeeze", b("NonZero", b("Gather", chosen, hc, axis=1)), b.const([0]))  # (n,)
+                    qkv = b("Add", b("MatMul", b("Gather", x, rows, axis=0), b("Gather", w_h, hc, axis=0)),
+                            b("Gather", b_h, hc, axis=0))  # (n, T, 3*dh): a constant weight slice
+                    q, kk, v = b("Split", qkv, axis=-1, num_outputs=3, outputs=3)  # (n, T, dh) each
+                    scores = b("MatMul", b("Mul", q, scale), b("Transpose", kk, perm=[0, 2, 1]))  # (n, T, T)
+                    attn = b("Softmax", b("Add", scores, b("Gather", bias, rows, axis=0)), axis=-1)
+                    w = b("Unsqueeze", b("Gather", b("Gather", wts, hc, axis=1), rows, axis=0), b.const([1, 2]))
+                    u = b("MatMul", b("Mul", b("MatMul", attn, v), w), b("Gather", wo_h, hc, axis=0))  # (n, T, d)
+                    y = b("ScatterND", y, b("Unsqueeze", rows, b.const([1])), u, reduction="add")
+                return y
+            # group when sum_b k_b < GROUP_BELOW * B * max_b k_b, in integers (num/den = GROUP_BELOW)
+            num, den = Fraction(GROUP_BELOW).limit_denominator(1000).as_integer_ratio()
+            padded = b("Mul", b("Shape", x, start=0, end=1), b("ReduceMax", k, keepdims=1))  # (1,) B * max k
+            used = b("ReduceSum", k, keepdims=0)  # () sum k
+            group = b("Less", b("Mul", used, b.const(den)), b("Squeeze", b("Mul", padded, b.const(num)), b.const([0])))
+            y = b.if_(group, by_head, per_sample)
     else:
         # Static shapes: every head projected and attended, unselected heads weighted by zero.
         qkv = b("Add", b("MatMul", x, b("Transpose", w_qkv, perm=[1, 0])), b_qkv)  # (B, T, 3d)
@@ -145,25 +193,23 @@ def budgeted_attention_function(variant: str) -> onnx.FunctionProto:
         qkv = b("Transpose", qkv, perm=[2, 0, 3, 1, 4])  # (3, B, H, T, dh)
         weights = b("Mul", b("Mul", b("Unsqueeze", sH, b.const([1])), p), mask_f)  # (B, H)
         q, kk, v = _split3(b, qkv)
-    o = _attend(b, q, kk, v, key_mask)  # (B, K, T, dh)
-    o = b("Mul", o, b("Unsqueeze", weights, b.const([2, 3])))
-    o = b("Reshape", b("Transpose", o, perm=[0, 2, 1, 3]), b.const([0, 0, -1]))  # (B, T, K*dh)
-    wo_t = b("Transpose", w_o, perm=[1, 0])  # (d_in, d_out)
-    if variant == "sparse":
-        wo = b("Reshape", wo_t, b("Concat", H1, cm1, d1, axis=0))  # (H, dh, d)
-        wo = b("Gather", wo, order, axis=0)  # (B, K, dh, d): the selected heads' columns
-        wo_t = b("Reshape", wo, b("Concat", c0, cm1, d1, axis=0))  # (B, K*dh, d)
-    y = b("Add", b("MatMul", o, wo_t), b_o)  # (B, T, d)
+        o = b("Mul", _attend(b, q, kk, v, key_mask), b("Unsqueeze", weights, b.const([2, 3])))  # (B, H, T, dh)
+        o = b("Reshape", b("Transpose", o, perm=[0, 2, 1, 3]), b.const([0, 0, -1]))  # (B, T, H*dh)
+        y = b("Add", b("MatMul", o, b("Transpose", w_o, perm=[1, 0])), b_o)  # (B, T, d)
     # bind the declared outputs
     b.nodes.append(helper.make_node("Identity", [y], ["y"]))
     b.nodes.append(helper.make_node("Identity", [k], ["k"]))
     b.nodes.append(helper.make_node("Cast", [mask_f], ["head_mask"], to=TensorProto.BOOL))
-    return _private(helper.make_function(
+    f = _private(helper.make_function(
         DOMAIN, "BudgetedAttention", INPUTS, OUTPUTS, b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["num_heads"],
-        doc_string=f"adaptex::budgeted_attention, {variant} lowering (see docs/ops.md)",
+        doc_string=f"adaptex::budgeted_attention, {variant} lowering"
+                   f"{f', grouped by head for {grouped_heads} heads' if grouped_heads else ''} (see docs/ops.md)",
     ))
+    if grouped_heads is not None:
+        f.overload = f"heads{grouped_heads}"
+    return f
 
 
 def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare) -> str:

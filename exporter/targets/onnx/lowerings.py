@@ -54,12 +54,21 @@ def elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal
     return _opset().ElasticAttention(q, k, v, sa, key_mask, sink=sink, window=window, causal=int(causal))
 
 
+def num_heads_of(node) -> int | None:
+    """The node's num_heads (its last argument) when tracing left it a constant."""
+    h = node.kwargs.get("num_heads", node.args[8] if len(node.args) > 8 else None) if node is not None else None
+    return h if isinstance(h, int) else None
+
+
 @lowering("adaptex::budgeted_attention", target=BOTH, variant="sparse")
 def budgeted_attention_onnx_sparse(ctx, node):
     """TopK with a runtime K (the batch's largest k; TensorRT 8.6+ takes it, K <= H <= 3840), Gather
     of those heads' weight rows and output columns, attention on k heads only. At batch 1 exactly k
-    heads run; in a batch, max_b k_b heads run and heads past a sample's own k get weight zero."""
-    return OnnxLowering(budgeted_attention_node, [fx.budgeted_attention_function("sparse")])
+    heads run; in a batch, max_b k_b heads run and heads past a sample's own k get weight zero. On
+    ONNX Runtime a batch whose k differ groups its samples by head instead (an If; the body is the
+    function overload for the call's head count): sum_b k_b head-samples run."""
+    grouped = num_heads_of(node) if ctx.target == "onnx" else None
+    return OnnxLowering(budgeted_attention_node, [fx.budgeted_attention_function("sparse", grouped_heads=grouped)])
 
 
 @lowering("adaptex::budgeted_attention", target=BOTH, variant="dense")
