@@ -84,7 +84,8 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     """A decode step (T = 1, causal) takes the sparse body's step branch: the same output as the
     reference for caches shorter and longer than sink + window, with padded keys, and its SA pairs'
     scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S. A step whose
-    pairs are all FA or all SA takes a branch of its own (no gather of pairs, no scatter)."""
+    pairs are all FA or all SA takes a branch of its own (no gather of pairs, no scatter), and so
+    does a step whose cache lies within sink + window (the FA branch: SA sees every key there)."""
     from tests import planted
 
     proto = _function_model("sparse", sink, window, True)
@@ -103,6 +104,8 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
             width = min(sink, S) + S - max(S - window, min(sink, S))
             assert width <= min(S, sink + window) and not planted.ran(out, general)
             ran = {p for p in (mixed_fa, mixed_sa, every_sa, every_fa) if out[p].size}
+            if S <= sink + window:  # SA sees every key FA sees: the FA branch for any modes
+                n_sa = 0
             fa, sa = (every_fa, None) if n_sa == 0 else (None, every_sa) if n_sa == B * H else (mixed_fa, mixed_sa)
             assert ran == {fa, sa} - {None}, (B, H, S, modes)
             if fa:
@@ -138,6 +141,32 @@ def test_onnx_calls_of_one_mode_take_their_own_body(causal):
             assert out[fa_probe].shape == (B * H - n_sa, T, S)
         if sa_probe:
             assert out[sa_probe].shape[0] == n_sa
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
+    """ONNX Runtime bodies: where an SA query's sinks and window cover every key (causal: S <= sink +
+    window; encoder: S - 1 <= window // 2), SA sees what FA sees, so a call of any modes runs the
+    plain FA body on every pair; one key more and a mixed call splits its pairs again. The output
+    is the reference's on both sides of the boundary, prefill and (causal) decode step."""
+    from tests import planted
+
+    sink, window = 2, 6
+    proto = _function_model("sparse", sink, window, causal)
+    probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+    limit = sink + window if causal else window // 2 + 1  # the largest S whose keys SA sees all of
+    for S, T in ((limit, limit), (limit + 1, limit + 1)) + (((limit, 1), (limit + 1, 1)) if causal else ()):
+        q, k, v, sa, km = _inputs(2, 3, T, S, seed=S + T)
+        sa[0, 0], sa[0, 1] = True, False  # a mix
+        ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, causal)
+        out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
+                                  "key_mask": km.numpy()})
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5, (S, T)
+        ran = [out[p].shape for p in probes if out[p].size]
+        if S == limit:  # one softmax over every pair: the FA body
+            assert ran == [(6, T, S)], (S, T, ran)
+        else:  # the mix splits: an FA group and an SA group
+            assert len(ran) == 2 and ran[0][0] + ran[1][0] == 6, (S, T, ran)
 
 
 def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):

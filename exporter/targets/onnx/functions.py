@@ -484,9 +484,16 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
 
         def one_mode_or_mixed(every_fa, every_sa, mixed) -> str:
             """ONNX Runtime: a call whose pairs are all FA or all SA runs only that mode's body, on
-            every pair in place (no NonZero, gather or ScatterND); a mix runs `mixed` (two Ifs deep)."""
+            every pair in place (no NonZero, gather or ScatterND); a mix runs `mixed` (two Ifs deep).
+            A call whose keys all lie within an SA query's sinks and window (causal: S <= sink +
+            window; encoder: S - 1 <= window // 2, or S <= sink) takes the FA body whatever its
+            modes: there SA sees exactly the keys FA sees, so the same output comes from one plain
+            attention (a short prompt's whole layer in ~10 nodes, not the block-local ~60)."""
             n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
-            return b.if_(b("Equal", n_sa, c0), every_fa,
+            sees_all = _pick(b, b("Equal", causal, c1), b("LessOrEqual", S, b("Add", sink, window)),
+                             b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
+                               b("LessOrEqual", S, sink)))
+            return b.if_(b("Or", b("Equal", n_sa, c0), sees_all), every_fa,
                          lambda: b.if_(b("Equal", n_sa, b("Size", modes)), every_sa, mixed))
 
         def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
