@@ -92,18 +92,28 @@ def initializer(proto: onnx.ModelProto, name: str) -> onnx.TensorProto:
 # --- value bugs: the decisions reported right, the computation wrong ----------------------------------
 
 def lowest_heads(proto: onnx.ModelProto, fname: str = "BudgetedAttention") -> onnx.ModelProto:
-    """BudgetedAttention (sparse): the weights gathered for the *lowest*-scored heads, while the head
-    mask (scattered from the top-k order) still reports the right ones."""
+    """BudgetedAttention (sparse): the *lowest*-scored heads computed, while the head mask (scattered
+    from the top-k order) still reports the right ones. Both of ONNX Runtime's bodies get it: the
+    per-sample one gathers those heads' weights, the grouped one (a mixed-k batch) runs each head on
+    the samples whose lowest heads include it."""
     f = function(proto, fname)
     topk = only(f.node, "TopK")
     order = topk.output[1]
     low = helper.make_node("TopK", list(topk.input), ["planted.low_v", "planted.low_order"], axis=-1, largest=0,
                            sorted=1)
     _insert_after(f.node, topk, [low])
-    gathers = [n for n in f.node if n.op_type == "Gather" and n.input[1] == order]
+    gathers = [n for _, n in walk(f.node) if n.op_type == "Gather" and n.input[1] == order]
     assert len(gathers) == 3, "the sparse body gathers Q/K/V weights, biases and output columns by the order"
     for n in gathers:
         n.input[1] = "planted.low_order"
+    scatter = next((n for n in f.node if n.op_type == "ScatterElements" and n.input[1] == order), None)
+    if scatter is not None:  # the mask the grouped branch selects by (its If branches read it)
+        mask = scatter.output[0]
+        _insert_after(f.node, scatter, [helper.make_node(
+            "ScatterElements", [scatter.input[0], "planted.low_order", scatter.input[2]], ["planted.low_mask"], axis=1)])
+        branches = [n for top in f.node if top.op_type == "If" for _, n in walk([top]) if n is not top]
+        for n in branches:
+            n.input[:] = ["planted.low_mask" if x == mask else x for x in n.input]
     return proto
 
 

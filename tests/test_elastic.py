@@ -51,14 +51,19 @@ def test_block_local_layout_costs_sink_plus_window_per_query():
     assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
 
 
-def _function_model(variant, sink, window, causal, decode_step=True):
+def _function_model(variant, sink, window, causal, decode_step=True, fused=False):
+    """One ElasticAttention call as a model; fused: ONNX Runtime's encoder body (the call's causal flag
+    known False at export, FA pairs through com.microsoft.MultiHeadAttention where unpadded)."""
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
+    body = fx.elastic_attention_function(variant, causal_known=False if fused else None, decode_step=decode_step,
+                                         fused=fused)
     return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
-                             opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1)],
-                             functions=[fx.elastic_attention_function(variant, decode_step=decode_step)])
+                             opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1),
+                                            helper.make_opsetid(fx.MS_DOMAIN, 1)],
+                             functions=[body])
 
 
 def _function_session(variant, sink, window, causal):
@@ -167,6 +172,38 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
             assert ran == [(6, T, S)], (S, T, ran)
         else:  # the mix splits: an FA group and an SA group
             assert len(ran) == 2 and ran[0][0] + ran[1][0] == 6, (S, T, ran)
+
+
+def test_onnx_encoder_fa_pairs_run_ort_fused_attention_where_unpadded(artifacts):
+    """ONNX Runtime's encoder body sends the FA pairs of a call with no padded key to ONNX Runtime's
+    fused kernel (com.microsoft.MultiHeadAttention), the plain body otherwise; both give the
+    reference's output. Only encoder bodies on ONNX Runtime hold the kernel: decoders (their dense
+    yardstick has no fused attention) and TensorRT-bound bodies never do."""
+    from tests import planted
+
+    proto = _function_model("sparse", 2, 6, False, fused=True)
+    kernel, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3)
+    B, H, T = 2, 3, 20
+    for padded in (False, True):
+        q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
+        if not padded:
+            km[:] = True
+        for modes in (sa, torch.zeros_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, 2, 6, False)
+            out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                      "key_mask": km.numpy()})
+            assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, (padded, modes)
+            ran = planted.ran(out, kernel)
+            assert ran if not padded else not ran, (padded, [out[p].shape for p in kernel])
+            if not padded:  # the kernel ran on exactly the FA pairs
+                assert sum(r.shape[0] for r in ran) == B * H - int(modes.sum())
+
+    def has_kernel(body) -> bool:
+        return any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))
+    for name, target, expected in (("el", "onnx", True), ("el", "tensorrt", False),
+                                   ("eldec", "onnx", False)):
+        body = planted.function(planted.load(artifacts(name, target, "sparse")), "ElasticAttention")
+        assert has_kernel(body) == expected, (name, target)
 
 
 def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):

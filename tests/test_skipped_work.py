@@ -155,7 +155,9 @@ def test_the_runtime_runs_the_ffn_and_queries_of_kept_tokens_only(artifacts, tar
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target):
     """Sparse: FA pairs score (N_fa, T, S), SA pairs (N_sa, blocks, Bq, sinks + L) with sinks + L < S,
-    each count the decisions' own; dense: every head (B, H, T, S)."""
+    each count the decisions' own; dense: every head (B, H, T, S). An encoder's ONNX Runtime body
+    sends unpadded FA pairs to ONNX Runtime's fused kernel instead: its (N_fa, T, dh) output counts
+    them."""
     from adaptex.graphs.family import family_contract
 
     model = artifacts.model(family)
@@ -164,14 +166,24 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target):
     feeds = _prefill(T, contract, cfg.vocab_size, 4) if contract.decoder else _ids(T, cfg.vocab_size, 4)
     for variant in ("sparse", "dense"):
         proto = planted.load(artifacts(family, target, variant))
+        body = planted.function(proto, "ElasticAttention")
+        fused = any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))
         probes = planted.expose(proto, "ElasticAttention", "Softmax")
         out = planted.run(proto, feeds)
+        kernel_runs = [[]] * len(probes)  # per call, the fused kernel's outputs that ran
+        if fused:  # the same run with the kernel's outputs exposed (one op type a copy)
+            kproto = planted.load(artifacts(family, target, variant))
+            kernels = planted.expose(kproto, "ElasticAttention", "MultiHeadAttention", rank=3)
+            kout = planted.run(kproto, feeds)
+            kernel_runs = [planted.ran(kout, names) for names in kernels]
         sa = _layers(out, "sa")
         assert any(m.any() for m in sa) and any((~m).any() for m in sa), "both modes should occur"
-        for names, modes in zip(probes, sa):
+        for names, kernel, modes in zip(probes, kernel_runs, sa):
             # the probes that ran: a prefill never takes the decoder's one-token step branch, and
             # a layer with no FA (SA) pair leaves that Softmax empty
             shapes = [x.shape for x in planted.ran(out, names)]
+            for o in kernel:  # the fused kernel's FA pairs, as their score shape
+                shapes.append((o.shape[0], o.shape[1], T))
             if variant == "dense":
                 assert shapes == [(1, cfg.num_heads, T, T)]
                 continue

@@ -60,6 +60,9 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
+    uses_contrib = any(o.domain == fx.MS_DOMAIN for f in proto.functions for o in f.opset_import)
+    if uses_contrib and not any(o.domain == fx.MS_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(fx.MS_DOMAIN, 1))
     name_axes(proto, inputs, outputs)
     return proto, notes, inputs, outputs
 

@@ -2,7 +2,9 @@
 
 Each op becomes one custom-domain node (`adaptex.BudgetedAttention`) whose body ships in
 `model.functions`; ONNX Runtime and TensorRT's parser inline it. Bodies are written node by node so
-every op in them is a standard one a reader can check against the spec in docs/ops.md.
+every op in them is a standard one a reader can check against the spec in docs/ops.md, with one
+exception: ONNX Runtime's encoder body of ElasticAttention calls that runtime's own fused attention
+kernel (com.microsoft.MultiHeadAttention), which TensorRT-bound bodies never do.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
 
 DOMAIN = "adaptex"
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
 OPSET_VERSION = 1  # version of the adaptex op set
 ONNX_OPSET = 20
 
@@ -423,7 +426,7 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
 
 
 def elastic_attention_function(variant: str, causal_known: bool | None = None,
-                               decode_step: bool = False) -> onnx.FunctionProto:
+                               decode_step: bool = False, fused: bool = False) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) head pairs of each mode gathered (NonZero over sa); FA pairs attend every
@@ -436,7 +439,15 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
     decode_step (ONNX Runtime): an If sends a causal call with T = 1 (a decode step) to a short body
     that reads only the SA pairs' sinks and window. Not for TensorRT: the operator docs of TensorRT
     10.1 and 10.6 ask an If's branches for equal output shapes (here (BH, 1, dh) against (BH, T, dh)),
-    only later releases for equal ranks; its engines take the general body, which serves T = 1 too."""
+    only later releases for equal ranks; its engines take the general body, which serves T = 1 too.
+    fused (ONNX Runtime, encoders: causal_known False): FA pairs of a call with no padded key run
+    ONNX Runtime's own fused attention kernel, com.microsoft.MultiHeadAttention (one head per pair).
+    Measured at (6, 512, 32) pairs, 1 thread: 4.1 ms against 5.9 ms for MatMul + bias Add + Softmax
+    + MatMul; with a padding mask the kernel gains only 10%, so padded calls keep the plain body.
+    Encoders only, because their yardstick has the same kernel (ONNX Runtime's transformer optimizer
+    fuses the original checkpoint's attention into it); no dense decoder graph here does, so a
+    decoder's FA heads keep the plain body rather than win by a kernel the dense graph lacks."""
+    fused = fused and causal_known is False
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
@@ -479,8 +490,18 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
                 scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
             return scores
 
-        def attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
+        def plain_attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
             return b("MatMul", b("Softmax", causal_scores(qx, kx, mx, causal_bias), axis=-1), vx)
+
+        if fused:  # ONNX Runtime's kernel where it computes the same: no padded key
+            no_pad = b("Equal", b("ReduceMin", b("Cast", key_mask, to=TensorProto.INT32), keepdims=0),
+                       b.const(1, np.int32))
+
+        def attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
+            if not fused:
+                return plain_attend(qx, kx, vx, mx, causal_bias)
+            return b.if_(no_pad, lambda: b("MultiHeadAttention", qx, kx, vx, domain=MS_DOMAIN, num_heads=1),
+                         lambda: plain_attend(qx, kx, vx, mx, causal_bias))
 
         def one_mode_or_mixed(every_fa, every_sa, mixed) -> str:
             """ONNX Runtime: a call whose pairs are all FA or all SA runs only that mode's body, on
@@ -586,7 +607,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
         b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
     return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
-        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if fused else []),
         attributes=["sink", "window", "causal"],
         doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
     ))

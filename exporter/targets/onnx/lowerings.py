@@ -131,7 +131,7 @@ def elastic_attention_onnx_sparse(ctx, node):
     pairs block-local (each block of min(window, T) queries against its own run of keys, plus the
     sinks: O(T (sink + window))); ScatterND puts both groups back."""
     return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
-        "sparse", causal_flag(node), decode_step=ctx.target == "onnx")])
+        "sparse", causal_flag(node), decode_step=ctx.target == "onnx", fused=ctx.target == "onnx")])
 
 
 @lowering("adaptex::elastic_attention", target=BOTH, variant="dense")
