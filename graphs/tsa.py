@@ -248,7 +248,8 @@ class TSAFamily(DecoderContract):
         """The FFN and the query side of attention of each gated block scale with its keep rate (keys and
         values are computed for every token); the mean attention context of a step is past + (seq + 1) / 2.
         The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's
-        largest per-sample kept count in every sample."""
+        largest per-sample kept count in every sample: at least one row on TensorRT-bound graphs, none
+        on ONNX Runtime's, whose dispatch runs no query side for a block with no kept token."""
         cfg = self.cfg
         if not cfg.adaptive:  # a dense decoder (no routers): every token runs every block
             return {"flop_ratio": 1.0, "executed_flop_ratio": 1.0}
@@ -258,8 +259,9 @@ class TSAFamily(DecoderContract):
         dense = flops_per_token(cfg, ctx, None)
         if variant == "dense":
             executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
-        else:  # at least one query row: a step whose every token skips still attends one (ungated) row
-            executed = flops_per_token(cfg, ctx, rates, [max(1.0, float(k.sum(1).max())) / seq for k in keeps])
+        else:  # TensorRT-bound: a step whose every token skips still attends one (ungated) row
+            least = 0.0 if target == "onnx" else 1.0
+            executed = flops_per_token(cfg, ctx, rates, [max(least, float(k.sum(1).max())) / seq for k in keeps])
         return {"flop_ratio": flops_per_token(cfg, ctx, rates) / dense, "executed_flop_ratio": executed / dense,
                 "keep_rate_per_block": rates}
 

@@ -91,7 +91,7 @@ MUTANTS = [
            "bench: the realisation formula inverted",
            ("tests/test_bench_accounting.py", "tests/test_bench.py")),
     Mutant("tsa_executed_is_dense", "graphs/tsa.py",
-           "executed = flops_per_token(cfg, ctx, rates, [max(1.0, float(k.sum(1).max())) / seq for k in keeps])",
+           "executed = flops_per_token(cfg, ctx, rates, [max(least, float(k.sum(1).max())) / seq for k in keeps])",
            "executed = flops_per_token(cfg, ctx, [1.0] * len(rates))",
            "bench: TSA's sparse graph accounted as executing every token",
            ("tests/test_bench_accounting.py",)),

@@ -196,6 +196,23 @@ def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):
         assert r["flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, [k.mean() for k in keeps]) / dense)
 
 
+def test_a_block_with_no_kept_token_runs_no_query_side_on_onnx_runtime(artifacts):
+    """A decode step whose token skips every gated block: ONNX Runtime's dispatch runs none of their
+    query sides (0 rows) and the TensorRT-bound body attends one ungated row in each; the executed
+    FLOPs say so, and the decisions' FLOPs are the same for both."""
+    model = artifacts.model("tsa")
+    cfg, contract = model.cfg, family_contract(model)
+    L, past = cfg.num_layers, 30
+    out = {f"decisions.layer{i}.keep": np.zeros((1, 1), bool) for i in range(1, L)}
+    ctx = past + 1
+    dense = flops_per_token(cfg, ctx, None)
+    ort_, trt = (contract.flops(out, "sparse", 1, past, target=t) for t in ("onnx", "tensorrt"))
+    assert ort_["flop_ratio"] == trt["flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, [0.0] * (L - 1)) / dense)
+    assert ort_["executed_flop_ratio"] == pytest.approx(ort_["flop_ratio"])
+    assert trt["executed_flop_ratio"] == pytest.approx(
+        flops_per_token(cfg, ctx, [0.0] * (L - 1), [1.0] * (L - 1)) / dense)
+
+
 @pytest.mark.parametrize("family", ["el", "eldec"])
 def test_elastic_executed_ratio_is_one_dense_and_the_decisions_sparse(artifacts, family):
     model = artifacts.model(family)
