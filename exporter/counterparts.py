@@ -11,7 +11,9 @@ several and times them all (runtimes/bench.py):
 - `original`, `original-legacy`: where the model wraps a pretrained checkpoint, that checkpoint's
   own `transformers` module (plus the model's pooling) by both exporters;
 - `+ortopt`: each of those through `onnxruntime.transformers.optimizer.optimize_model`, kept where it
-  fused something (SkipLayerNormalization, BiasGelu, Attention, ...);
+  fused something (SkipLayerNormalization, BiasGelu, Attention, ...); `+ortopt+rows` the same with its
+  SkipLayerNormalization fusions off and adaptex's rows pass after (fused attention and the faster
+  Add + LayerNormalization together);
 - `naive`: the model's plain inference path (the decisions taken, everything computed and the
   skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
   it is what adaptex replaces.
@@ -119,22 +121,39 @@ def _dynamic_axes(ep, example, input_names) -> dict:
     return axes
 
 
-def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int) -> Graph:
-    """`graph` through ORT's transformer optimizer: kept when it fused something."""
-    name = f"{graph.name}+ortopt"
-    how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r})"
+def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, rows: bool = False) -> Graph:
+    """`graph` through ORT's transformer optimizer: kept when it fused something. rows: with its
+    SkipLayerNormalization fusions off and adaptex's rows pass after (`+ortopt+rows`), so that the
+    yardstick can have both the optimizer's fused attention and the faster Add + LayerNormalization
+    (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces)."""
+    name = f"{graph.name}+ortopt" + ("+rows" if rows else "")
+    how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}" + \
+        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows pass" if rows else ")")
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph to optimise")
     try:
+        import onnx
+        from onnxruntime.transformers.fusion_options import FusionOptions
         from onnxruntime.transformers.optimizer import optimize_model
 
+        from adaptex.exporter.targets.onnx.passes import layernorm_rows
+
+        options = FusionOptions(model_type)
+        if rows:
+            options.enable_skip_layer_norm = options.enable_bias_skip_layer_norm = False
         with _quiet(), contextlib.redirect_stderr(io.StringIO()):
-            opt = optimize_model(graph.path, model_type=model_type, num_heads=num_heads, hidden_size=hidden)
+            opt = optimize_model(graph.path, model_type=model_type, num_heads=num_heads, hidden_size=hidden,
+                                 optimization_options=options)
             fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if k in _FUSIONS and v}
         if not fused:
             return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
         path = Path(graph.path).with_name(f"{name}.onnx")
-        opt.save_model_to_file(str(path))
+        if rows:
+            if not layernorm_rows(opt.model):
+                return Graph(name, None, how, reason="no residual LayerNormalization to rewrite")
+            onnx.save(opt.model, str(path))
+        else:
+            opt.save_model_to_file(str(path))
         return Graph(name, str(path), how + " fused " + ", ".join(f"{v} {k}" for k, v in sorted(fused.items())))
     except Exception as e:
         return Graph(name, None, how, reason=f"ORT's transformer optimizer failed: {_first_line(e)}")
@@ -194,10 +213,11 @@ def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
     if model_type:
         say("applying ONNX Runtime's transformer optimizer ...")
         heads, hidden = _heads_hidden(contract)
-        opt = [_ort_optimized(g, model_type, heads, hidden) for g in graphs if g.name in ("dense", "dense-legacy")]
+        opt = [_ort_optimized(g, model_type, heads, hidden, rows) for g in graphs
+               if g.name in ("dense", "dense-legacy") for rows in (False, True)]
         if original is not None:
-            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size)
-                    for g in graphs if g.name in ("original", "original-legacy")]
+            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows)
+                    for g in graphs if g.name in ("original", "original-legacy") for rows in (False, True)]
         graphs += opt
     naive_mode = contract.counterpart_modes.get("naive")
     if naive_mode:

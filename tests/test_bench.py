@@ -133,7 +133,13 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
     model, graphs = candidates
     names = {g.name for g in graphs}
     assert {"dense", "dense-legacy", "dense+rows", "naive"} <= names
-    assert {g.name for g in graphs if g.name.endswith("+ortopt")} == {"dense+ortopt", "dense-legacy+ortopt"}
+    assert {g.name for g in graphs if "+ortopt" in g.name} == {
+        "dense+ortopt", "dense-legacy+ortopt", "dense+ortopt+rows", "dense-legacy+ortopt+rows"}
+    rows = [g for g in graphs if g.name.endswith("+ortopt+rows") and g.path]
+    assert rows, [(g.name, g.reason) for g in graphs]  # the optimizer's fusions with Add + LayerNormalization
+    for g in rows:
+        ops = {n.op_type for n in onnx.load(g.path).graph.node}
+        assert "SkipLayerNormalization" not in ops and "LayerNormalization" in ops, (g.name, ops)
     rng = np.random.default_rng(0)
     ids = rng.integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int64)
     mask = np.ones_like(ids)
