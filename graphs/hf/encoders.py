@@ -117,10 +117,18 @@ def original_encoder(path, max_positions: int):
         from transformers import AutoModel
     except ImportError:
         raise CheckpointError("the original model's export needs transformers (pip install transformers)") from None
+    from transformers.utils import logging as hf_logging
+
     path = Path(path) if path else default_model_dir()
-    hf = AutoModel.from_pretrained(str(path)).eval()
-    # the legacy exporter with eager attention is the path ONNX Runtime's BERT optimizer fuses (Attention)
-    eager = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # bench prints its own progress (and none under --quiet)
+    try:
+        hf = AutoModel.from_pretrained(str(path)).eval()
+        # the legacy exporter with eager attention is the path ONNX Runtime's BERT optimizer fuses (Attention)
+        eager = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
     class Pooled(torch.nn.Module):
         def __init__(self, net):
