@@ -169,6 +169,19 @@ def test_checker_rules_on_small_graphs():
     assert {v.rule for v in tensorrt_rules.lint(m)} == {"if-branches"}
 
 
+def test_checker_rejects_another_runtimes_contrib_op_inside_a_body(artifacts):
+    """ONNX Runtime's encoder body of ElasticAttention calls com.microsoft.MultiHeadAttention, which
+    TensorRT has no operator for: lint refuses that artifact for TensorRT (naming the op and the
+    fix), and passes the TensorRT-bound export of the same model, whose bodies have none."""
+    ort_bodies = tensorrt_rules.lint(onnx.load(artifacts("el", "onnx", "sparse")))
+    contrib = [v for v in ort_bodies if v.rule == "custom-op-body"]
+    assert contrib and all("com.microsoft.MultiHeadAttention" in v.message and "--target tensorrt" in v.message
+                           for v in contrib), contrib
+    assert tensorrt_rules.lint(onnx.load(artifacts("el", "tensorrt", "sparse"))) == []
+    assert tensorrt_rules.lint(onnx.load(artifacts("el", "onnx", "sparse")), plugins=("MultiHeadAttention",)) \
+        == [v for v in ort_bodies if v.rule != "custom-op-body"]
+
+
 def test_rule_table_in_the_docs_is_current():
     from pathlib import Path
 

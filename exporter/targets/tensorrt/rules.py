@@ -418,6 +418,18 @@ def _model_violations(named: onnx.ModelProto, active: set[str], plugins: tuple[s
         if f is not None and len(n.input) != len(f.input) and "function-call-arity" in active:
             out.append(Violation("function-call-arity", f"{n.op_type} node {n.name}",
                                  f"passes {len(n.input)} inputs to function {f.name}, which declares {len(f.input)}"))
+    if "custom-op-body" in active:  # inside the bodies: another runtime's contrib op (ONNX Runtime's
+        # com.microsoft kernels) is no TensorRT operator, and no body ships for it
+        for f in named.functions:
+            for n in (x for g in _all_graphs(onnx.helper.make_graph(f.node, f.name, [], [])) for x in g.node):
+                if n.domain in ("", "ai.onnx") or n.op_type in bodies:
+                    continue
+                if n.op_type in plugins or f"{n.domain}.{n.op_type}" in plugins:
+                    continue
+                out.append(Violation("custom-op-body", f"{n.op_type} node {n.name}",
+                                     f"{n.domain}.{n.op_type} inside function {f.name} is neither a model-local "
+                                     "function nor a named plugin, so TensorRT's parser cannot import it; export "
+                                     "for --target tensorrt (its bodies use standard operators only)"))
     if "function-names-private" in active:
         g = named.graph
         outer = {v.name for v in list(g.input) + list(g.output)} | {i.name for i in g.initializer} | \
