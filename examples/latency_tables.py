@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                     lines += [f"{thr} thread(s):", ""] + table(rows) + [""]
                     b1 = [r for r in rows if r["batch"] == 1 and r["past"] == 0]
                     if thr == threads[0] and len(b1) > 1:
-                        plot(b1, images / f"latency-{name}.png", title=f"{name}: batch 1, {thr} thread(s)")
+                        plot(b1, images / f"latency-{name}.png", title=name)  # the panel names batch and threads
         write(out, lines, all_rows, failed)  # after each model: a later failure loses nothing
     print(f"wrote {out / 'latency.md'} and {out / 'latency.csv'}")
     return 1 if failed else 0
