@@ -426,7 +426,7 @@ def _model_violations(named: onnx.ModelProto, active: set[str], plugins: tuple[s
                     continue
                 if n.op_type in plugins or f"{n.domain}.{n.op_type}" in plugins:
                     continue
-                out.append(Violation("custom-op-body", f"{n.op_type} node {n.name}",
+                out.append(Violation("custom-op-body", f"{n.op_type} node {n.name or '(in an If branch)'}",
                                      f"{n.domain}.{n.op_type} inside function {f.name} is neither a model-local "
                                      "function nor a named plugin, so TensorRT's parser cannot import it; export "
                                      "for --target tensorrt (its bodies use standard operators only)"))
