@@ -10,8 +10,9 @@ How it times (medians of interleaved runs, because these machines are shared and
 - every graph runs once per round, in an order shuffled each round, so drifting load hits all alike;
 - the rounds fall into independent blocks, and the latency ratio and realisation are computed per
   block: reported as the median over blocks with the min-max interval, never as one figure;
-- a dense candidate whose warm-up is far behind the fastest one is dropped before timing (reported
-  with its warm-up figure), so the time goes to the graphs that can be the yardstick;
+- a dense candidate whose warm-up (interleaved too, after one allocating run each) is far behind the
+  fastest one is dropped before timing (reported with its warm-up figure), so the time goes to the
+  graphs that can be the yardstick;
 - peak memory is measured per graph in a process of its own, so one session does not hide another's.
 """
 from __future__ import annotations
@@ -278,22 +279,9 @@ class Bench:
 
         live = [t for t in graphs if t.name in fns]
         say(f"warming up {len(live)} graphs ({warmup} runs each) ...")
-        warm = {}
-        for t in live:
-            ts = []
-            for _ in range(max(warmup, 1)):
-                t0 = time.perf_counter()
-                fns[t.name](feeds)
-                ts.append((time.perf_counter() - t0) * 1e3)
-            warm[t.name] = min(ts)
-        dense_warm = [warm[t.name] for t in live if t.dense]
-        if prune and warmup >= 3 and dense_warm:
-            best = min(dense_warm)
-            for t in live:
-                if t.dense and warm[t.name] > PRUNE_FACTOR * best:
-                    t.reason = (f"not timed: {warm[t.name]:.2f} ms in warm-up, {warm[t.name] / best:.2f}x the "
-                                f"fastest dense candidate (pruned above {PRUNE_FACTOR}x)")
-            live = [t for t in live if t.reason is None]
+        warm = warm_up(live, fns, feeds, warmup)
+        if prune and warmup >= 3:
+            live = prune_slow(live, warm)
         per_round = sum(warm[t.name] for t in live) / 1e3
         n = runs or int(min(500, max(min_runs, time_budget_s / max(per_round, 1e-6))))
         nblocks = max(1, min(blocks, n // 5))
@@ -330,6 +318,35 @@ class Bench:
                                seq, past, target=self.meta.get("target", "onnx")) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles)
+
+
+def warm_up(live: list[Timing], fns: dict, feeds: dict, warmup: int, clock=time.perf_counter) -> dict[str, float]:
+    """Each graph's best warm-up time in ms. Its first run allocates and runs alone; the rest are
+    interleaved in shuffled rounds like the timed ones, so that a burst of load on a shared machine
+    slows every graph alike instead of pruning the fastest candidate."""
+    ts: dict[str, list[float]] = {t.name: [] for t in live}
+    order = np.random.default_rng(1)
+    for r in range(max(warmup, 1)):
+        for i in (range(len(live)) if r == 0 else order.permutation(len(live))):
+            t = live[i]
+            t0 = clock()
+            fns[t.name](feeds)
+            ts[t.name].append((clock() - t0) * 1e3)
+    return {name: min(v[1:] or v) for name, v in ts.items()}
+
+
+def prune_slow(live: list[Timing], warm: dict[str, float]) -> list[Timing]:
+    """Drop the dense candidates whose warm-up is above PRUNE_FACTOR x the fastest dense one's; each
+    dropped one records why (and its figure) in its reason."""
+    dense = [warm[t.name] for t in live if t.dense]
+    if not dense:
+        return live
+    best = min(dense)
+    for t in live:
+        if t.dense and warm[t.name] > PRUNE_FACTOR * best:
+            t.reason = (f"not timed: {warm[t.name]:.2f} ms in warm-up, {warm[t.name] / best:.2f}x the "
+                        f"fastest dense candidate (pruned above {PRUNE_FACTOR}x)")
+    return [t for t in live if t.reason is None]
 
 
 def _fastest(graphs: list[Timing]) -> Timing | None:

@@ -18,7 +18,7 @@ from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_ca
 from adaptex.exporter.targets.onnx.passes import layernorm_rows
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
-from adaptex.runtimes.bench import Bench, Timing, _report
+from adaptex.runtimes.bench import Bench, Timing, _report, prune_slow, warm_up
 
 
 class _Meta:
@@ -63,6 +63,32 @@ def test_no_dense_graph_timed_says_why():
     r = _report(_Meta, [ad, Timing("dense", None, reason="stock export failed: boom")], {},
                 batch=1, seq=8, past=0, threads=1, warmup=1, blocks=1, profiles=None)
     assert r["latency_ratio"] is None and "boom" in r["dense_reason"]
+
+
+def test_warm_up_is_interleaved_and_a_burst_of_load_does_not_prune_the_fastest():
+    """A fake clock: each graph's run advances it by that graph's cost, plus a burst of load that
+    lasts a few consecutive runs. Run graph by graph, the burst would fall on one graph's whole
+    warm-up and prune the fastest candidate; interleaved, it slows every graph in its rounds alike."""
+    now, calls = [0.0], []
+    cost = {"adaptive": 1.0e-3, "fast": 1.0e-3, "slow": 1.5e-3, "close": 1.1e-3}
+
+    def run(name):
+        def fn(feeds):
+            calls.append(name)
+            burst = 40 <= len(calls) < 52  # twelve consecutive runs, three rounds' worth
+            now[0] += cost[name] * (5.0 if burst else 1.0) + (0.5 if len(calls) <= len(cost) else 0.0)
+        return fn
+
+    live = [Timing("adaptive", "a", dense=False)] + [Timing(n, n) for n in ("slow", "fast", "close")]
+    fns = {t.name: run(t.name) for t in live}
+    warm = warm_up(live, fns, {}, 20, clock=lambda: now[0])
+    assert calls[:4] == ["adaptive", "slow", "fast", "close"]  # the allocating runs, alone, in order
+    assert len(calls) == 80 and len(set(calls[4:8])) == 4 and calls[4:20] != calls[:4] * 4  # shuffled rounds
+    # the allocating run (+500 ms here) and the burst do not count: the best of the rest is the cost
+    assert warm == pytest.approx({n: c * 1e3 for n, c in cost.items()})
+    kept = prune_slow(live, warm)
+    assert [t.name for t in kept] == ["adaptive", "fast", "close"]  # 1.10x stays, 1.5x goes
+    assert "1.50x the fastest dense candidate" in live[1].reason and live[2].reason is None
 
 
 def test_layernorm_rows_keeps_the_values_and_stops_the_skip_layernorm_fusion(tmp_path):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from adaptex.graphs.errors import AdaptexError
 
