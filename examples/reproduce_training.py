@@ -10,7 +10,7 @@ checkpoint. The table gives every seed's value, the mean ± the sample standard 
 range; --json FILE writes the same as JSON (docs/results/training_seeds.json is this script's output
 for the short schedules, and `make test-slow` checks a fresh run against it;
 docs/results/training_seeds_full.json merges its runs of the full schedules, one per model:
-elastic-charlm, charlm-dense, elastic-minilm and budgetformer-graded).
+elastic-charlm, charlm-dense, elastic-minilm, budgetformer-graded and tsa-charlm).
 
 `full` is the command each shipped model came from (one seed, on 2 cores: budgetformer-graded about 20
 minutes for the model and its baseline, tsa-charlm about 100 minutes, charlm-dense 13, elastic-charlm 7,
