@@ -334,7 +334,7 @@ MODEL_RULES = {"custom-op-body", "function-call-arity", "function-attr-ref", "fu
 # --- the walk -------------------------------------------------------------------------------------
 
 def _named_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy whose nodes all have names, function bodies' prefixed by their function."""
+    """A copy whose nodes all have names, function bodies' (their branches' too) prefixed by their function."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     for i, n in enumerate(m.graph.node):
@@ -343,7 +343,17 @@ def _named_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     for f in m.functions:
         for i, n in enumerate(f.node):
             n.name = f"{f.name}/{n.name or f'{n.op_type}_{i}'}"
+            _name_branches(n)
     return m
+
+
+def _name_branches(node: onnx.NodeProto) -> None:
+    # the unnamed nodes of a node's subgraphs (If branches) take the node's name and the branch's
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for j, n in enumerate(g.node):
+                n.name = n.name or f"{node.name}.{a.name}/{n.op_type}_{j}"
+                _name_branches(n)
 
 
 def _context(model: onnx.ModelProto, version: tuple[int, int]) -> tuple[onnx.ModelProto, Context]:
@@ -426,7 +436,7 @@ def _model_violations(named: onnx.ModelProto, active: set[str], plugins: tuple[s
                     continue
                 if n.op_type in plugins or f"{n.domain}.{n.op_type}" in plugins:
                     continue
-                out.append(Violation("custom-op-body", f"{n.op_type} node {n.name or '(in an If branch)'}",
+                out.append(Violation("custom-op-body", f"{n.op_type} node {n.name}",
                                      f"{n.domain}.{n.op_type} inside function {f.name} is neither a model-local "
                                      "function nor a named plugin, so TensorRT's parser cannot import it; export "
                                      "for --target tensorrt (its bodies use standard operators only)"))
