@@ -1,6 +1,7 @@
 """Run-time dispatch in the ONNX Runtime lowerings of TSA's ops: a block no token keeps runs nothing
 (no FFN, no query side), a block every token keeps runs every row without the gather and scatter,
-and a mixed one the gathered rows. Each branch is checked against the dense reference, and ORT's
+and a mixed one the gathered rows, except that attention runs every row, masked, where the batch's
+largest kept count is most of T. Each branch is checked against the dense reference, and ORT's
 profiler shows which kernels ran: the skipped work is not in the trace."""
 from __future__ import annotations
 
@@ -46,10 +47,14 @@ def _run(model: bytes, feeds: dict, tmp_path) -> tuple[np.ndarray, Counter]:
 def _keeps(seed=0):
     mixed = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
     mixed[0, 0], mixed[1, 1] = True, False
-    return {"none": torch.zeros(B, T, dtype=torch.bool), "all": torch.ones(B, T, dtype=torch.bool), "mixed": mixed}
+    assert mixed.sum(1).max() < fx.DENSE_QUERY_SHARE * T  # attention gathers this mix
+    most = torch.ones(B, T, dtype=torch.bool)
+    most[1, 2:] = False  # sample 0 keeps all T: attention runs every row of this mix, masked
+    return {"none": torch.zeros(B, T, dtype=torch.bool), "all": torch.ones(B, T, dtype=torch.bool), "mixed": mixed,
+            "most": most}
 
 
-@pytest.mark.parametrize("case", ["none", "all", "mixed"])
+@pytest.mark.parametrize("case", ["none", "all", "mixed", "most"])
 def test_conditional_ffn_dispatch(case, tmp_path):
     g = torch.Generator().manual_seed(1)
     w = {"ln_w": 1 + 0.3 * torch.randn(d, generator=g), "ln_b": 0.3 * torch.randn(d, generator=g),
@@ -70,11 +75,12 @@ def test_conditional_ffn_dispatch(case, tmp_path):
         np.testing.assert_array_equal(y, x.numpy())
     elif case == "all":
         assert ffn > 0 and ran["NonZero"] == 0 and ran["ScatterND"] == 0, ran  # no gather, no scatter
-    else:
+        assert ran["Reshape"] == 0, ran  # x as it is
+    else:  # any mix: the kept rows only
         assert ffn > 0 and ran["NonZero"] == 1 and ran["ScatterND"] == 1, ran
 
 
-@pytest.mark.parametrize("case", ["none", "all", "mixed"])
+@pytest.mark.parametrize("case", ["none", "all", "mixed", "most"])
 def test_conditional_attention_dispatch(case, tmp_path):
     from adaptex.graphs.tsa import attention_mask_4d
 
@@ -100,8 +106,8 @@ def test_conditional_attention_dispatch(case, tmp_path):
     if case == "none":
         assert query_side == 0, ran  # no projection, no scores, no softmax
         np.testing.assert_array_equal(y, x.numpy())
-    elif case == "all":
-        assert query_side > 0 and ran["TopK"] == 0 and ran["ScatterND"] == 0, ran
+    elif case in ("all", "most"):  # every query row: no partition, no gather, no scatter
+        assert query_side > 0 and ran["TopK"] == 0 and ran["ScatterND"] == 0 and ran["Gather"] == 0, ran
     else:
         assert query_side > 0 and ran["TopK"] == 1 and ran["ScatterND"] == 1, ran
 

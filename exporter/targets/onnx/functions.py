@@ -83,6 +83,13 @@ class _Body:
         return name
 
 
+def _name_output(b: _Body, value: str, name: str) -> None:
+    """Make the body's last node, which computes `value`, write the function output `name`."""
+    last = b.nodes[-1]
+    assert value in last.output, (value, last.output)
+    last.output[list(last.output).index(value)] = name
+
+
 def _routing(b: _Body, s: str, p: str, full_order: bool):
     """k = clamp(floor(s*H), 1, H) and the top-k order of p. fp32 throughout: a decision computed in
     lower precision could land on the other side of an integer or swap a near-tie."""
@@ -215,23 +222,43 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
     return f
 
 
-def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare) -> str:
+def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare, dense=None) -> str:
     """Run-time dispatch on the keep mask (ONNX Runtime): every token kept runs `every()` (all rows,
     no gather or scatter: a decode step's kept block, one If), none kept returns `unchanged` (a decode
-    step's skipped block), a mix runs `some()` (the gathered rows), the last two one If deeper.
+    step's skipped block, two Ifs), a mix runs `some()` (the gathered rows), two Ifs deep. `dense`,
+    a pair (condition, masked), makes a mix whose condition holds run `masked()` instead (every row,
+    the update masked: where gathering the kept rows costs more than computing the rest), three deep.
 
     ONNX Runtime (1.32, CPU) pre-packs a MatMul's constant weights when they are initializers of the
     graph the MatMul is in or of its parent, not of a graph further out (measured: ten 32x128x128
     MatMuls, 107 us one If deep, 129 us two deep, the same as with the weights fed as inputs). So
-    `prepare()` runs first in the outer else branch and makes there the copies of the weights that
-    `some()` reads (transposes of initializers, which fold to initializers of that branch at load,
-    109 us): the gathered rows' MatMuls stay pre-packed and a decode step keeps its single If."""
-    kept = b("ReduceSum", b("Cast", keep, to=TensorProto.INT64), keepdims=0)
+    `prepare()` runs in the branch that holds the mixed case and makes there the copies of the
+    weights that `some()` and `masked()` read (transposes of initializers, which fold to initializers
+    of that branch at load): their MatMuls stay pre-packed, and a decode step keeps its single If.
+
+    The conditions are reductions of the float mask, the fewest kernels a kept step runs before its
+    If (min = 1: every token kept; max = 0: none; an empty mask counts as every token kept)."""
+    kf = b("Cast", keep, to=TensorProto.FLOAT)
+    every_kept = b("Cast", b("ReduceMin", kf, keepdims=0), to=TensorProto.BOOL)
+
+    def mixed() -> str:
+        prepare()
+        if dense is None:
+            return some()
+        cond, masked = dense
+        return b.if_(cond(), masked, some)
 
     def not_every() -> str:
-        prepare()
-        return b.if_(b("Equal", kept, b.const(0)), lambda: unchanged, some)
-    return b.if_(b("Equal", kept, b("Size", keep)), every, not_every)
+        return b.if_(b("Equal", b("ReduceMax", kf, keepdims=0), b.const(0.0, np.float32)), lambda: unchanged, mixed)
+    return b.if_(every_kept, every, not_every)
+
+
+# A mixed ConditionalAttention call runs every query row, masked, instead of gathering the kept ones
+# when the batch's largest kept count reaches this share of T: its query side runs that many rows of
+# every sample, so the gathered rows are then nearly all of them, plus the gathers of their rows of
+# hn, x and the (T, S) bias. Measured on tsa-charlm (docs/benchmarking.md): blocks at 0.98 of T ran
+# faster masked at B8 and B64, T = 128, and blocks at 0.92 to 0.95 of T did not at B8, T = 512.
+DENSE_QUERY_SHARE = 0.97
 
 
 CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
@@ -243,13 +270,10 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
     sparse: NonZero over the flattened keep mask, Gather of the kept tokens, LayerNormalization and
     two MatMuls on them only, ScatterND (no reduction) of the updated rows back. dense: every token
     transformed, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
-    nodes on the kept count pick nothing, every row, or the gathered rows at run time (see
-    _dispatch)."""
+    nodes on the keep mask pick nothing, every row (on x as it is, no reshape), or the gathered rows
+    at run time (see _dispatch)."""
     b = _Body("cf_")
     x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
-    shape = b("Shape", x)  # (3,) = [B, T, d]
-    flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", ln_w), axis=0))  # (B*T, d); folds at load
-    gate_flat = b("Reshape", gate, b.const([-1]))  # (B*T,)
     # (in, out) weights, transposed outside any If: they fold to initializers at load, and MatMul +
     # Add is the pattern ONNX Runtime's fusions know (MatMul+Add, bias+Gelu)
     W = {}  # the (in, out) weights the FFN's MatMuls read (made again one If deeper by `transposed`)
@@ -258,37 +282,44 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
         W["w1"], W["w2"] = b("Transpose", w1, perm=[1, 0]), b("Transpose", w2, perm=[1, 0])
     transposed()
 
-    def ffn(h_in: str) -> str:  # (N, d) -> (N, d)
+    def ffn(h_in: str) -> str:  # (..., d) -> (..., d)
         node = helper.make_node("LayerNormalization", [h_in, ln_w, ln_b], [f"cf_ln_{b.n + 1}"], axis=-1)
         # epsilon is the function's attribute `eps`, resolved at the call site
         node.attribute.append(onnx.AttributeProto(name="epsilon", ref_attr_name="eps", type=onnx.AttributeProto.FLOAT))
         b.n += 1
         b.nodes.append(node)
-        u = b("Gelu", b("Add", b("MatMul", node.output[0], W["w1"]), b1))  # (N, f)
-        return b("Add", b("MatMul", u, W["w2"]), b2)  # (N, d)
+        u = b("Gelu", b("Add", b("MatMul", node.output[0], W["w1"]), b1))  # (..., f)
+        return b("Add", b("MatMul", u, W["w2"]), b2)  # (..., d)
 
-    def some() -> str:  # the kept rows only
+    def rows(body) -> str:  # body(flat rows, flat gate, flat keep) on the (B*T, d) rows, back to x's shape
+        flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", ln_w), axis=0))  # (B*T, d); folds at load
+        out = body(flat, b("Reshape", gate, b.const([-1])), b("Reshape", keep, b.const([-1])))
+        return b("Reshape", out, b("Shape", x))
+
+    def some(flat: str, gate_flat: str, kflat: str) -> str:  # the kept rows only
         idx = b("NonZero", kflat)  # (1, K) int64: kept token rows
-        rows = b("Squeeze", idx, b.const([0]))  # (K,)
-        xs = b("Gather", flat, rows, axis=0)  # (K, d)
-        g = b("Unsqueeze", b("Gather", gate_flat, rows, axis=0), b.const([1]))  # (K, 1)
+        rows_k = b("Squeeze", idx, b.const([0]))  # (K,)
+        xs = b("Gather", flat, rows_k, axis=0)  # (K, d)
+        g = b("Unsqueeze", b("Gather", gate_flat, rows_k, axis=0), b.const([1]))  # (K, 1)
         new = b("Add", xs, b("Mul", ffn(xs), g))  # (K, d)
         return b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
 
-    def every(masked: bool) -> str:  # every row through the FFN (the update masked unless all are kept)
-        g = b("Mul", gate_flat, b("Cast", kflat, to=TensorProto.FLOAT)) if masked else gate_flat  # (B*T,)
+    def masked(flat: str, gate_flat: str, kflat: str) -> str:  # every row, the update masked
+        g = b("Mul", gate_flat, b("Cast", kflat, to=TensorProto.FLOAT))  # (B*T,)
         return b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
 
-    kflat = b("Reshape", keep, b.const([-1]))
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
-        # block); every token kept runs the FFN on all rows without the gather and scatter
-        y = _dispatch(b, kflat, lambda: every(False), flat, some, transposed)
-    elif variant == "sparse":
-        y = some()
+        # block); every token kept runs the FFN on x as it is (no reshape, gather or scatter); a
+        # mix the gathered rows, at any share kept (a kept row costs 16 d^2 FLOPs and its gather
+        # and scatter 2 d floats moved, so gathering wins until nearly every row is kept)
+        def every() -> str:
+            return b("Add", x, b("Mul", ffn(x), b("Unsqueeze", gate, b.const([2]))))  # (B, T, d)
+
+        y = _dispatch(b, keep, every, x, lambda: rows(some), transposed)
     else:
-        y = every(True)
-    b.nodes.append(helper.make_node("Reshape", [y, shape], ["y"]))
+        y = rows(some if variant == "sparse" else masked)
+    _name_output(b, y, "y")
     return _private(helper.make_function(
         DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
@@ -312,8 +343,8 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     not kept: their gate is zero and they are written back unchanged. n >= 1 keeps every tensor
     non-empty (a decode step whose token skips attends one ungated row). dense: every query row
     attended, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
-    nodes on the kept count pick nothing, every row, or the gathered rows at run time (see
-    _dispatch)."""
+    nodes on the keep mask pick nothing, every row, or the gathered rows at run time, and a mix
+    whose largest kept count is at least DENSE_QUERY_SHARE of T every row, masked (see _dispatch)."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
     b = _Body("ca_")
@@ -334,7 +365,17 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     projections()
     head_split = b("Concat", c0, c0, H1, dh1, axis=0)  # [0, 0, H, dh]
     head_merge = b("Concat", c0, c0, d1, axis=0)  # [0, 0, d]
-    g = b("Mul", gate, b("Cast", keep, to=TensorProto.FLOAT))  # (B, T): zero for the skipped tokens
+
+    def masked_gate() -> str:  # (B, T): zero for the skipped tokens
+        return b("Mul", gate, b("Cast", keep, to=TensorProto.FLOAT))
+    counts = {}  # the per-sample kept counts and their largest, where the dispatch computed them first
+
+    def kept_counts() -> tuple[str, str, str]:  # keep as int64 (B, T), its (B, 1) counts, max(1, the largest)
+        if not counts:
+            ki = b("Cast", keep, to=TensorProto.INT64)
+            cnt = b("ReduceSum", ki, c1, keepdims=1)
+            counts.update(ki=ki, cnt=cnt, n=b("Max", b("ReduceMax", cnt, keepdims=0), one))
+        return counts["ki"], counts["cnt"], counts["n"]
 
     def attend(hq: str, bias_rows: str) -> str:  # (B, n, d), (B, 1, n, S) -> (B, n, d)
         q = b("Add", b("MatMul", hq, W["q"]), bq_s)  # (B, n, d)
@@ -346,9 +387,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
 
     def some() -> str:  # the kept query rows only
         T = b("Squeeze", b("Shape", x, start=1, end=2), c0)  # scalar
-        ki = b("Cast", keep, to=TensorProto.INT64)  # (B, T)
-        cnt = b("ReduceSum", ki, c1, keepdims=1)  # (B, 1)
-        n = b("Max", b("ReduceMax", cnt, keepdims=0), one)  # scalar: max(1, the largest kept count)
+        ki, cnt, n = kept_counts()  # (B, T), (B, 1), scalar: max(1, the largest kept count)
         n1 = b("Unsqueeze", n, c0)  # (1,)
         if partition == "topk":
             _, order = b("TopK", b("Cast", keep, to=TensorProto.FLOAT), n1, axis=1, largest=1, sorted=1,
@@ -374,22 +413,29 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         hq = b("Gather", b("Reshape", hn, rows_d), rows, axis=0)  # (B, n, d)
         bias_flat = b("Reshape", bias, b("Concat", cm1, b("Shape", bias, start=3, end=4), axis=0))  # (B*T, S)
         upd = attend(hq, b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1))  # (B, n, d)
-        gs = b("Unsqueeze", b("Gather", b("Reshape", g, cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
+        gs = b("Unsqueeze", b("Gather", b("Reshape", masked_gate(), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
         return b("Reshape", y, b("Shape", x))
 
     def every(masked: bool) -> str:  # every query row (the update masked unless all are kept)
         upd = attend(hn, bias)  # (B, T, d)
-        return b("Add", x, b("Mul", upd, b("Unsqueeze", g if masked else gate, b.const([2]))))
+        return b("Add", x, b("Mul", upd, b("Unsqueeze", masked_gate() if masked else gate, b.const([2]))))
 
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs no query side at all (a decode
-        # step's skipped block), every token kept runs it on all rows without gather and scatter
-        y = _dispatch(b, keep, lambda: every(False), x, some, projections)
+        # step's skipped block), every token kept runs it on all rows without gather and scatter,
+        # and so does a mix whose largest kept count is most of T (the gathered rows would be nearly
+        # every row, plus the gathers of their rows of hn, x and the (T, S) bias)
+        def most_rows() -> str:
+            T = b("Cast", b("Shape", x, start=1, end=2), to=TensorProto.FLOAT)  # (1,)
+            n = kept_counts()[2]
+            return b("GreaterOrEqual", b("Cast", n, to=TensorProto.FLOAT),
+                     b("Squeeze", b("Mul", T, b.const([DENSE_QUERY_SHARE], np.float32)), c0))
+        y = _dispatch(b, keep, lambda: every(False), x, some, projections, dense=(most_rows, lambda: every(True)))
     else:
         y = some() if variant == "sparse" else every(True)
-    b.nodes.append(helper.make_node("Identity", [y], ["y"]))
+    _name_output(b, y, "y")
     return _private(helper.make_function(
         DOMAIN, "ConditionalAttention", CA_INPUTS, ["y"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
