@@ -45,3 +45,26 @@ def test_examples_without_arguments_run_or_say_what_to_run_first(script, tmp_pat
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
         assert "make demo" in lines[0] or "usage" in lines[0].lower(), lines[0]
+
+
+def test_compare_artifacts_times_artifacts_of_one_model_side_by_side(tiny_tsa_chars, tmp_path):
+    """The script that measures a change to a lowering: every artifact in the same rounds, against the
+    first, with the largest output difference; a malformed point is one line and exit 2."""
+    import shutil
+
+    ck, onnx_path = tiny_tsa_chars
+    other = tmp_path / "other.onnx"
+    shutil.copy(onnx_path, other)
+    script = str(ROOT / "examples" / "compare_artifacts.py")
+    r = subprocess.run([sys.executable, script, str(ck), str(onnx_path), str(other), "--points", "1x1x5,2x4x0",
+                        "--budget", "0.2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["B1 T1 past 5", "B2 T4 past 0"], r.stdout
+    for line in lines:
+        base, copy = line.split(": ", 1)[1].split("; ")
+        assert base.startswith(f"{onnx_path.name} ") and " 1.000 [1.000, 1.000] diff 0.0e+00" in base, line
+        assert copy.startswith("other.onnx ") and copy.endswith("diff 0.0e+00"), line  # same graph, same values
+    bad = subprocess.run([sys.executable, script, str(ck), str(onnx_path), str(other), "--points", "1x1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr

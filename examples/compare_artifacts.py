@@ -1,0 +1,122 @@
+"""Two or more ONNX artifacts of the same model, timed in the same interleaved rounds: how a change to a
+lowering is measured (the first artifact is the baseline, 1.000).
+
+    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --points 1x1x511,1x512x0
+    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --budget 5   # seconds a point
+
+A point is BATCHxNEWxCACHED (1x1x511: a decode step after 511 cached tokens; 8x128x0: a prefill of 128
+tokens at batch 8). The inputs are the ones `adaptex bench` generates for the model; a decode step's
+cache is the baseline artifact's own prefill of the preceding text, fed to every artifact. Each round
+runs every artifact once in a shuffled order; the ratio is the median over the rounds against the
+baseline's, with [min, max] over the two halves of the rounds (odd and even), and the largest output
+difference from the baseline is printed beside it (a change of speed that changes values is a bug).
+Against the fastest dense graph, use `adaptex bench`; this script compares adaptive graphs only.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def point_feeds(bench, batch: int, seq: int, past: int, run) -> dict:
+    """The bench's inputs at one point, a decode step's cache filled by `run` (the baseline)."""
+    from adaptex.runtimes.bench import _typed
+
+    feeds, _, _ = bench._feeds(batch, seq, past, None, bench._specs())
+    if "_prefill" in feeds:
+        pre_feeds = feeds.pop("_prefill")
+        pre = run(pre_feeds)
+        feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items() if k.startswith("present.")})
+        extra = {k: v for k, v in pre_feeds.items() if k in bench.contract.extra_inputs()}
+        feeds.update(_typed(bench.contract.next_extra(pre, 0, extra), bench._specs()))
+    return feeds
+
+
+def max_diff(a: dict, b: dict) -> float:
+    out = 0.0
+    for k, v in b.items():
+        x, y = np.asarray(a[k], np.float64), np.asarray(v, np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        if x.size:
+            out = max(out, float(np.max(np.abs(x - y))))
+    return out
+
+
+def compare(fns: dict, feeds: dict, budget_s: float, rng) -> tuple[int, dict]:
+    """Interleaved rounds within about `budget_s`: (rounds, name -> list of ns)."""
+    names = list(fns)
+    t0 = time.perf_counter()
+    for n in names:  # the first runs allocate; they are not timed
+        fns[n](feeds)
+    one_round = max(time.perf_counter() - t0, 1e-6)
+    rounds = max(10, min(2000, int(budget_s / one_round)))
+    times = {n: [] for n in names}
+    for _ in range(rounds):
+        for i in rng.permutation(len(names)):
+            t = time.perf_counter_ns()
+            fns[names[i]](feeds)
+            times[names[i]].append(time.perf_counter_ns() - t)
+    return rounds, times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="the shipped model name (or checkpoint) the artifacts were exported from")
+    ap.add_argument("artifacts", nargs="+", help="ONNX artifacts; the first is the baseline")
+    ap.add_argument("--points", default="1x1x511,1x1x127,1x32x0,1x512x0,8x128x0",
+                    help="BATCHxNEWxCACHED, comma-separated (encoders: cached 0)")
+    ap.add_argument("--budget", type=float, default=15.0, help="seconds of timing per point (default 15)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    import adaptex
+    from adaptex.graphs.errors import AdaptexError
+    from adaptex.runtimes.bench import Bench, _ort_runner
+
+    if len(args.artifacts) < 2 or len(set(args.artifacts)) != len(args.artifacts):
+        print("compare_artifacts: give two or more different artifacts (the first is the baseline)", file=sys.stderr)
+        return 2
+    for a in args.artifacts:
+        if not Path(a).is_file():
+            print(f"compare_artifacts: {a}: no such artifact; export it with 'adaptex export {args.model} "
+                  f"--target onnx -o {a}'", file=sys.stderr)
+            return 2
+    try:
+        points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+        assert all(len(p) == 3 and p[0] >= 1 and p[1] >= 1 and p[2] >= 0 for p in points)
+    except (ValueError, AssertionError):
+        print(f"compare_artifacts: --points {args.points!r}: write BATCHxNEWxCACHED, e.g. 1x1x511,8x128x0",
+              file=sys.stderr)
+        return 2
+    model = adaptex.load(args.model)
+    base = args.artifacts[0]
+    rng = np.random.default_rng(0)
+    with Bench(base, model, model.adaptex_source) as bench:
+        fns = {a: _ort_runner(a, args.threads) for a in args.artifacts}
+        for batch, seq, past in points:
+            try:
+                feeds = point_feeds(bench, batch, seq, past, fns[base])
+            except AdaptexError as e:
+                print(f"compare_artifacts: B{batch} T{seq} past {past}: {e}", file=sys.stderr)
+                return 2
+            ref = fns[base](feeds)
+            diffs = {a: max_diff(ref, fns[a](feeds)) for a in args.artifacts}
+            rounds, times = compare(fns, feeds, args.budget, rng)
+            b50 = np.median(times[base])
+            cells = []
+            for a in args.artifacts:
+                t = np.asarray(times[a], float)
+                halves = [np.median(t[h::2]) / np.median(np.asarray(times[base], float)[h::2]) for h in (0, 1)]
+                cells.append(f"{Path(a).name} {np.median(t) / 1e6:.3f} ms {np.median(t) / b50:.3f} "
+                             f"[{min(halves):.3f}, {max(halves):.3f}] diff {diffs[a]:.1e}")
+            print(f"B{batch} T{seq} past {past} ({rounds} rounds, {args.threads} thread(s)): " + "; ".join(cells),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
