@@ -22,20 +22,6 @@ from pathlib import Path
 import numpy as np
 
 
-def point_feeds(bench, batch: int, seq: int, past: int, run) -> dict:
-    """The bench's inputs at one point, a decode step's cache filled by `run` (the baseline)."""
-    from adaptex.runtimes.bench import _typed
-
-    feeds, _, _ = bench._feeds(batch, seq, past, None, bench._specs())
-    if "_prefill" in feeds:
-        pre_feeds = feeds.pop("_prefill")
-        pre = run(pre_feeds)
-        feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items() if k.startswith("present.")})
-        extra = {k: v for k, v in pre_feeds.items() if k in bench.contract.extra_inputs()}
-        feeds.update(_typed(bench.contract.next_extra(pre, 0, extra), bench._specs()))
-    return feeds
-
-
 def max_diff(a: dict, b: dict) -> float:
     out = 0.0
     for k, v in b.items():
@@ -99,7 +85,7 @@ def main(argv=None) -> int:
         fns = {a: _ort_runner(a, args.threads) for a in args.artifacts}
         for batch, seq, past in points:
             try:
-                feeds = point_feeds(bench, batch, seq, past, fns[base])
+                feeds = bench.inputs(fns[base], batch=batch, seq=seq, past=past)
             except AdaptexError as e:
                 print(f"compare_artifacts: B{batch} T{seq} past {past}: {e}", file=sys.stderr)
                 return 2

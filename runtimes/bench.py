@@ -242,6 +242,27 @@ class Bench:
                                f"{limits.max_sequence}; lower --past or --seq")
         return feeds, batch, seq
 
+    def _fill_cache(self, feeds: dict, run) -> dict:
+        """A decode point's inputs with a realistic cache: `run` (the adaptive artifact) prefills the
+        preceding text, and its present keys and values become the step's past."""
+        if "_prefill" not in feeds:
+            return feeds
+        contract = self.contract
+        pre_feeds = feeds.pop("_prefill")
+        pre = run(pre_feeds)
+        feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items()
+                      if k.startswith("present.")})
+        if contract.decoder:
+            extra = {k: v for k, v in pre_feeds.items() if k in contract.extra_inputs()}
+            feeds.update(_typed(contract.next_extra(pre, 0, extra), self._specs()))
+        return feeds
+
+    def inputs(self, run, *, batch: int = 1, seq: int = 128, past: int = 0) -> dict:
+        """The inputs bench times at one point, a decode step's cache prefilled by `run` (a callable
+        from feeds to outputs by name, for the artifact or another of the same model)."""
+        feeds, _, _ = self._feeds(batch, seq, past, None, self._specs())
+        return self._fill_cache(feeds, run)
+
     def _specs(self) -> dict:
         if self.kind == "coreml":
             from adaptex.runtimes.coreml_mil import input_specs
@@ -267,14 +288,7 @@ class Bench:
                 t.reason = "not timed at this point (bench was given the candidates to time)"
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
-        if "_prefill" in feeds:  # a realistic cache: the adaptive artifact's own prefill of the preceding text
-            pre_feeds = feeds.pop("_prefill")
-            pre = fns["adaptive"](pre_feeds)
-            feeds.update({k.replace("present.", "past_key_values."): v for k, v in pre.items()
-                          if k.startswith("present.")})
-            extra = {k: v for k, v in pre_feeds.items() if k in contract.extra_inputs()} if contract.decoder else {}
-            if contract.decoder:
-                feeds.update(_typed(contract.next_extra(pre, 0, extra), self._specs()))
+        feeds = self._fill_cache(feeds, fns["adaptive"])
         adaptive_out = fns["adaptive"](feeds)
 
         live = [t for t in graphs if t.name in fns]
