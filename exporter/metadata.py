@@ -87,7 +87,7 @@ SCHEMA = {
     "precision": (str, True), "inputs": (dict, True), "outputs": (dict, True), "source": (dict, True),
     "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
-    "tensorrt": (dict, False),
+    "tensorrt": (dict, False), "dispatch": (dict, False),
 }
 
 
@@ -104,6 +104,13 @@ def validate(meta, where) -> dict:
         if not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
             raise AdaptexError(f"{where}: metadata {key!r} is a {type(meta[key]).__name__}, expected "
                                f"{kind.__name__}; re-export it with adaptex")
+    routed = meta.get("dispatch")
+    if routed is not None:
+        rows = routed.get("dense_rows")
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1 \
+                or not isinstance(routed.get("rows_input"), str):
+            raise AdaptexError(f"{where}: metadata 'dispatch' needs dense_rows (a whole number >= 1) and rows_input "
+                               "(an input name); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

@@ -272,6 +272,14 @@ class Bench:
 
         return open_artifact(self.artifact, 1).input_metadata()
 
+    def ran_variant(self, batch: int, seq: int) -> str:
+        """The lowering a call of (batch, seq) runs: an artifact exported with dense_rows runs its
+        dense graph for calls of at most that many token rows."""
+        rows = (self.meta.get("dispatch") or {}).get("dense_rows")
+        if rows is not None and batch * seq <= rows:
+            return "dense"
+        return self.meta.get("variant", "sparse")
+
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
             warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
@@ -328,7 +336,7 @@ class Bench:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, self.compute_units)
-        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.meta.get("variant"),
+        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(batch, seq),
                                seq, past, target=self.meta.get("target", "onnx")) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles)
@@ -418,7 +426,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     def p(t, q):
         return t.pct(q) if t is not None else None
     return {
-        "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
+        "artifact": bench.artifact, "runtime": bench.runtime, "variant": _variant_label(bench, batch, seq),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
@@ -440,6 +448,14 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
         "peak_rss_mb": {t.name: t.peak_rss_mb for t in graphs if t.peak_rss_mb is not None},
         "warnings": warnings, "profile": profiles,
     }
+
+
+def _variant_label(bench: Bench, batch: int, seq: int) -> str:
+    """The artifact's variant as bench prints it; a dispatching artifact's names the branch it ran."""
+    rows = (bench.meta.get("dispatch") or {}).get("dense_rows")
+    if rows is None:
+        return bench.meta.get("variant")
+    return f"{bench.meta.get('variant')}, dense at <= {rows} rows: ran {bench.ran_variant(batch, seq)}"
 
 
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,

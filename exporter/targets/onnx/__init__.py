@@ -17,7 +17,8 @@ import onnx
 from adaptex.exporter import metadata
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import lookup
-from adaptex.exporter.targets import Target, register_target
+from adaptex.exporter.targets import Option, Target, register_target
+from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx import passes
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
@@ -153,20 +154,44 @@ def describe(meta: dict, what: str = "") -> str:
             "decisions.*; the full metadata is the JSON under the 'adaptex' key")
 
 
+def dense_rows_option(value) -> int | None:
+    """The dense_rows option as a whole number >= 1 (the CLI passes text), or None when not given."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+        raise ExportError(f"--dense-rows {value!r}: give a whole number of token rows (batch x sequence) of at "
+                          "least 1, e.g. --dense-rows 32")
+    return int(text)
+
+
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
-           tokenizer: dict | None = None, say=None) -> dict:
-    """Export to `out` atomically; returns the artifact metadata."""
+           tokenizer: dict | None = None, say=None, dense_rows=None) -> dict:
+    """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
+    the sparse and the dense lowering, running the dense one for calls of at most N token rows
+    (dispatch.py)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
                           f"use one of {', '.join(PRECISIONS)}")
+    rows = dense_rows_option(dense_rows)
+    if rows is not None and variant != "sparse":
+        raise ExportError(f"--dense-rows dispatches between the sparse and the dense lowering; it needs --variant "
+                          f"sparse, not {variant}")
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision)
+    routed = None
+    if rows is not None:
+        (say or (lambda m: None))(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
+        dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision)
+        rows_input = contract.input_names()[0]
+        proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
+        routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, dispatch=routed)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -179,4 +204,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
 
 TARGET = register_target(Target(
     name="onnx", suffixes=(".onnx",), precisions=PRECISIONS, export=export,
-    default_precision=lambda contract: "fp32", description="ONNX for ONNX Runtime (CPU, CUDA, web, mobile)"))
+    default_precision=lambda contract: "fp32", description="ONNX for ONNX Runtime (CPU, CUDA, web, mobile)",
+    options=(Option("--dense-rows", "one graph with both lowerings: calls of at most N token rows (batch x "
+                                    "sequence) run the dense one, larger calls the sparse one (default: off; "
+                                    "docs/benchmarking.md has the measured cost of the switch)"),)))

@@ -1,0 +1,151 @@
+"""Run-time dense dispatch (ONNX Runtime): one artifact holding the sparse and the dense lowering of
+the same weights, with an If at the top of the graph that runs the dense graph for small calls.
+
+Where a call has few token rows (a decode step, a short prompt), the adaptive bodies' run-time
+decisions and the kernels that act on them (the If nodes on the keep mask, gathers, scatters) cost
+more than the work they skip: the dense variant, which runs the same routers and multiplies the
+skipped updates by zero, is then the faster graph (docs/benchmarking.md). The merged graph reads
+the rows of this call (the product of the first two axes of the rows input: the batch times the
+sequence), and runs
+
+    rows <= dense_rows: the dense lowering's graph (the then branch)
+    otherwise:          the sparse lowering's graph (the else branch)
+
+Both branches read the same initializers from the main graph, so the weights are stored once and
+their MatMuls stay pre-packed (ONNX Runtime pre-packs constant weights of the graph a node is in or
+of its parent). Both branches compute the same outputs, decisions included, to the parity tolerance
+of the two variants (each is checked against the eager reference by `adaptex check`). The dense
+branch's op calls point at the `dense` overload of each adaptex function.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from adaptex.exporter.errors import ExportError
+
+DENSE_OVERLOAD = "dense"
+RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
+
+
+def _subgraphs(node: onnx.NodeProto):
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def _rename_reads(nodes, rename: dict) -> None:
+    """Rename the inputs of `nodes` and the outer reads of their subgraphs (a subgraph value of the
+    same name as a renamed one would shadow it; the exporters never reuse a main-graph name there)."""
+    for node in nodes:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+        for g in _subgraphs(node):
+            _rename_reads(g.node, rename)
+            g.output[:] = [_renamed_vi(o, rename) for o in g.output]
+
+
+def _renamed_vi(vi: onnx.ValueInfoProto, rename: dict) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    out.name = rename.get(vi.name, vi.name)
+    return out
+
+
+def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
+            domain: str) -> onnx.GraphProto:
+    """`graph`'s nodes as an If branch: every value its nodes produce renamed `dispatch.<tag>.<name>`
+    (the If's outputs take the graph's output names), reads of inputs and initializers unchanged,
+    the adaptex calls pointed at `overload`."""
+    nodes = [onnx.NodeProto() for _ in graph.node]
+    for copy, node in zip(nodes, graph.node):
+        copy.CopyFrom(node)
+    rename = {o: f"{RESERVED}{tag}.{o}" for n in nodes for o in n.output if o}
+    for i, node in enumerate(nodes):  # node names too: ORT's profiler then shows which branch ran
+        node.name = f"{RESERVED}{tag}.{node.name or f'{node.op_type}_{i}'}"
+        node.output[:] = [rename.get(o, o) for o in node.output]
+        if overload is not None and node.domain == domain:
+            node.overload = overload
+    _rename_reads(nodes, rename)
+    outs = []
+    for vi in outputs:
+        name = rename.get(vi.name)
+        if name is None:  # an output that is an input or an initializer: a branch must produce it
+            name = f"{RESERVED}{tag}.{vi.name}"
+            nodes.append(helper.make_node("Identity", [vi.name], [name]))
+        outs.append(helper.make_tensor_value_info(name, vi.type.tensor_type.elem_type, None))
+    return helper.make_graph(nodes, f"{RESERVED}{tag}", [], outs)
+
+
+def _digest(inits) -> dict:
+    return {i.name: hashlib.sha256(i.SerializeToString()).hexdigest() for i in inits}
+
+
+def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, dense_rows: int,
+          domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `dense`'s graph when rows(rows_input) <= dense_rows and `sparse`'s
+    otherwise, where rows is the product of rows_input's first two axes (batch x sequence). Both
+    must be lowerings of one trace: the same inputs, outputs and initializers."""
+    gs, gd = sparse.graph, dense.graph
+    if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 1:
+        raise ExportError(f"dense dispatch: dense_rows must be a whole number of at least 1, got {dense_rows!r}")
+    for what, a, b in (("inputs", gs.input, gd.input), ("outputs", gs.output, gd.output)):
+        if [v.name for v in a] != [v.name for v in b]:
+            raise ExportError(f"the sparse and dense lowerings differ in their {what}; export one variant")
+    if _digest(gs.initializer) != _digest(gd.initializer):
+        raise ExportError("the sparse and dense lowerings differ in their weights; export one variant")
+    vi = next((v for v in gs.input if v.name == rows_input), None)
+    if vi is None:
+        raise ExportError(f"dense dispatch: {rows_input!r} is not an input of the graph")
+    if len(vi.type.tensor_type.shape.dim) < 2:
+        raise ExportError(f"dense dispatch: input {rows_input!r} has fewer than two axes (batch, sequence); "
+                          "export without dense_rows")
+    taken = [n for n in [v.name for v in gs.input] + [i.name for i in gs.initializer] if n.startswith(RESERVED)]
+    if taken:
+        raise ExportError(f"dense dispatch: the graph already has a value named {taken[0]!r}")
+
+    outputs = list(gs.output)
+    then_g = _branch(gd, "dense", outputs, DENSE_OVERLOAD, domain)
+    else_g = _branch(gs, "sparse", outputs, None, domain)
+    rows = f"{RESERVED}rows"
+    limit = numpy_helper.from_array(np.array(dense_rows, dtype=np.int64), f"{RESERVED}dense_rows")
+    small = f"{RESERVED}small"
+    shape = f"{RESERVED}batch_sequence"
+    nodes = [
+        helper.make_node("Shape", [rows_input], [shape], name=f"{RESERVED}Shape", start=0, end=2),
+        helper.make_node("ReduceProd", [shape], [rows], name=f"{RESERVED}ReduceProd", keepdims=0),
+        helper.make_node("LessOrEqual", [rows, limit.name], [small], name=f"{RESERVED}LessOrEqual"),
+        helper.make_node("If", [small], [o.name for o in outputs], name=f"{RESERVED}If",
+                         then_branch=then_g, else_branch=else_g),
+    ]
+    graph = helper.make_graph(nodes, gs.name, list(gs.input), outputs,
+                              initializer=list(gs.initializer) + [limit])
+    graph.doc_string = gs.doc_string
+    model = helper.make_model(graph, opset_imports=list(sparse.opset_import), ir_version=sparse.ir_version)
+    known = {o.domain for o in model.opset_import}
+    model.opset_import.extend(o for o in dense.opset_import if o.domain not in known)
+    model.functions.extend(sparse.functions)
+    for f in dense.functions:
+        copy = onnx.FunctionProto()
+        copy.CopyFrom(f)
+        if f.domain == domain:
+            if f.overload:
+                raise ExportError(f"dense dispatch: the dense body of {f.name} already has an overload")
+            copy.overload = DENSE_OVERLOAD
+        model.functions.append(copy)
+    return model
+
+
+def dense_rows_of(proto: onnx.ModelProto) -> int | None:
+    """The row count at or below which `proto` runs its dense graph, or None (no dispatch)."""
+    for i in proto.graph.initializer:
+        if i.name == f"{RESERVED}dense_rows":
+            return int(numpy_helper.to_array(i))
+    return None
+
+
+__all__ = ["merge", "dense_rows_of", "DENSE_OVERLOAD"]

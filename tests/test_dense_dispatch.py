@@ -1,0 +1,184 @@
+"""Dense dispatch (`adaptex export --target onnx --dense-rows N`): one ONNX graph with the sparse and
+the dense lowering of the same weights, running the dense one for calls of at most N token rows.
+Each branch computes what the single-variant artifact computes, the If takes the branch the row
+count names (ORT's profiler shows which nodes ran), parity passes on both, and bad values are
+refused with one line and no file."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.targets.onnx import dispatch
+from adaptex.graphs import checkpoint
+from adaptex.graphs.errors import AdaptexError
+from tests import zoo
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROWS = 8  # a decode step of batch <= 8 runs dense; a prompt of 2 x 5 tokens runs sparse
+
+
+@pytest.fixture(scope="module")
+def merged(family_checkpoints, tmp_path_factory):
+    """{family: merged artifact path} for the tiny TSA decoder and BudgetFormer."""
+    out = {}
+    for family in ("tsa", "bf"):
+        model, info = checkpoint.load(family_checkpoints / family)
+        path = tmp_path_factory.mktemp("dispatch") / f"{family}.onnx"
+        zoo.export(model, info, path, dense_rows=ROWS)
+        out[family] = path
+    return out
+
+
+def _session(path, profile_dir=None):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if profile_dir is not None:
+        so.enable_profiling, so.profile_file_prefix = True, str(profile_dir / "p")
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(sess, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
+    """Inputs of the artifact's graph: ids in its vocabulary, a full mask, a random past cache."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(3, 30, (batch, seq)).astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((batch, seq), np.int64)
+        elif i.name.startswith("past"):
+            heads, dim = i.shape[1], i.shape[3]
+            feeds[i.name] = rng.standard_normal((batch, heads, past, dim)).astype(np.float32)
+        else:
+            raise AssertionError(f"unexpected input {i.name}")
+    return feeds
+
+
+def _ran(path, feeds, tmp_path) -> set[str]:
+    """Which branches' nodes ONNX Runtime ran for `feeds` (from its profiler)."""
+    sess = _session(path, tmp_path)
+    sess.run(None, feeds)
+    events = json.loads(open(sess.end_profiling()).read())
+    return {tag for e in events if e.get("cat") == "Node"
+            for tag in ("dense", "sparse") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+
+
+@pytest.mark.parametrize("family, batch, seq, past, branch", [
+    ("tsa", 1, 1, 7, "dense"),      # a decode step
+    ("tsa", 8, 1, 7, "dense"),      # 8 rows: the threshold itself
+    ("tsa", 9, 1, 7, "sparse"),     # one row more
+    ("tsa", 2, 5, 0, "sparse"),     # a prompt
+    ("bf", 2, 4, 0, "dense"),
+    ("bf", 2, 6, 0, "sparse"),
+])
+def test_each_call_runs_one_branch_and_matches_that_variants_artifact(merged, artifacts, tmp_path, family, batch,
+                                                                     seq, past, branch):
+    path = merged[family]
+    feeds = _feeds(_session(path), batch, seq, past)
+    assert _ran(path, feeds, tmp_path) == {branch}
+    got = _session(path).run(None, feeds)
+    names = [o.name for o in _session(path).get_outputs()]
+    for variant in ("sparse", "dense"):
+        want = _session(artifacts(family, "onnx", variant)).run(None, feeds)
+        for name, a, b in zip(names, got, want):
+            assert a.shape == b.shape, name
+            if name.startswith("decisions.") and name.endswith((".k", ".keep")):
+                assert np.array_equal(a, b), (variant, name)
+            else:
+                np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=f"{variant} {name}")
+
+
+def test_parity_passes_on_prefill_and_decode_steps(merged, family_checkpoints):
+    """The decoder's check runs prompts (sparse branch) and decode steps (dense branch)."""
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.parity import check
+    from adaptex.runtimes.torch_ref import TorchRunner
+
+    model, _ = checkpoint.load(family_checkpoints / "tsa")
+    report = check(OnnxRuntimeRunner(merged["tsa"]), TorchRunner(model), samples=40, task="copy")
+    assert report.passed, report.format()
+    assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
+
+
+def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, artifacts):
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    meta = read_onnx_metadata(merged["tsa"])
+    assert meta["variant"] == "sparse"
+    assert meta["dispatch"]["dense_rows"] == ROWS and meta["dispatch"]["rows_input"] == "input_ids"
+    assert set(meta["dispatch"]["dense_lowerings"].values()) == {"conditional_attention_onnx_dense",
+                                                                 "conditional_ffn_onnx_dense"}
+    proto = onnx.load(str(merged["tsa"]))
+    assert dispatch.dense_rows_of(proto) == ROWS
+    assert [n.op_type for n in proto.graph.node] == ["Shape", "ReduceProd", "LessOrEqual", "If"]
+    single = onnx.load(str(artifacts("tsa", "onnx", "sparse")))
+    assert len(proto.graph.initializer) == len(single.graph.initializer) + 1  # the threshold
+    assert dispatch.dense_rows_of(single) is None
+    overloads = {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"}
+    assert ("ConditionalFFN", "") in overloads and ("ConditionalFFN", "dense") in overloads
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", ""])
+def test_a_bad_threshold_is_refused(family_checkpoints, tmp_path, value):
+    model, info = checkpoint.load(family_checkpoints / "bf")
+    with pytest.raises(ExportError, match="--dense-rows .*whole number") as e:
+        zoo.export(model, info, tmp_path / "m.onnx", dense_rows=value)
+    assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
+
+
+def test_the_dense_variant_does_not_take_a_threshold(family_checkpoints, tmp_path):
+    model, info = checkpoint.load(family_checkpoints / "bf")
+    with pytest.raises(ExportError, match="needs --variant sparse"):
+        zoo.export(model, info, tmp_path / "m.onnx", variant="dense", dense_rows=8)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_cli_refuses_a_bad_threshold_and_another_targets_use(family_checkpoints, tmp_path):
+    out = tmp_path / "m.onnx"
+    for args, want in ((["--target", "onnx", "-o", str(out), "--dense-rows", "many"], "whole number"),
+                       (["--target", "coreml", "-o", str(tmp_path / "m.mlpackage"), "--dense-rows", "8"],
+                        "another target")):
+        r = subprocess.run([sys.executable, "-m", "adaptex", "export", str(family_checkpoints / "bf"), *args],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and want in r.stderr, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("adaptex: error:"), r.stderr
+    assert not out.exists() and not (tmp_path / "m.mlpackage").exists()
+
+
+def test_metadata_with_a_malformed_threshold_is_refused(merged):
+    from adaptex.exporter.metadata import read_onnx_metadata, validate
+
+    meta = read_onnx_metadata(merged["bf"])
+    for bad in ({"dense_rows": "8", "rows_input": "input_ids"}, {"dense_rows": 0, "rows_input": "input_ids"},
+                {"dense_rows": 8}, "8"):
+        with pytest.raises(AdaptexError, match="dispatch"):
+            validate({**meta, "dispatch": bad}, "m.onnx")
+
+
+def test_merge_refuses_lowerings_of_other_weights(artifacts, family_checkpoints, tmp_path):
+    sparse = onnx.load(str(artifacts("bf", "onnx", "sparse")))
+    model, info = checkpoint.load(family_checkpoints / "bf")
+    for p in model.parameters():
+        p.data.add_(0.5)
+        break
+    zoo.export(model, info, tmp_path / "other.onnx", variant="dense")
+    with pytest.raises(ExportError, match="differ in their weights"):
+        dispatch.merge(sparse, onnx.load(str(tmp_path / "other.onnx")), rows_input="input_ids", dense_rows=8)
+
+
+def test_bench_counts_the_flops_of_the_branch_that_ran(merged):
+    from adaptex.runtimes.bench import Bench
+
+    bench = Bench.__new__(Bench)
+    bench.meta = {"variant": "sparse", "dispatch": {"dense_rows": ROWS, "rows_input": "input_ids"}}
+    assert bench.ran_variant(1, 8) == "dense" and bench.ran_variant(2, 5) == "sparse"
+    bench.meta = {"variant": "sparse"}
+    assert bench.ran_variant(1, 1) == "sparse"
