@@ -304,10 +304,6 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
         new = b("Add", xs, b("Mul", ffn(xs), g))  # (K, d)
         return b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
 
-    def masked(flat: str, gate_flat: str, kflat: str) -> str:  # every row, the update masked
-        g = b("Mul", gate_flat, b("Cast", kflat, to=TensorProto.FLOAT))  # (B*T,)
-        return b("Add", flat, b("Mul", ffn(flat), b("Unsqueeze", g, b.const([1]))))  # (B*T, d)
-
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
         # block); every token kept runs the FFN on x as it is (no reshape, gather or scatter); a
@@ -317,8 +313,11 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
             return b("Add", x, b("Mul", ffn(x), b("Unsqueeze", gate, b.const([2]))))  # (B, T, d)
 
         y = _dispatch(b, keep, every, x, lambda: rows(some), transposed)
+    elif variant == "dense":  # on x as it is: no reshape to rows, LayerNorm and MatMuls take (B, T, d)
+        g = b("Mul", gate, b("Cast", keep, to=TensorProto.FLOAT))  # (B, T)
+        y = b("Add", x, b("Mul", ffn(x), b("Unsqueeze", g, b.const([2]))))  # (B, T, d)
     else:
-        y = rows(some if variant == "sparse" else masked)
+        y = rows(some)
     _name_output(b, y, "y")
     return _private(helper.make_function(
         DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
