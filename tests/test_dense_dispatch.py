@@ -26,9 +26,10 @@ ROWS = 8  # a decode step of batch <= 8 runs dense; a prompt of 2 x 5 tokens run
 
 @pytest.fixture(scope="module")
 def merged(family_checkpoints, tmp_path_factory):
-    """{family: merged artifact path} for the tiny TSA decoder and BudgetFormer."""
+    """{family: merged artifact path} for the tiny TSA decoder, BudgetFormer and the elastic decoder
+    (whose main graph has If nodes of its own: the routers skip decode steps)."""
     out = {}
-    for family in ("tsa", "bf"):
+    for family in ("tsa", "bf", "eldec"):
         model, info = checkpoint.load(family_checkpoints / family)
         path = tmp_path_factory.mktemp("dispatch") / f"{family}.onnx"
         zoo.export(model, info, path, dense_rows=ROWS)
@@ -45,17 +46,20 @@ def _session(path, profile_dir=None):
 
 
 def _feeds(sess, batch: int, seq: int, past: int = 0, seed: int = 0) -> dict:
-    """Inputs of the artifact's graph: ids in its vocabulary, a full mask, a random past cache."""
+    """Inputs of the artifact's graph: ids in its vocabulary, a full mask, a random past cache, and
+    for an elastic decoder random head modes."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for i in sess.get_inputs():
         if i.name == "input_ids":
             feeds[i.name] = rng.integers(3, 30, (batch, seq)).astype(np.int64)
-        elif i.name == "attention_mask":
-            feeds[i.name] = np.ones((batch, seq), np.int64)
+        elif i.name == "attention_mask":  # a decoder's covers the cache too
+            feeds[i.name] = np.ones((batch, seq + past if "past" in str(i.shape[1]) else seq), np.int64)
         elif i.name.startswith("past"):
             heads, dim = i.shape[1], i.shape[3]
             feeds[i.name] = rng.standard_normal((batch, heads, past, dim)).astype(np.float32)
+        elif i.name.startswith("head_modes."):  # an elastic decoder's step: the prefill's modes, mixed
+            feeds[i.name] = rng.random((batch, i.shape[1])) < 0.5
         else:
             raise AssertionError(f"unexpected input {i.name}")
     return feeds
@@ -77,6 +81,8 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     ("tsa", 2, 5, 0, "sparse"),     # a prompt
     ("bf", 2, 4, 0, "dense"),
     ("bf", 2, 6, 0, "sparse"),
+    ("eldec", 1, 1, 9, "dense"),
+    ("eldec", 2, 6, 0, "sparse"),
 ])
 def test_each_call_runs_one_branch_and_matches_that_variants_artifact(merged, artifacts, tmp_path, family, batch,
                                                                      seq, past, branch):
@@ -89,20 +95,21 @@ def test_each_call_runs_one_branch_and_matches_that_variants_artifact(merged, ar
         want = _session(artifacts(family, "onnx", variant)).run(None, feeds)
         for name, a, b in zip(names, got, want):
             assert a.shape == b.shape, name
-            if name.startswith("decisions.") and name.endswith((".k", ".keep")):
+            if a.dtype.kind in "biu":  # decisions: exactly equal
                 assert np.array_equal(a, b), (variant, name)
             else:
                 np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=f"{variant} {name}")
 
 
-def test_parity_passes_on_prefill_and_decode_steps(merged, family_checkpoints):
-    """The decoder's check runs prompts (sparse branch) and decode steps (dense branch)."""
+@pytest.mark.parametrize("family", ["tsa", "eldec"])
+def test_parity_passes_on_prefill_and_decode_steps(merged, family_checkpoints, family):
+    """A decoder's check runs prompts (sparse branch) and decode steps (dense branch)."""
     from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
     from adaptex.runtimes.parity import check
     from adaptex.runtimes.torch_ref import TorchRunner
 
-    model, _ = checkpoint.load(family_checkpoints / "tsa")
-    report = check(OnnxRuntimeRunner(merged["tsa"]), TorchRunner(model), samples=40, task="copy")
+    model, _ = checkpoint.load(family_checkpoints / family)
+    report = check(OnnxRuntimeRunner(merged[family]), TorchRunner(model), samples=40, task="copy")
     assert report.passed, report.format()
     assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
 

@@ -46,14 +46,8 @@ def _rename_reads(nodes, rename: dict) -> None:
         node.input[:] = [rename.get(n, n) for n in node.input]
         for g in _subgraphs(node):
             _rename_reads(g.node, rename)
-            g.output[:] = [_renamed_vi(o, rename) for o in g.output]
-
-
-def _renamed_vi(vi: onnx.ValueInfoProto, rename: dict) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(vi)
-    out.name = rename.get(vi.name, vi.name)
-    return out
+            for o in g.output:  # a branch may hand an outer value straight through
+                o.name = rename.get(o.name, o.name)
 
 
 def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
