@@ -98,6 +98,15 @@ def _batch_seq(feeds: dict, batch: int, seq: int) -> tuple[int, int]:
     return (int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq) if first.ndim else (batch, seq)
 
 
+def ran_variant(meta: dict, batch: int, seq: int) -> str:
+    """The lowering a call of (batch, seq) runs: an artifact exported with dense_rows runs its dense
+    graph for calls of at most that many token rows."""
+    rows = (meta.get("dispatch") or {}).get("dense_rows")
+    if rows is not None and batch * seq <= rows:
+        return "dense"
+    return meta.get("variant", "sparse")
+
+
 class Bench:
     """One artifact against its dense candidates: the graphs are built (or read from the cache) once,
     then timed at any number of (batch, seq, past, threads) points. Use as a context manager."""
@@ -273,12 +282,7 @@ class Bench:
         return open_artifact(self.artifact, 1).input_metadata()
 
     def ran_variant(self, batch: int, seq: int) -> str:
-        """The lowering a call of (batch, seq) runs: an artifact exported with dense_rows runs its
-        dense graph for calls of at most that many token rows."""
-        rows = (self.meta.get("dispatch") or {}).get("dense_rows")
-        if rows is not None and batch * seq <= rows:
-            return "dense"
-        return self.meta.get("variant", "sparse")
+        return ran_variant(self.meta, batch, seq)
 
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
@@ -426,7 +430,9 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     def p(t, q):
         return t.pct(q) if t is not None else None
     return {
-        "artifact": bench.artifact, "runtime": bench.runtime, "variant": _variant_label(bench, batch, seq),
+        "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
+        "ran_variant": ran_variant(bench.meta, batch, seq),
+        "dense_rows": (bench.meta.get("dispatch") or {}).get("dense_rows"),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
@@ -448,14 +454,6 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
         "peak_rss_mb": {t.name: t.peak_rss_mb for t in graphs if t.peak_rss_mb is not None},
         "warnings": warnings, "profile": profiles,
     }
-
-
-def _variant_label(bench: Bench, batch: int, seq: int) -> str:
-    """The artifact's variant as bench prints it; a dispatching artifact's names the branch it ran."""
-    rows = (bench.meta.get("dispatch") or {}).get("dense_rows")
-    if rows is None:
-        return bench.meta.get("variant")
-    return f"{bench.meta.get('variant')}, dense at <= {rows} rows: ran {bench.ran_variant(batch, seq)}"
 
 
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,

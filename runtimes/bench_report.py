@@ -19,7 +19,10 @@ def _iv(x, iv, spec=".3f") -> str:
 
 
 def format_bench(r: dict) -> str:
-    lines = [f"bench: {r['artifact']} ({r['variant']}) on {r['runtime']}",
+    variant = r["variant"]
+    if r.get("dense_rows") is not None:
+        variant += f"; dense at <= {r['dense_rows']} rows: this call ran the {r['ran_variant']} branch"
+    lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
              f"(order shuffled each round), after {r['warmup']} warm-up runs each",
@@ -54,7 +57,7 @@ def format_bench(r: dict) -> str:
         lines.append(f"  mean k per layer: {', '.join(f'{k:.2f}' for k in r['mean_k_per_layer'])}")
     if r["flop_ratio"] is not None:
         lines.append(f"  FLOP ratio implied by the decisions: {r['flop_ratio']:.3f}   (executed by this "
-                     f"{r['variant']} graph: {r['executed_flop_ratio']:.3f})")
+                     f"{r.get('ran_variant', r['variant'])} graph: {r['executed_flop_ratio']:.3f})")
     else:
         lines.append("  FLOP ratio: no FLOP model for this model (the latency ratio stands alone)")
     lines.append(f"  latency ratio (adaptive / yardstick), median [min, max] over blocks: "

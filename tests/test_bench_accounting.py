@@ -185,10 +185,12 @@ def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):
     dense = flops_per_token(cfg, ctx, None)
     for variant in ("sparse", "dense"):
         proto = planted.load(artifacts("tsa", "onnx", variant))
-        ffn = planted.expose(proto, "ConditionalFFN", "MatMul", rank=2)
+        # the sparse body's MatMuls take the gathered (K, d) rows, the dense one's x as it is, (B, T, d)
+        ffn = planted.expose(proto, "ConditionalFFN", "MatMul", rank=2 if variant == "sparse" else 3)
         queries = planted.expose(proto, "ConditionalAttention", "Softmax")
         out = planted.run(proto, feeds)
-        ffn_rates = [sum(a.shape[0] for a in planted.ran(out, f)) / 2 / (B * T) for f in ffn]  # two MatMuls
+        ffn_rates = [sum(np.prod(a.shape[:-1]) for a in planted.ran(out, f)) / 2 / (B * T)
+                     for f in ffn]  # two MatMuls
         query_rates = [sum(a.shape[2] for a in planted.ran(out, q)) / T for q in queries]
         r = contract.flops(out, variant, T)
         assert r["executed_flop_ratio"] == pytest.approx(flops_per_token(cfg, ctx, ffn_rates, query_rates) / dense)
