@@ -11,9 +11,9 @@ sequence), and runs
     rows <= dense_rows: the dense lowering's graph (the then branch)
     otherwise:          the sparse lowering's graph (the else branch)
 
-Both branches read the same initializers from the main graph, so the weights are stored once and
-their MatMuls stay pre-packed (ONNX Runtime pre-packs constant weights of the graph a node is in or
-of its parent). Both branches compute the same outputs, decisions included, to the parity tolerance
+Both branches read the same initializers from the main graph (outer-scope values), so the weights
+are stored once. The If is not free on ONNX Runtime: 70 to 85 us a B1 call on a 2-vCPU CPU, more
+where the branch hands back a large cache (docs/benchmarking.md#never-slower-than-dense). Both branches compute the same outputs, decisions included, to the parity tolerance
 of the two variants (each is checked against the eager reference by `adaptex check`). The dense
 branch's op calls point at the `dense` overload of each adaptex function.
 """
