@@ -136,7 +136,8 @@ def test_the_runtime_runs_the_ffn_and_queries_of_kept_tokens_only(artifacts, tar
     T = feeds["input_ids"].shape[1]
     for variant in ("sparse", "dense"):
         proto = planted.load(artifacts("tsa", target, variant))
-        ffn = planted.expose(proto, "ConditionalFFN", "MatMul", rank=2)
+        # the sparse body's FFN MatMuls take the gathered (K, d) rows, the dense one's x as it is, (B, T, d)
+        ffn = planted.expose(proto, "ConditionalFFN", "MatMul", rank=2 if variant == "sparse" else 3)
         queries = planted.expose(proto, "ConditionalAttention", "Softmax")
         out = planted.run(proto, feeds)
         for ffn_probes, query_probes, keep in zip(ffn, queries, _layers(out, "keep")):
@@ -145,7 +146,7 @@ def test_the_runtime_runs_the_ffn_and_queries_of_kept_tokens_only(artifacts, tar
             fcs, scores = planted.ran(out, ffn_probes), planted.ran(out, query_probes)
             # one path ran: its two FFN matmuls and its scores, or nothing at all when no token is kept
             assert (len(fcs), len(scores)) == ((2, 1) if rows else (0, 0)), (variant, kept, len(fcs), len(scores))
-            assert all(fc.shape[0] == rows for fc in fcs), (variant, [fc.shape for fc in fcs], kept)
+            assert all(int(np.prod(fc.shape[:-1])) == rows for fc in fcs), (variant, [fc.shape for fc in fcs], kept)
             assert all(s.shape[2] == rows for s in scores), (variant, [s.shape for s in scores], kept)  # (B, H, n, S)
 
 

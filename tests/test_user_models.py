@@ -190,6 +190,15 @@ def test_the_cli_takes_a_model_of_your_own(tmp_path, capsys, monkeypatch):
     del sys.modules["my_tiny_model"]
 
 
+def test_a_spec_naming_something_not_callable_is_refused_in_one_line(tmp_path, capsys):
+    """MODULE:NAME where NAME is data, not a function (a fuzz-found case): a usage error, exit 2."""
+    out = tmp_path / "m.onnx"
+    assert main(["export", "tests.zoo:TINY_TSA", "--target", "onnx", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a dict, not a function" in err and "unexpected" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_check_refuses_a_model_that_is_not_the_source(patch_model, tmp_path):
     import copy
 

@@ -60,6 +60,9 @@ def load_model(spec: str | None):
         except (ImportError, AttributeError) as e:
             raise UsageError(f"{spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); pass MODULE:FUNCTION "
                              "importable from here (set PYTHONPATH), or a checkpoint") from None
+        if not callable(fn):
+            raise UsageError(f"{spec}: {fn_name!r} is a {type(fn).__name__}, not a function; name a function that "
+                             "returns the model (or the model and its example inputs)")
         built = fn()
         model, example = built if isinstance(built, tuple) else (built, None)
         if not hasattr(model, "forward"):
