@@ -98,10 +98,15 @@ def _batch_seq(feeds: dict, batch: int, seq: int) -> tuple[int, int]:
     return (int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq) if first.ndim else (batch, seq)
 
 
+def dense_rows(meta: dict) -> int | None:
+    """The row count at or below which an artifact exported with dense_rows runs its dense graph."""
+    return (meta.get("dispatch") or {}).get("dense_rows")
+
+
 def ran_variant(meta: dict, batch: int, seq: int) -> str:
     """The lowering a call of (batch, seq) runs: an artifact exported with dense_rows runs its dense
     graph for calls of at most that many token rows."""
-    rows = (meta.get("dispatch") or {}).get("dense_rows")
+    rows = dense_rows(meta)
     if rows is not None and batch * seq <= rows:
         return "dense"
     return meta.get("variant", "sparse")
@@ -432,7 +437,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     return {
         "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
         "ran_variant": ran_variant(bench.meta, batch, seq),
-        "dense_rows": (bench.meta.get("dispatch") or {}).get("dense_rows"),
+        "dense_rows": dense_rows(bench.meta),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),

@@ -27,14 +27,20 @@ from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 PRECISIONS = ("fp32",)
 
 
-def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
-          target: str = "onnx") -> tuple[onnx.ModelProto, dict, dict, dict]:
-    """Trace `model` and lower it to an ONNX ModelProto with `target`'s lowerings (the TensorRT
-    target hands its engine builder ONNX too); returns (proto, lowering per op, inputs, outputs)."""
+def trace_for(model, contract, target: str = "onnx"):
+    """The exported program `lower` lowers for `target`."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
     # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
     # (unverified on an engine here, so the TensorRT graph stays the one already checked)
-    ep = trace(model, contract, mode="hard", control_flow=target == "onnx")
+    return trace(model, contract, mode="hard", control_flow=target == "onnx")
+
+
+def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
+          target: str = "onnx", ep=None) -> tuple[onnx.ModelProto, dict, dict, dict]:
+    """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
+    `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
+    lowering per op, inputs, outputs)."""
+    ep = ep if ep is not None else trace_for(model, contract, target)
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
     table, functions, notes = {}, {}, {}
@@ -180,11 +186,12 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                           f"sparse, not {variant}")
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
-    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision)
+    ep = trace_for(model, contract)  # one trace, lowered once per variant
+    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep)
     routed = None
     if rows is not None:
         (say or (lambda m: None))(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
-        dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision)
+        dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
