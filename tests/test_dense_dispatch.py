@@ -132,6 +132,30 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     assert ("ConditionalFFN", "") in overloads and ("ConditionalFFN", "dense") in overloads
 
 
+@pytest.mark.parametrize("family", ["tsa", "eldec"])
+def test_each_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(merged, tmp_path, family):
+    """The file stores the weights once, in the main graph; each branch reads them through Reshape
+    pairs that ONNX Runtime folds at load into initializers of the branch (an If branch reading the
+    main graph's initializers pays for each on every call: docs/benchmarking.md)."""
+    proto = onnx.load(str(merged[family]))
+    weights = {i.name for i in proto.graph.initializer} - {f"{dispatch.RESERVED}dense_rows"}
+    branch = {a.name: a.g for a in proto.graph.node[-1].attribute}
+    for g in branch.values():
+        direct = {i for n in g.node if ".fold." not in n.name for i in n.input} & weights
+        assert not direct, sorted(direct)[:3]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
+    ort.InferenceSession(str(merged[family]), so, providers=["CPUExecutionProvider"])
+    loaded = onnx.load(str(tmp_path / "loaded.onnx"))
+    left = [i.name for i in loaded.graph.initializer if np.prod(i.dims) > 1]
+    assert not left, left[:3]  # the main graph keeps no weight: each branch has its own
+    if_node = next(n for n in loaded.graph.node if n.op_type == "If")
+    for a in if_node.attribute:
+        assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in a.g.node), a.name
+        assert len(a.g.initializer) >= len(weights) // 2, (a.name, len(a.g.initializer))
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", ""])
 def test_a_bad_threshold_is_refused(family_checkpoints, tmp_path, value):
     model, info = checkpoint.load(family_checkpoints / "bf")

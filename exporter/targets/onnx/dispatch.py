@@ -11,11 +11,18 @@ sequence), and runs
     rows <= dense_rows: the dense lowering's graph (the then branch)
     otherwise:          the sparse lowering's graph (the else branch)
 
-Both branches read the same initializers from the main graph (outer-scope values), so the weights
-are stored once. The If is not free on ONNX Runtime: 70 to 85 us a B1 call on a 2-vCPU CPU, more
-where the branch hands back a large cache (docs/benchmarking.md#never-slower-than-dense). Both branches compute the same outputs, decisions included, to the parity tolerance
-of the two variants (each is checked against the eager reference by `adaptex check`). The dense
-branch's op calls point at the `dense` overload of each adaptex function.
+The weights are stored once, as initializers of the main graph, and each branch reads them through
+a pair of Reshapes (to one axis and back) that ONNX Runtime's constant folding turns into
+initializers of that branch when the session loads. An If whose branch reads main-graph
+initializers directly pays for each of them on every call: measured on tsa-charlm's dense graph
+(ONNX Runtime 1.32, 1 thread, a B1 decode step), 60 us a call read directly against 0 to 5 us
+folded, and on elastic-charlm's 130 to 230 us against about 30 us
+(docs/benchmarking.md#never-slower-than-dense). The price is memory: a loaded session holds one
+copy of the weights per branch, twice the weights of a single-variant artifact; the file holds one.
+
+Both branches compute the same outputs, decisions included, to the parity tolerance of the two
+variants (each is checked against the eager reference by `adaptex check`). The dense branch's op
+calls point at the `dense` overload of each adaptex function.
 """
 from __future__ import annotations
 
@@ -50,11 +57,45 @@ def _rename_reads(nodes, rename: dict) -> None:
                 o.name = rename.get(o.name, o.name)
 
 
+def _reads(nodes) -> set[str]:
+    """Every value `nodes` read, their subgraphs' reads and hand-throughs included."""
+    out = set()
+    for node in nodes:
+        out.update(n for n in node.input if n)
+        for g in _subgraphs(node):
+            out |= _reads(g.node) | {o.name for o in g.output}
+    return out
+
+
+def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list, list]:
+    """Point the reads of `graph`'s initializers in `nodes` (subgraphs included) at branch values
+    `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime folds
+    the pair into an initializer of the branch at load (see the module docstring). Returns the fold
+    nodes and the branch's own initializers (the shapes). Empty tensors are read as they are."""
+    read = _reads(nodes)
+    weights = [w for w in graph.initializer if w.name in read and 0 not in w.dims]
+    if not weights:
+        return [], []
+    local = {w.name: f"{RESERVED}{tag}.w.{w.name}" for w in weights}
+    _rename_reads(nodes, local)
+    flat = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{RESERVED}{tag}.one_axis")
+    inits, fold = [flat], []
+    for w in weights:
+        shape = numpy_helper.from_array(np.array(w.dims, dtype=np.int64), f"{RESERVED}{tag}.shape.{w.name}")
+        inits.append(shape)
+        fold += [helper.make_node("Reshape", [w.name, flat.name], [f"{local[w.name]}.flat"],
+                                  name=f"{RESERVED}{tag}.fold.{w.name}.flat"),
+                 helper.make_node("Reshape", [f"{local[w.name]}.flat", shape.name], [local[w.name]],
+                                  name=f"{RESERVED}{tag}.fold.{w.name}")]
+    return fold, inits
+
+
 def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
             domain: str) -> onnx.GraphProto:
     """`graph`'s nodes as an If branch: every value its nodes produce renamed `dispatch.<tag>.<name>`
-    (the If's outputs take the graph's output names), reads of inputs and initializers unchanged,
-    the adaptex calls pointed at `overload`."""
+    (the If's outputs take the graph's output names), reads of inputs unchanged, reads of
+    initializers through the branch's fold nodes (_local_weights), the adaptex calls pointed at
+    `overload`."""
     nodes = [onnx.NodeProto() for _ in graph.node]
     for copy, node in zip(nodes, graph.node):
         copy.CopyFrom(node)
@@ -72,7 +113,8 @@ def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto]
             name = f"{RESERVED}{tag}.{vi.name}"
             nodes.append(helper.make_node("Identity", [vi.name], [name]))
         outs.append(helper.make_tensor_value_info(name, vi.type.tensor_type.elem_type, None))
-    return helper.make_graph(nodes, f"{RESERVED}{tag}", [], outs)
+    fold, inits = _local_weights(nodes, graph, tag)
+    return helper.make_graph(fold + nodes, f"{RESERVED}{tag}", [], outs, initializer=inits)
 
 
 def _digest(inits) -> dict:
