@@ -68,3 +68,22 @@ def test_compare_artifacts_times_artifacts_of_one_model_side_by_side(tiny_tsa_ch
     bad = subprocess.run([sys.executable, script, str(ck), str(onnx_path), str(other), "--points", "1x1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr
+
+
+def test_if_branch_cost_times_a_graph_as_it_is_and_as_an_ifs_branch(tiny_tsa_chars):
+    """The script behind the If-cost figures: three graphs per point, the plain one at +0 us, the
+    wrapped ones' outputs checked against it; a malformed point is one line and exit 2."""
+    _, onnx_path = tiny_tsa_chars
+    script = str(ROOT / "examples" / "if_branch_cost.py")
+    r = subprocess.run([sys.executable, script, str(onnx_path), "--points", "1x1x5,2x3x0", "--rounds", "5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["B1 T1 past 5", "B2 T3 past 0"], r.stdout
+    for line in lines:
+        parts = line.split(": ", 1)[1].split("; ")
+        assert len(parts) == 3 and parts[0].startswith("plain ") and parts[0].endswith("(+0 us)"), line
+        assert "weights from the main graph" in parts[1] and "weights folded into the branch" in parts[2], line
+    bad = subprocess.run([sys.executable, script, str(onnx_path), "--points", "1x1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr

@@ -14,11 +14,12 @@ sequence), and runs
 The weights are stored once, as initializers of the main graph, and each branch reads them through
 a pair of Reshapes (to one axis and back) that ONNX Runtime's constant folding turns into
 initializers of that branch when the session loads. An If whose branch reads main-graph
-initializers directly pays for each of them on every call: measured on tsa-charlm's dense graph
-(ONNX Runtime 1.32, 1 thread, a B1 decode step), 60 us a call read directly against 0 to 5 us
-folded, and on elastic-charlm's 130 to 230 us against about 30 us
-(docs/benchmarking.md#never-slower-than-dense). The price is memory: a loaded session holds one
-copy of the weights per branch, twice the weights of a single-variant artifact; the file holds one.
+initializers directly pays for them on every call: tsa-charlm's dense graph as a branch cost 46 to
+53 us more a B1 decode step read directly, 5 to 7 us folded; elastic-charlm's 88 to 145 us against
+18 to 52 us (ONNX Runtime 1.32, 1 thread; examples/if_branch_cost.py,
+docs/benchmarking.md#never-slower-than-dense). The price is memory: a loaded session holds a copy
+of the weights per branch (tsa-charlm: 71 MB peak RSS against the sparse artifact's 41); the file
+holds one.
 
 Both branches compute the same outputs, decisions included, to the parity tolerance of the two
 variants (each is checked against the eager reference by `adaptex check`). The dense branch's op
@@ -90,11 +91,12 @@ def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list,
     return fold, inits
 
 
-def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
-            domain: str) -> onnx.GraphProto:
+def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
+           domain: str, local_weights: bool = True) -> onnx.GraphProto:
     """`graph`'s nodes as an If branch: every value its nodes produce renamed `dispatch.<tag>.<name>`
     (the If's outputs take the graph's output names), reads of inputs unchanged, reads of
-    initializers through the branch's fold nodes (_local_weights), the adaptex calls pointed at
+    initializers through the branch's fold nodes (_local_weights; local_weights=False reads them
+    from the main graph, which examples/if_branch_cost.py times), the adaptex calls pointed at
     `overload`."""
     nodes = [onnx.NodeProto() for _ in graph.node]
     for copy, node in zip(nodes, graph.node):
@@ -113,7 +115,7 @@ def _branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto]
             name = f"{RESERVED}{tag}.{vi.name}"
             nodes.append(helper.make_node("Identity", [vi.name], [name]))
         outs.append(helper.make_tensor_value_info(name, vi.type.tensor_type.elem_type, None))
-    fold, inits = _local_weights(nodes, graph, tag)
+    fold, inits = _local_weights(nodes, graph, tag) if local_weights else ([], [])
     return helper.make_graph(fold + nodes, f"{RESERVED}{tag}", [], outs, initializer=inits)
 
 
@@ -145,8 +147,8 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
         raise ExportError(f"dense dispatch: the graph already has a value named {taken[0]!r}")
 
     outputs = list(gs.output)
-    then_g = _branch(gd, "dense", outputs, DENSE_OVERLOAD, domain)
-    else_g = _branch(gs, "sparse", outputs, None, domain)
+    then_g = branch(gd, "dense", outputs, DENSE_OVERLOAD, domain)
+    else_g = branch(gs, "sparse", outputs, None, domain)
     rows = f"{RESERVED}rows"
     limit = numpy_helper.from_array(np.array(dense_rows, dtype=np.int64), f"{RESERVED}dense_rows")
     small = f"{RESERVED}small"
