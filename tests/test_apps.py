@@ -151,11 +151,22 @@ def test_artifacts_carry_what_apps_need(artifacts):
     assert len(metas["embed"]["tokenizer"]["vocab"]) == metas["embed"]["config"]["vocab_size"]
 
 
+@pytest.fixture(scope="module")
+def merged_tsa(tmp_path_factory):
+    """tsa-charlm exported with --dense-rows 32: one graph, the dense branch for calls of <= 32 rows."""
+    import adaptex
+
+    path = tmp_path_factory.mktemp("merged") / "tsa-charlm.onnx"
+    adaptex.export(adaptex.load(MODELS["generate"]), None, path, dense_rows=32)
+    return path
+
+
 # --- the web page ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def page(artifacts, tmp_path_factory):
-    """The page served from a copy of examples/web whose models/ holds the fresh exports, open in Chromium."""
+def page(artifacts, merged_tsa, tmp_path_factory):
+    """The page served from a copy of examples/web whose models/ holds the fresh exports (and the
+    --dense-rows export of tsa-charlm as tsa-charlm-dense-rows.onnx), open in Chromium."""
     from tests.cdp import Browser, serve
 
     site = tmp_path_factory.mktemp("site")
@@ -165,6 +176,7 @@ def page(artifacts, tmp_path_factory):
     (site / "models").mkdir()
     for path in artifacts.values():
         (site / "models" / path.name).symlink_to(path)
+    (site / "models" / "tsa-charlm-dense-rows.onnx").symlink_to(merged_tsa)
     with serve(site) as url, Browser(tmp_path_factory.mktemp("chromium")) as browser:
         browser.goto(url + "index.html")
         yield browser
@@ -217,6 +229,20 @@ def test_page_forms_on_other_inputs(page, runners):
 
 
 @pytest.mark.browser
+def test_page_module_runs_the_dense_dispatch_artifact(page, runners):
+    """onnxruntime-web (wasm) runs the --dense-rows graph through the page's own module: the same
+    text, logits and decisions as Python ONNX Runtime on the plain sparse artifact."""
+    g = {"prompt": "import os\n", "new": 8}
+    script = ("(async () => { const ort = await import('./node_modules/onnxruntime-web/dist/ort.wasm.min.mjs');"
+              " const a = await import('./adaptex.mjs');"
+              " const res = await fetch('models/tsa-charlm-dense-rows.onnx');"
+              " const m = await a.openModel(ort, new Uint8Array(await res.arrayBuffer()), 'merged',"
+              " { executionProviders: ['wasm'] });"
+              f" return await a.generate(m, {json.dumps(g['prompt'])}, {g['new']}); }})()")
+    check_generate(page.evaluate(script), runners["generate"], g["prompt"], g["new"])
+
+
+@pytest.mark.browser
 def test_page_reports_bad_input_on_one_line(page):
     page.evaluate("adaptexApp.ready")
     for task, fields, expected in [("generate", {"prompt": "x" * 500, "new": 20}, "exceed the KV cache bound 512"),
@@ -244,6 +270,19 @@ def test_node_script_matches_python(artifacts, runners):
     check_generate(out["generate"], runners["generate"], g["prompt"], g["new"])
     check_classify(out["classify"], runners["classify"], text)
     check_embed(out["embed"], runners["embed"], a, b)
+
+
+@pytest.mark.node
+def test_node_script_runs_the_dense_dispatch_artifact(merged_tsa, runners):
+    """onnxruntime-node runs the merged graph (its If, the branch weights folded at load): the prompt
+    of 20 characters and every decode step take the dense branch, and the text, logits and decisions
+    equal Python ONNX Runtime's on the plain sparse artifact."""
+    g = {"prompt": "for i in range(10):\n", "new": 10}
+    r = node("examples/node/run.mjs", "--json", "--task", "generate", "--tsa", str(merged_tsa),
+             "--prompt", g["prompt"], "--new", str(g["new"]))
+    assert r.returncode == 0, r.stderr
+    assert read_onnx_metadata(merged_tsa)["dispatch"]["dense_rows"] == 32
+    check_generate(json.loads(r.stdout)["generate"], runners["generate"], g["prompt"], g["new"])
 
 
 @pytest.mark.node
