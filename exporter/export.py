@@ -46,6 +46,32 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     else:
         prec = precision or t.default_precision(contract)
     info = getattr(model, "adaptex_source", None)
+    options = recorded_options(t, variant, info, options, say)
     return t.export(model, contract, Path(path), variant=variant, precision=prec,
                     source=metadata.source_of(model, info), tokenizer=(info or {}).get("tokenizer"), say=say,
                     **options)
+
+
+def recorded_options(t, variant: str, info: dict | None, options: dict, say=None) -> dict:
+    """`options` with the target options the checkpoint's config.json records under "export"
+    ({target: {option: value}}: what was measured to suit this model, such as tsa-charlm's onnx
+    dense_rows) for those not given, where they apply to `variant`. An option given as "off" (or any
+    given value) wins over the recorded one."""
+    recorded = ((info or {}).get("export") or {}).get(t.name) or {}
+    by_dest = {o.dest: o for o in t.options}
+    where = (info or {}).get("name") or (info or {}).get("path") or "the checkpoint"
+    for dest in recorded:
+        if dest not in by_dest:
+            takes = ", ".join(by_dest) or "none"
+            raise ExportError(f"{where}: config.json 'export' gives {t.name} the option {dest!r}, which it does not "
+                              f"take (it takes {takes}); fix or remove that entry")
+    out = dict(options)
+    for dest, value in recorded.items():
+        opt = by_dest[dest]
+        if dest in out or (opt.variants is not None and variant not in opt.variants):
+            continue
+        out[dest] = value
+        if say is not None:
+            say(f"{where} records {opt.flag} {value} for {t.name} exports ({opt.flag} off leaves it out)")
+    return out
+

@@ -71,6 +71,7 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     if contract is None:
         raise CheckpointError(f"{cfg_path}: unknown family {info['family']!r}; adaptex loads "
                               f"{', '.join(sorted(FAMILIES))}")
+    _check_export_defaults(info.get("export"), cfg_path)
     cfg_cls, model_cls = contract.config_cls, contract.model_cls
     cfg = cfg_cls.from_dict(info["config"], where=f"{cfg_path} 'config'")
     try:
@@ -102,6 +103,21 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     info["sha256"] = file_hash(w_path)
     info["config_sha256"] = file_hash(cfg_path)
     return net, info
+
+
+def _check_export_defaults(value, cfg_path: Path) -> None:
+    """config.json may record export options measured for this checkpoint, {"export": {target:
+    {option: value}}}, which `adaptex export` applies unless told otherwise. Here the shape is
+    checked (a name and a whole number or a word per option); the exporter checks the names."""
+    if value is None:
+        return
+    ok = isinstance(value, dict) and all(
+        isinstance(target, str) and isinstance(opts, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool) for k, v in opts.items())
+        for target, opts in value.items())
+    if not ok:
+        raise CheckpointError(f"{cfg_path}: 'export' maps a target to its options, e.g. "
+                              '{"onnx": {"dense_rows": 64}}; fix or remove it')
 
 
 SUMMARY, STATE_DIR = "summary.json", "training_state"  # beside them: what adaptex train writes

@@ -152,21 +152,23 @@ def test_artifacts_carry_what_apps_need(artifacts):
 
 
 @pytest.fixture(scope="module")
-def merged_tsa(tmp_path_factory):
-    """tsa-charlm exported with --dense-rows 32: one graph, the dense branch for calls of <= 32 rows."""
+def plain_tsa(tmp_path_factory):
+    """A Python runner on tsa-charlm exported with --dense-rows off: the sparse graph alone. The
+    shipped export (the apps' artifact) records --dense-rows 64: one graph holding the sparse and the
+    dense lowering behind an If."""
     import adaptex
 
-    path = tmp_path_factory.mktemp("merged") / "tsa-charlm.onnx"
-    adaptex.export(adaptex.load(MODELS["generate"]), None, path, dense_rows=32)
-    return path
+    path = tmp_path_factory.mktemp("plain") / "tsa-charlm.onnx"
+    adaptex.export(adaptex.load(MODELS["generate"]), None, path, dense_rows="off")
+    assert "dispatch" not in read_onnx_metadata(path)
+    return OnnxRuntimeRunner(path, threads=1)
 
 
 # --- the web page ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def page(artifacts, merged_tsa, tmp_path_factory):
-    """The page served from a copy of examples/web whose models/ holds the fresh exports (and the
-    --dense-rows export of tsa-charlm as tsa-charlm-dense-rows.onnx), open in Chromium."""
+def page(artifacts, tmp_path_factory):
+    """The page served from a copy of examples/web whose models/ holds the fresh exports, open in Chromium."""
     from tests.cdp import Browser, serve
 
     site = tmp_path_factory.mktemp("site")
@@ -176,7 +178,6 @@ def page(artifacts, merged_tsa, tmp_path_factory):
     (site / "models").mkdir()
     for path in artifacts.values():
         (site / "models" / path.name).symlink_to(path)
-    (site / "models" / "tsa-charlm-dense-rows.onnx").symlink_to(merged_tsa)
     with serve(site) as url, Browser(tmp_path_factory.mktemp("chromium")) as browser:
         browser.goto(url + "index.html")
         yield browser
@@ -229,17 +230,15 @@ def test_page_forms_on_other_inputs(page, runners):
 
 
 @pytest.mark.browser
-def test_page_module_runs_the_dense_dispatch_artifact(page, runners):
-    """onnxruntime-web (wasm) runs the --dense-rows graph through the page's own module: the same
-    text, logits and decisions as Python ONNX Runtime on the plain sparse artifact."""
+def test_page_runs_the_dense_dispatch_artifact_as_the_sparse_graph(page, artifacts, plain_tsa):
+    """onnxruntime-web (wasm) runs the shipped tsa-charlm export (its top-level If on the rows, each
+    branch's weights folded at load): a prompt under 64 characters and the decode steps take the
+    dense branch, and the text, logits and decisions equal Python ONNX Runtime on the sparse graph
+    alone."""
+    assert read_onnx_metadata(artifacts["generate"])["dispatch"]["dense_rows"] == 64
+    page.evaluate("adaptexApp.ready")
     g = {"prompt": "import os\n", "new": 8}
-    script = ("(async () => { const ort = await import('./node_modules/onnxruntime-web/dist/ort.wasm.min.mjs');"
-              " const a = await import('./adaptex.mjs');"
-              " const res = await fetch('models/tsa-charlm-dense-rows.onnx');"
-              " const m = await a.openModel(ort, new Uint8Array(await res.arrayBuffer()), 'merged',"
-              " { executionProviders: ['wasm'] });"
-              f" return await a.generate(m, {json.dumps(g['prompt'])}, {g['new']}); }})()")
-    check_generate(page.evaluate(script), runners["generate"], g["prompt"], g["new"])
+    check_generate(page.evaluate(f"adaptexApp.run('generate', {json.dumps(g)})"), plain_tsa, g["prompt"], g["new"])
 
 
 @pytest.mark.browser
@@ -273,16 +272,14 @@ def test_node_script_matches_python(artifacts, runners):
 
 
 @pytest.mark.node
-def test_node_script_runs_the_dense_dispatch_artifact(merged_tsa, runners):
-    """onnxruntime-node runs the merged graph (its If, the branch weights folded at load): the prompt
-    of 20 characters and every decode step take the dense branch, and the text, logits and decisions
-    equal Python ONNX Runtime's on the plain sparse artifact."""
+def test_node_script_runs_the_dense_dispatch_artifact_as_the_sparse_graph(artifacts, plain_tsa):
+    """onnxruntime-node runs the shipped tsa-charlm export (dense branch for <= 64 rows) with the
+    same text, logits and decisions as Python ONNX Runtime on the sparse graph alone."""
     g = {"prompt": "for i in range(10):\n", "new": 10}
-    r = node("examples/node/run.mjs", "--json", "--task", "generate", "--tsa", str(merged_tsa),
+    r = node("examples/node/run.mjs", "--json", "--task", "generate", "--tsa", str(artifacts["generate"]),
              "--prompt", g["prompt"], "--new", str(g["new"]))
     assert r.returncode == 0, r.stderr
-    assert read_onnx_metadata(merged_tsa)["dispatch"]["dense_rows"] == 32
-    check_generate(json.loads(r.stdout)["generate"], runners["generate"], g["prompt"], g["new"])
+    check_generate(json.loads(r.stdout)["generate"], plain_tsa, g["prompt"], g["new"])
 
 
 @pytest.mark.node

@@ -17,7 +17,7 @@ import pytest
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.graphs import checkpoint
-from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.errors import AdaptexError, CheckpointError
 from tests import zoo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -154,6 +154,50 @@ def test_each_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(merged, t
     for a in if_node.attribute:
         assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in a.g.node), a.name
         assert len(a.g.initializer) >= len(weights) // 2, (a.name, len(a.g.initializer))
+
+
+def _with_export_default(family_checkpoints, tmp_path, export) -> str:
+    """A copy of the tiny TSA checkpoint whose config.json records `export`."""
+    import shutil
+
+    ck = tmp_path / "tsa"
+    shutil.copytree(family_checkpoints / "tsa", ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "export": export}))
+    return str(ck)
+
+
+def test_a_checkpoint_records_its_threshold_and_off_or_another_variant_leaves_it_out(family_checkpoints, tmp_path):
+    """config.json's "export" gives adaptex export its default (tsa-charlm records 64: the apps' tests
+    run that artifact); --dense-rows off, a threshold given, or --variant dense override it."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    ck = _with_export_default(family_checkpoints, tmp_path, {"onnx": {"dense_rows": 8}})
+    model, info = checkpoint.load(ck)
+    for name, options, want in (("default", {}, 8), ("off", {"dense_rows": "off"}, None),
+                                ("given", {"dense_rows": 3}, 3), ("dense", {"variant": "dense"}, None)):
+        zoo.export(model, info, tmp_path / f"{name}.onnx", **options)
+        meta = read_onnx_metadata(tmp_path / f"{name}.onnx")
+        assert (meta.get("dispatch") or {}).get("dense_rows") == want, name
+    r = subprocess.run([sys.executable, "-m", "adaptex", "export", ck, "--target", "onnx", "-o",
+                        str(tmp_path / "cli.onnx")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "records --dense-rows 8 for onnx exports (--dense-rows off leaves it out)" in r.stderr, r.stderr
+    assert "calls of at most 8 token rows run the dense lowering" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("export, error, match", [
+    ({"onnx": {"dense_rows": [8]}}, CheckpointError, "'export' maps a target to its options"),
+    ({"onnx": 8}, CheckpointError, "'export' maps a target to its options"),
+    ({"onnx": {"rows": 8}}, ExportError, "gives onnx the option 'rows', which it does not take"),
+    ({"onnx": {"dense_rows": "many"}}, ExportError, "--dense-rows 'many': give a whole number"),
+])
+def test_a_malformed_export_default_is_refused_on_one_line(family_checkpoints, tmp_path, export, error, match):
+    ck = _with_export_default(family_checkpoints, tmp_path, export)
+    with pytest.raises(error, match=match) as e:
+        model, info = checkpoint.load(ck)
+        zoo.export(model, info, tmp_path / "m.onnx")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", ""])

@@ -64,8 +64,10 @@ def run(args) -> int:
         raise UsageError("--no-fp16-audit applies to --target coreml only")
     meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say,
                   fp16_audit=not args.no_fp16_audit, **given)
+    routed = (meta.get("dispatch") or {}).get("dense_rows")
     say(f"wrote {args.output}: {len(meta['outputs'])} outputs ({len(meta['decisions'])} decisions), "
-        f"lowerings {meta['lowerings']}")
+        f"lowerings {meta['lowerings']}"
+        + (f"; calls of at most {routed} token rows run the dense lowering" if routed else ""))
     return 0
 
 

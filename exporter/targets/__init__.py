@@ -25,6 +25,7 @@ class Option:
     help: str
     default: Any = None
     action: str | None = None  # "store_true" for a switch
+    variants: tuple[str, ...] | None = None  # the variants it applies to (None: every one)
 
     @property
     def dest(self) -> str:

@@ -161,13 +161,14 @@ def describe(meta: dict, what: str = "") -> str:
 
 
 def dense_rows_option(value) -> int | None:
-    """The dense_rows option as a whole number >= 1 (the CLI passes text), or None when not given."""
-    if value is None:
+    """The dense_rows option as a whole number >= 1 (the CLI passes text), or None when not given or
+    "off"."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "off"):
         return None
     text = str(value).strip()
     if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
         raise ExportError(f"--dense-rows {value!r}: give a whole number of token rows (batch x sequence) of at "
-                          "least 1, e.g. --dense-rows 32")
+                          "least 1, e.g. --dense-rows 32, or off")
     return int(text)
 
 
@@ -213,5 +214,7 @@ TARGET = register_target(Target(
     name="onnx", suffixes=(".onnx",), precisions=PRECISIONS, export=export,
     default_precision=lambda contract: "fp32", description="ONNX for ONNX Runtime (CPU, CUDA, web, mobile)",
     options=(Option("--dense-rows", "one graph with both lowerings: calls of at most N token rows (batch x "
-                                    "sequence) run the dense one, larger calls the sparse one (default: off; "
-                                    "docs/benchmarking.md has the measured cost of the switch)"),)))
+                                    "sequence) run the dense one, larger calls the sparse one; off: the sparse "
+                                    "graph alone (default: what the checkpoint records, else off; "
+                                    "docs/benchmarking.md#never-slower-than-dense)",
+                    variants=("sparse",)),)))
