@@ -86,10 +86,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor):
         B, T, d = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # each (B, H, T, dh)
+        # the score scale 1/sqrt(dh) goes into the query rows of the fused projection, not onto the
+        # scores: an exported graph then folds it into the weights, and ONNX Runtime's score MatMul
+        # runs without a scale (FusedMatMul with alpha != 1 took 1.56x as long for a decode step's
+        # (B*H, 1, dh) x (dh, S) product: docs/benchmarking.md#measured-here)
+        s, w, b = 1.0 / math.sqrt(self.dh), self.qkv.weight, self.qkv.bias
+        qkv = F.linear(x, torch.cat([w[:d] * s, w[d:]]), torch.cat([b[:d] * s, b[d:]]))
+        q, k, v = qkv.view(B, T, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)  # each (B, H, T, dh)
         k = torch.cat([past_k, k], dim=2)  # (B, H, P+T, dh)
         v = torch.cat([past_v, v], dim=2)
-        att = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.dh)) + bias).softmax(-1)  # (B, H, T, P+T)
+        att = ((q @ k.transpose(-1, -2)) + bias).softmax(-1)  # (B, H, T, P+T)
         y = (att @ v).transpose(1, 2).reshape(B, T, d)  # (B, T, d)
         return self.proj(y), k, v
 
