@@ -87,3 +87,16 @@ def test_if_branch_cost_times_a_graph_as_it_is_and_as_an_ifs_branch(tiny_tsa_cha
     bad = subprocess.run([sys.executable, script, str(onnx_path), "--points", "1x1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr
+
+
+def test_score_scale_cost_times_both_kernels_and_refuses_a_bad_shape():
+    script = str(ROOT / "examples" / "score_scale_cost.py")
+    r = subprocess.run([sys.executable, script, "--shapes", "2x2x1x16x8", "--rounds", "3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, = r.stdout.strip().splitlines()
+    assert line.startswith("(B=2, H=2, T=1, S=16, dh=8) 3 rounds: alpha 1 ") and "alpha 0.3536 " in line, line
+    assert float(line.rsplit("ratio ", 1)[1]) > 0, line
+    bad = subprocess.run([sys.executable, script, "--shapes", "2x2x1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxHEADS" in bad.stderr

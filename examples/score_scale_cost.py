@@ -1,0 +1,69 @@
+"""What the attention-score scale costs ONNX Runtime: q @ k^T as the one FusedMatMul kernel its
+optimizer makes of MatMul + Transpose (+ Mul by a constant), with alpha = 1 (the scale folded into the
+query weights, as adaptex's decoders do) against alpha = 1/sqrt(dh) (the scale on the scores, as a
+stock export of `(q @ k.transpose(-1, -2)) / sqrt(dh)` becomes). Interleaved rounds, 1 thread.
+
+    python examples/score_scale_cost.py                       # decode steps and a prefill of tsa-charlm's shapes
+    python examples/score_scale_cost.py --shapes 64x4x1x512x32 --rounds 500
+
+A shape is BATCHxHEADSxQUERIESxKEYSxHEAD_DIM. The outputs of the two are checked against each other
+(the scaled one times sqrt(dh)).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import helper
+
+
+def session(alpha: float) -> ort.InferenceSession:
+    node = helper.make_node("FusedMatMul", ["q", "k"], ["s"], domain="com.microsoft", transB=1, alpha=alpha)
+    graph = helper.make_graph([node], "scores", [helper.make_tensor_value_info(n, 1, None) for n in ("q", "k")],
+                              [helper.make_tensor_value_info("s", 1, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1x4x1x512x32,64x4x1x512x32,1x4x512x512x32")
+    ap.add_argument("--rounds", type=int, default=300)
+    args = ap.parse_args()
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        if any(len(s) != 5 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        print(f"score_scale_cost: --shapes {args.shapes!r}: write BATCHxHEADSxQUERIESxKEYSxHEAD_DIM, e.g. "
+              "64x4x1x512x32", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    for b, h, t, s, dh in shapes:
+        scale = 1.0 / float(np.sqrt(dh))
+        sessions = {"alpha 1": session(1.0), f"alpha {scale:.4f}": session(scale)}
+        feeds = {"q": rng.standard_normal((b, h, t, dh)).astype(np.float32),
+                 "k": rng.standard_normal((b, h, s, dh)).astype(np.float32)}
+        plain, scaled = (x.run(None, feeds)[0] for x in sessions.values())
+        if not np.allclose(plain * scale, scaled, rtol=1e-4, atol=1e-4):
+            raise SystemExit("the two kernels disagree")
+        times = {k: [] for k in sessions}
+        for _ in range(args.rounds):
+            for k in rng.permutation(list(sessions)):
+                t0 = time.perf_counter()
+                sessions[k].run(None, feeds)
+                times[k].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        first, second = med.values()
+        print(f"(B={b}, H={h}, T={t}, S={s}, dh={dh}) {args.rounds} rounds: "
+              + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()) + f"; ratio {second / first:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
