@@ -47,6 +47,17 @@ def wrapped(src: onnx.ModelProto, local: bool) -> onnx.ModelProto:
     return model
 
 
+def interleaved_medians(sessions: dict, feeds: dict, rounds: int, rng) -> dict:
+    """Each session run once a round in a shuffled order; the median seconds of each."""
+    times = {k: [] for k in sessions}
+    for _ in range(rounds):
+        for k in rng.permutation(list(sessions)):
+            t0 = time.perf_counter()
+            sessions[k].run(None, feeds)
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def feeds(sess: ort.InferenceSession, batch: int, new: int, past: int, rng) -> dict:
     out = {}
     for i in sess.get_inputs():
@@ -102,15 +113,9 @@ def main() -> int:
                 raise SystemExit(f"{name}: outputs differ from the plain graph's by {diff:.1e}")
             for _ in range(10):
                 s.run(None, f)
-        times = {k: [] for k in sessions}
-        for _ in range(args.rounds):
-            for k in rng.permutation(list(sessions)):
-                t0 = time.perf_counter()
-                sessions[k].run(None, f)
-                times[k].append(time.perf_counter() - t0)
-        base = float(np.median(times["plain"]))
+        med = interleaved_medians(sessions, f, args.rounds, rng)
         print(f"B{batch} T{new} past {past} ({args.rounds} rounds, 1 thread): " + "; ".join(
-            f"{k} {np.median(v) * 1e3:.3f} ms ({(np.median(v) - base) * 1e6:+.0f} us)" for k, v in times.items()))
+            f"{k} {v * 1e3:.3f} ms ({(v - med['plain']) * 1e6:+.0f} us)" for k, v in med.items()))
     return 0
 
 

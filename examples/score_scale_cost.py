@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 import onnxruntime as ort
+from if_branch_cost import interleaved_medians  # beside this script
 from onnx import helper
 
 
@@ -52,13 +52,7 @@ def main() -> int:
         plain, scaled = (x.run(None, feeds)[0] for x in sessions.values())
         if not np.allclose(plain * scale, scaled, rtol=1e-4, atol=1e-4):
             raise SystemExit("the two kernels disagree")
-        times = {k: [] for k in sessions}
-        for _ in range(args.rounds):
-            for k in rng.permutation(list(sessions)):
-                t0 = time.perf_counter()
-                sessions[k].run(None, feeds)
-                times[k].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in times.items()}
+        med = interleaved_medians(sessions, feeds, args.rounds, rng)
         first, second = med.values()
         print(f"(B={b}, H={h}, T={t}, S={s}, dh={dh}) {args.rounds} rounds: "
               + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()) + f"; ratio {second / first:.2f}")
