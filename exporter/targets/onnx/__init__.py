@@ -85,9 +85,8 @@ def _bind_overloads(proto: onnx.ModelProto) -> None:
             heads = next((a.i for a in node.attribute if a.name == "num_heads"), None)
             if (node.domain, node.op_type, f"heads{heads}") in overloads:
                 node.overload = f"heads{heads}"
-            for a in node.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    walk(g.node)
+            for g in passes.subgraphs(node):
+                walk(g.node)
     walk(proto.graph.node)
 
 

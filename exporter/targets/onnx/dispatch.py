@@ -34,17 +34,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
+from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 
 DENSE_OVERLOAD = "dense"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
-
-
-def _subgraphs(node: onnx.NodeProto):
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            yield a.g
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            yield from a.graphs
 
 
 def _rename_reads(nodes, rename: dict) -> None:
@@ -52,20 +45,10 @@ def _rename_reads(nodes, rename: dict) -> None:
     same name as a renamed one would shadow it; the exporters never reuse a main-graph name there)."""
     for node in nodes:
         node.input[:] = [rename.get(n, n) for n in node.input]
-        for g in _subgraphs(node):
+        for g in subgraphs(node):
             _rename_reads(g.node, rename)
             for o in g.output:  # a branch may hand an outer value straight through
                 o.name = rename.get(o.name, o.name)
-
-
-def _reads(nodes) -> set[str]:
-    """Every value `nodes` read, their subgraphs' reads and hand-throughs included."""
-    out = set()
-    for node in nodes:
-        out.update(n for n in node.input if n)
-        for g in _subgraphs(node):
-            out |= _reads(g.node) | {o.name for o in g.output}
-    return out
 
 
 def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list, list]:
@@ -73,7 +56,7 @@ def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list,
     `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime folds
     the pair into an initializer of the branch at load (see the module docstring). Returns the fold
     nodes and the branch's own initializers (the shapes). Empty tensors are read as they are."""
-    read = _reads(nodes)
+    read = set(reads(nodes))
     weights = [w for w in graph.initializer if w.name in read and 0 not in w.dims]
     if not weights:
         return [], []

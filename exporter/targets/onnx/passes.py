@@ -28,14 +28,23 @@ def _axis(node: onnx.NodeProto) -> int:
     return -1
 
 
-def _reads(graph: onnx.GraphProto) -> list[str]:
-    """Every value name the graph's nodes read, their If/Loop bodies' reads of outer values included."""
+def subgraphs(node: onnx.NodeProto):
+    """The graphs a node holds (If branches, Loop and Scan bodies)."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def reads(nodes) -> list[str]:
+    """Every value name `nodes` read, once per read: their subgraphs' reads of outer values and the
+    values a subgraph hands straight through as an output included."""
     out = []
-    for n in graph.node:
+    for n in nodes:
         out += [i for i in n.input if i]
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                out += _reads(a.g)
+        for g in subgraphs(n):
+            out += reads(g.node) + [o.name for o in g.output]
     return out
 
 
@@ -45,7 +54,7 @@ def layernorm_rows(proto: onnx.ModelProto) -> int:
     g = proto.graph
     producers = {o: n for n in g.node for o in n.output}
     readers: dict[str, int] = {}
-    for v in _reads(g) + [o.name for o in g.output]:
+    for v in reads(g.node) + [o.name for o in g.output]:
         readers[v] = readers.get(v, 0) + 1
     scales = {i.name: list(i.dims) for i in g.initializer}
     taken = {o for n in g.node for o in n.output} | {i.name for i in g.initializer} | {i.name for i in g.input}
