@@ -87,7 +87,7 @@ SCHEMA = {
     "precision": (str, True), "inputs": (dict, True), "outputs": (dict, True), "source": (dict, True),
     "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
-    "tensorrt": (dict, False), "dispatch": (dict, False),
+    "tensorrt": (dict, False), "dispatch": (dict, False), "decode_step": (dict, False),
 }
 
 
@@ -111,6 +111,11 @@ def validate(meta, where) -> dict:
                 or not isinstance(routed.get("rows_input"), str):
             raise AdaptexError(f"{where}: metadata 'dispatch' needs dense_rows (a whole number >= 1) and rows_input "
                                "(an input name); re-export it with adaptex")
+    stepped = meta.get("decode_step")
+    if stepped is not None and not all(isinstance(stepped.get(k), str) and stepped[k] in meta["inputs"]
+                                       for k in ("new_tokens_input", "cache_input")):
+        raise AdaptexError(f"{where}: metadata 'decode_step' needs new_tokens_input and cache_input (names of "
+                           "inputs); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

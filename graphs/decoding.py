@@ -45,11 +45,12 @@ class DecoderContract(Contract):
         past = [(inputs[2 + 2 * i], inputs[3 + 2 * i]) for i in range(L)]
         return inputs[0], inputs[1], past, list(inputs[2 + 2 * L:])
 
-    def example_inputs(self, mode: str = "hard") -> tuple:
-        # a step with a past of 3 tokens (not 0 or 1: those would specialise)
+    def example_inputs(self, mode: str = "hard", step: bool = False) -> tuple:
+        """A call of 16 new tokens after 3 cached ones (not 0 or 1: those would specialise); step:
+        the decode-step program's, one new token after 3."""
         cfg = self.cfg
         batch, past = 2, 3
-        seq = min(16, cfg.max_len - past)
+        seq = 1 if step else min(16, cfg.max_len - past)
         H, dh = self.heads_dims
         ids = torch.randint(1, cfg.vocab_size, (batch, seq))
         mask = torch.ones(batch, past + seq, dtype=torch.int64)
@@ -59,11 +60,19 @@ class DecoderContract(Contract):
     def extra_example(self, batch: int, mode: str) -> list[Tensor]:
         return []
 
-    def dynamic_shapes(self, mode: str = "hard"):
+    def dynamic_shapes(self, mode: str = "hard", step: bool = False):
+        """Every call: any batch, sequence and past (from 0). step: the decode-step program's, one new
+        token (a static size) after a past the exporter's dispatch keeps non-empty."""
         batch = torch.export.Dim("batch", min=1, max=4096)
-        seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
         past = torch.export.Dim("past_sequence", min=0, max=self.cfg.max_len - 1)
-        shapes = [{0: batch, 1: seq}, {0: batch, 1: torch.export.Dim.AUTO}]
+        if step:  # the dispatch, not a guard, keeps its calls to a non-empty cache; AUTO: a guard the
+            # trace adds on the past that it cannot prove for every size (a grouped-query expand's
+            # strides: min(8 (P + 1), 16 (P + 1)) == 8 (P + 1)) is an assumption, not a refusal
+            past = torch.export.Dim.AUTO
+            shapes = [{0: batch}, {0: batch, 1: past}]
+        else:
+            seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
+            shapes = [{0: batch, 1: seq}, {0: batch, 1: torch.export.Dim.AUTO}]
         shapes += [{0: batch, 2: past} for _ in range(2 * self.cfg.num_layers)]
         shapes += [{0: batch} for _ in self.extra_inputs(mode)]
         return (tuple(shapes),)

@@ -43,6 +43,7 @@ from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
+from adaptex.graphs.nn.record import decode_step_traced
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -232,8 +233,10 @@ class ElasticDecoder(nn.Module):
         key_ok = attention_mask.bool()
         # a tensor, not a Python bool, so one traced graph serves prefill and decode; counted on the
         # mask (P + T columns), never on the cache, whose slices are empty at prefill (Core ML may
-        # refuse a zero-size tensor)
-        has_past = torch.ones_like(attention_mask[:1]).sum() > T
+        # refuse a zero-size tensor). A decode-step program (traced for calls after a non-empty
+        # cache) traces no choice: the given modes, and no router at all
+        step_program = torch.compiler.is_exporting() and decode_step_traced()
+        has_past = None if step_program else torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
         decisions, presents = [], []
         for li in range(cfg.num_layers):
@@ -243,7 +246,7 @@ class ElasticDecoder(nn.Module):
             presents.append((k, v))
             modes = head_modes[li] if head_modes is not None else None
             force = force_sa[li] if force_sa is not None else None
-            o, dec = self.routers[li](q, k, v, key_ok, modes, has_past if modes is not None else None,
+            o, dec = self.routers[li](q, k, v, key_ok, modes, has_past,
                                       mode=mode, force_sa=force, tau=tau, return_decisions=True)
             decisions.append(dec)
             h = bb.attn_out(li, h, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
@@ -411,6 +414,7 @@ class ElasticDecoderFamily(DecoderContract):
 
     family = "elastic_decoder"
     config_cls, model_cls = ElasticDecoderConfig, ElasticDecoder
+    decode_graph = True  # ONNX Runtime: a decode-step graph beside the general one (no router, the step's bodies)
     counterpart_modes = {"dense": "full", "naive": "hard_dense"}
 
     @property

@@ -112,6 +112,14 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
     return meta.get("variant", "sparse")
 
 
+def ran_graph(meta: dict, seq: int, past: int) -> str | None:
+    """Which graph of an artifact with a decode-step graph a call runs ("decode-step" for one new
+    token after a non-empty cache, else "general"); None for an artifact without one."""
+    if not meta.get("decode_step"):
+        return None
+    return "decode-step" if seq == 1 and past > 0 else "general"
+
+
 class Bench:
     """One artifact against its dense candidates: the graphs are built (or read from the cache) once,
     then timed at any number of (batch, seq, past, threads) points. Use as a context manager."""
@@ -437,7 +445,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     return {
         "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
         "ran_variant": ran_variant(bench.meta, batch, seq),
-        "dense_rows": dense_rows(bench.meta),
+        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),

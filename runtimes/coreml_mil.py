@@ -141,6 +141,12 @@ def _floor_div(x, y):
     return np.floor(x / y)
 
 
+def _argmax(x, axis, keep_dims, output_dtype="int32"):
+    """MIL reduce_argmax: the first largest along `axis` (an elastic router's [FA, SA] choice)."""
+    out = np.argmax(x, axis=int(axis))
+    return (np.expand_dims(out, int(axis)) if keep_dims else out).astype(DT.get(str(output_dtype), np.int32))
+
+
 def _reduce(fn, x, axes, keep_dims):
     """A reduction accumulated in fp32 for fp16 inputs (fp16 in the worst case), in the input's dtype."""
     ax = tuple(_axes(axes, x.ndim)) if axes is not None else None
@@ -185,6 +191,7 @@ EVAL = {
     "logical_or": lambda x, y: np.logical_or(x, y),
     "logical_xor": lambda x, y: np.logical_xor(x, y),
     "reduce_mean": lambda x, axes=None, keep_dims=False: _reduce(np.mean, x, axes, keep_dims),
+    "reduce_argmax": lambda x, axis=-1, keep_dims=False, output_dtype="int32": _argmax(x, axis, keep_dims, output_dtype),
     "reduce_min": lambda x, axes=None, keep_dims=False: x.min(tuple(_axes(axes, x.ndim)) if axes is not None else None, keepdims=bool(keep_dims)),
     "reduce_prod": lambda x, axes=None, keep_dims=False: _reduce(np.prod, x, axes, keep_dims),
     "reduce_sum_square": lambda x, axes=None, keep_dims=False: _reduce(np.sum, x.astype(np.float32) ** 2, axes, keep_dims).astype(x.dtype),

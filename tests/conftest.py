@@ -165,18 +165,22 @@ class Artifacts:
     def __init__(self, checkpoints: Path, root: Path):
         self.checkpoints, self.root, self._made = checkpoints, root, {}
 
-    def __call__(self, family: str, target: str = "onnx", variant: str = "sparse", precision: str | None = None) -> Path:
+    def __call__(self, family: str, target: str = "onnx", variant: str = "sparse", precision: str | None = None,
+                 **options) -> Path:
+        """options: the target's, e.g. decode_graph="off" for an elastic decoder's general graph alone."""
         from adaptex.exporter import targets
         from adaptex.graphs import checkpoint
         from adaptex.graphs.family import family_contract
 
         model, info = checkpoint.load(self.checkpoints / family)
         precision = precision or targets.load(target).default_precision(family_contract(model))
-        key = (family, target, variant, precision)
+        key = (family, target, variant, precision, *sorted(options.items()))
         if key not in self._made:
             suffix = {"onnx": ".onnx", "tensorrt": ".trt.onnx", "coreml": ".mlpackage"}[target]
-            path = self.root / f"{family}.{variant}.{precision}{suffix}"
-            options = {"onnx_only": True} if target == "tensorrt" else {}
+            tag = "".join(f".{k}-{v}" for k, v in sorted(options.items()))
+            path = self.root / f"{family}.{variant}.{precision}{tag}{suffix}"
+            if target == "tensorrt":
+                options = {"onnx_only": True, **options}
             zoo.export(model, info, path, target, variant=variant, precision=precision, **options)
             self._made[key] = path
         return self._made[key]

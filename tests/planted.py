@@ -146,16 +146,13 @@ def queries_of_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalA
 
 
 def sa_heads_as_fa(proto: onnx.ModelProto, fname: str = "ElasticAttention") -> onnx.ModelProto:
-    """ElasticAttention (sparse): every (batch, head) pair attends fully, whatever its reported mode."""
+    """ElasticAttention (sparse): every (batch, head) pair attends fully, whatever its reported mode
+    (every read of the body's sa input reads False instead)."""
     f = function(proto, fname)
     sa = f.input[3]
-    modes = [n for n in f.node if n.op_type == "Reshape" and n.input[0] == sa]
-    assert len(modes) == 1, "the sparse body flattens sa once"
-    out = modes[0].output[0]
-    none = [helper.make_node("Not", [out], ["planted.not_sa"]),
-            helper.make_node("And", [out, "planted.not_sa"], ["planted.no_sa"])]
-    _rewire(f.node, out, "planted.no_sa")
-    _insert_after(f.node, modes[0], none)
+    _rewire(f.node, sa, "planted.no_sa")
+    f.node.insert(0, helper.make_node("Not", [sa], ["planted.not_sa"]))
+    f.node.insert(1, helper.make_node("And", [sa, "planted.not_sa"], ["planted.no_sa"]))
     return proto
 
 
@@ -192,42 +189,42 @@ def shifted_keep_threshold(proto: onnx.ModelProto, output: str = "decisions.laye
 
 
 def inverted_head_modes(proto: onnx.ModelProto, layer: int = 0) -> onnx.ModelProto:
-    """An elastic router choosing SA where its FA logit is larger (the encoder's decision output, or
-    the decoder's routed modes before the prefill/decode choice)."""
-    out = f"decisions.layer{layer}.sa"
-    nodes = proto.graph.node
-    node = producer(nodes, out)
-    if node.op_type == "Or":  # a decoder: (has_past & head_modes) | (~has_past & routed)
-        inputs = {i.name for i in proto.graph.input}
-        routed = next(producer(nodes, v) for v in node.input if not inputs & set(producer(nodes, v).input))
-        node = next(producer(nodes, v) for v in routed.input if producer(nodes, v).op_type != "Not")
-    assert node.op_type == "Greater", node.op_type
-    node.op_type = "Less"
+    """An elastic layer choosing SA where its FA logit is the larger: its decision output is
+    ArgMax(logits) == 1 (the routed logits, or a decoder's given modes one-hot at decode steps), and
+    the planted one compares with 0 instead."""
+    node = producer(proto.graph.node, f"decisions.layer{layer}.sa")
+    assert node.op_type == "Equal" and producer(proto.graph.node, node.input[0]).op_type == "ArgMax", node.op_type
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), "planted.zero"))
+    node.input[1] = "planted.zero"
     return proto
+
+
+def _reads_head_modes(nodes, value: str, depth: int = 3) -> bool:
+    """Whether `value` is made from a head_modes.* input within `depth` nodes (the given modes' one-hot logits)."""
+    if value.startswith("head_modes.") or depth == 0:
+        return value.startswith("head_modes.")
+    made = [n for n in nodes if value in n.output]
+    return bool(made) and any(_reads_head_modes(nodes, v, depth - 1) for v in made[0].input)
 
 
 def decode_ignores_head_modes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """An elastic decoder whose decode steps route afresh instead of taking head_modes.{i} (the
-    prefill's modes): (has_past & routed) | (~has_past & routed), and where the router sits in an If
-    that skips it at decode steps (ONNX Runtime artifacts), that If always takes the routing branch."""
+    prefill's modes): where the router sits in an If that skips it at decode steps (ONNX Runtime
+    artifacts), that If always takes the routing branch; where both are computed and selected
+    (TensorRT-bound graphs), the select always takes the routed logits."""
     never = "planted.never"
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(False), never))
+    planted = 0
     for node in proto.graph.node:
         then = next((a.g for a in node.attribute if a.name == "then_branch"), None)
         if node.op_type == "If" and then is not None and any(
                 v.startswith("head_modes.") for n in then.node for v in n.input):
-            if never not in {i.name for i in proto.graph.initializer}:
-                proto.graph.initializer.append(numpy_helper.from_array(np.array(False), never))
             node.input[0] = never
-    planted = 0
-    for node in proto.graph.node:
-        for i, v in enumerate(node.input):
-            choice = next((n for n in proto.graph.node if n.op_type == "Or" and node.output[0] in n.input), None)
-            if v.startswith("head_modes.") and choice is not None:  # not the nodes making the one-hot logits
-                other = producer(proto.graph.node, next(x for x in choice.input if x != node.output[0]))
-                routed = next(x for x in other.input if producer(proto.graph.node, x).op_type == "Greater")
-                node.input[i] = routed
-                planted += 1
-    assert planted, "no node reads head_modes.*"
+            planted += 1
+        elif node.op_type == "Where" and _reads_head_modes(proto.graph.node, node.input[1]):
+            node.input[0] = never
+            planted += 1
+    assert planted, "no choice between the given and the routed modes"
     return proto
 
 

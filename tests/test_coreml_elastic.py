@@ -113,10 +113,10 @@ def test_default_fp16_package_keeps_routing_fp32(elastic):
     assert {op.op_type for op in router} >= {"linear", "gelu", "reduce_sum", "cumsum"}
     assert {dtype[op.name] for op in router if dtype[op.name] not in ("bool", "int32")} == {"fp32"}
     assert {dtype[op.name] for op in ops if op.op_type == "clip"} == {"fp32"}  # the routers' clamp (clip_N)
-    # the sa decision compares fp32 logits; the body (projections, attention) is fp16
-    gts = [op for op in ops if op.op_type == "greater" and op.outputs[0].name.startswith("decisions_")]
-    assert len(gts) == model.cfg.num_layers
-    assert all(types.builtin_to_string(op.inputs[k].dtype) == "fp32" for op in gts for k in ("x", "y"))
+    # the sa decision reads fp32 logits (the larger of [FA, SA]); the body (projections, attention) is fp16
+    choices = [op for op in ops if op.op_type == "reduce_argmax"]
+    assert len(choices) == model.cfg.num_layers
+    assert all(types.builtin_to_string(op.inputs["x"].dtype) == "fp32" for op in choices)
     assert {dtype[op.name] for op in ops if op.op_type == "softmax"} == {"fp16"}
     assert "fp16" in {dtype[op.name] for op in ops if op.op_type == "linear"}
     assert {dtype[op.name] for op in ops if op.op_type == "reduce_l2_norm"} == {"fp32"}  # pooling tail

@@ -51,19 +51,26 @@ def test_block_local_layout_costs_sink_plus_window_per_query():
     assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
 
 
-def _function_model(variant, sink, window, causal, decode_step=True, fused=False):
-    """One ElasticAttention call as a model; fused: ONNX Runtime's encoder body (the call's causal flag
-    known False at export, FA pairs through com.microsoft.MultiHeadAttention where unpadded)."""
+def _function_model(variant, sink, window, causal, decode_step=True, fused=False, dispatch=True):
+    """One ElasticAttention call as a model: ONNX Runtime's body (dispatch: If nodes pick the path;
+    decode_step: a step's own branch), or dispatch=False TensorRT's; fused: ONNX Runtime's encoder
+    body (the call's causal flag known False at export, FA pairs through
+    com.microsoft.MultiHeadAttention where unpadded)."""
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
-    body = fx.elastic_attention_function(variant, causal_known=False if fused else None, decode_step=decode_step,
-                                         fused=fused)
+    body = fx.elastic_attention_function(variant, causal_known=False if fused else None, dispatch=dispatch,
+                                         decode_step=decode_step, fused=fused)
     return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
                              opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1),
                                             helper.make_opsetid(fx.MS_DOMAIN, 1)],
                              functions=[body])
+
+
+def _pairs(shape) -> tuple:
+    """A probe's shape with the pairs it holds on one axis: (B, H, T, S) or (N, T, S) -> (pairs, T, S)."""
+    return (int(np.prod(shape[:-2])), *shape[-2:])
 
 
 def _function_session(variant, sink, window, causal):
@@ -94,9 +101,9 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     from tests import planted
 
     proto = _function_model("sparse", sink, window, True)
-    # the general body's probes (else branch: mixed FA and SA, all SA, all FA) come first, then the
-    # step's: mixed (FA, SA), all SA, all FA
-    (*general, mixed_fa, mixed_sa, every_sa, every_fa), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+    # the general body's probes (else branch: mixed FA and SA, all FA, all SA) come first, then the
+    # step's, in the same order (a whole call's pairs as they are, (B, H, 1, keys))
+    (*general, mixed_fa, mixed_sa, every_fa, every_sa), = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
     assert len(general) == 4
     for B, H, S in ((2, 4, 1), (1, 3, 5), (2, 2, 40)):
         q, k, v, sa, km = _inputs(B, H, 1, S, seed=S)
@@ -114,9 +121,9 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
             fa, sa = (every_fa, None) if n_sa == 0 else (None, every_sa) if n_sa == B * H else (mixed_fa, mixed_sa)
             assert ran == {fa, sa} - {None}, (B, H, S, modes)
             if fa:
-                assert out[fa].shape == (B * H - n_sa, 1, S)
+                assert _pairs(out[fa].shape) == (B * H - n_sa, 1, S)
             if sa:
-                assert out[sa].shape == (n_sa, 1, width)
+                assert _pairs(out[sa].shape) == (n_sa, 1, width)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -128,9 +135,9 @@ def test_onnx_calls_of_one_mode_take_their_own_body(causal):
 
     proto = _function_model("sparse", 2, 6, causal)
     probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
-    # else branches first: the general body (mixed FA, mixed SA), then all SA, all FA (then the
+    # else branches first: the general body (mixed FA, mixed SA), then all FA, all SA (then the
     # causal step branch's four, which a call with T > 1 never takes)
-    mixed_fa, mixed_sa, every_sa, every_fa = probes[:4]
+    mixed_fa, mixed_sa, every_fa, every_sa = probes[:4]
     B, H, T, S = 2, 3, 20, 20
     q, k, v, sa, km = _inputs(B, H, T, S, seed=3)
     sa[0, 0], sa[0, 1] = True, False  # a mix
@@ -143,7 +150,7 @@ def test_onnx_calls_of_one_mode_take_their_own_body(causal):
         assert {p for p in probes if out[p].size} == {fa_probe, sa_probe} - {None}, modes
         n_sa = int(modes.sum())
         if fa_probe:
-            assert out[fa_probe].shape == (B * H - n_sa, T, S)
+            assert _pairs(out[fa_probe].shape) == (B * H - n_sa, T, S)
         if sa_probe:
             assert out[sa_probe].shape[0] == n_sa
 
@@ -168,6 +175,7 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
                                   "key_mask": km.numpy()})
         assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5, (S, T)
         ran = [out[p].shape for p in probes if out[p].size]
+        ran = [_pairs(r) if r[-2:] == (T, S) else r for r in ran]  # FA: the pairs on one axis
         if S == limit:  # one softmax over every pair: the FA body
             assert ran == [(6, T, S)], (S, T, ran)
         else:  # the mix splits: an FA group and an SA group
@@ -208,17 +216,20 @@ def test_onnx_encoder_fa_pairs_run_ort_fused_attention_where_unpadded(artifacts)
 
 def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):
     """TensorRT before 10.6 wants an If's branches to give equal shapes; the step branch gives
-    (BH, 1, dh) against (BH, T, dh), so the TensorRT-bound body is the general one alone (it
-    computes a decode step too), and the ONNX Runtime body holds the If."""
+    (BH, 1, dh) against (BH, T, dh), so the TensorRT-bound body is the general one alone, with no If
+    at all (it computes a decode step too), and the ONNX Runtime body (of an artifact without a
+    decode-step graph) holds the step If at its top."""
     from tests import planted
 
-    for target, ifs in (("tensorrt", 0), ("onnx", 1)):
-        proto = planted.load(artifacts("eldec", target, "sparse"))
+    for target, ifs, options in (("tensorrt", 0, {}), ("onnx", 1, {"decode_graph": "off"})):
+        proto = planted.load(artifacts("eldec", target, "sparse", **options))
         body = planted.function(proto, "ElasticAttention")
         assert sum(n.op_type == "If" for n in body.node) == ifs, target
+    assert not any(n.op_type == "If" for _, n in planted.walk(
+        planted.function(planted.load(artifacts("eldec", "tensorrt", "sparse")), "ElasticAttention").node))
     q, k, v, sa, km = _inputs(2, 3, 1, 20, seed=1)
     ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, 2, 5, True)
-    sess = ort.InferenceSession(_function_model("sparse", 2, 5, True, decode_step=False).SerializeToString(),
+    sess = ort.InferenceSession(_function_model("sparse", 2, 5, True, decode_step=False, dispatch=False).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(), "key_mask": km.numpy()})[0]
     assert np.abs((got - ref.numpy()) * _real_rows(km, 1, 20).numpy()).max() < 1e-5

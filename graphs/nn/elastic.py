@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -12,13 +13,39 @@ from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder, contro
 from adaptex.graphs.ops import elastic_attention as ea
 
 
+# Pooling plans by key mask: every router of a model reads the same mask, so the positions and
+# weights it pools with are made once per forward (and once in a traced graph) and reused by each
+# layer. Keyed by the mask's identity and held by a weak reference (the entry goes with its mask);
+# an in-place change of the mask (its version) makes a new plan.
+_PLANS: dict[int, tuple] = {}
+
+
+def _plans_of(key_mask: Tensor) -> dict:
+    """The plans made for this very mask tensor (a fresh dict the first time)."""
+    entry = _PLANS.get(id(key_mask))
+    if entry is not None and entry[0]() is key_mask:
+        return entry[1]
+
+    def forget(ref, i=id(key_mask)) -> None:
+        if i in _PLANS and _PLANS[i][0] is ref:
+            del _PLANS[i]
+    try:
+        ref = weakref.ref(key_mask, forget)
+    except TypeError:  # a mask that cannot be weakly referenced: no sharing
+        return {}
+    _PLANS[id(key_mask)] = (ref, {})
+    return _PLANS[id(key_mask)][1]
+
+
 class HeadRouter(nn.Module):
     """[FA, SA] logits per head from the layer's keys pooled over the first and last N real tokens,
     a task MLP shared by the heads plus a per-head bias, and a router MLP.
 
     Pooling: mask-weighted over the real tokens' ranks (encoders), or, with edge_pooling, two runs of
-    N keys sliced from the first real token (decoder batches are left-padded) and from the end: O(N)
-    whatever the length (and a decoder's decode steps skip the router: ElasticAttention's head_modes)."""
+    N keys gathered from the first real token (decoder batches are left-padded) and from the end: O(N)
+    whatever the length (and a decoder's decode steps skip the router: ElasticAttention's head_modes).
+    Either way the two means are one MatMul of the keys with a (B, 2, positions) weight matrix, made
+    from the mask alone once for all the routers that read it (pool_plan)."""
 
     def __init__(self, num_heads: int, head_dim: int, hidden: int = 64, pool_tokens: int = 100,
                  edge_pooling: bool = False):
@@ -28,38 +55,48 @@ class HeadRouter(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(num_heads, hidden))
         self.router = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2))
 
-    def pool(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens."""
-        return self._pool_edges(k, key_mask) if self.edge_pooling else self._pool_ranked(k, key_mask)
+    def pool_plan(self, k: Tensor, key_mask: Tensor) -> tuple[Tensor | None, Tensor]:
+        """(index, weights) to pool (B, H, S, dh) keys with: index (B, H, 2N, dh) the key positions
+        to gather (edge pooling) or None (every position), weights (B, 1, 2, positions) each mean's
+        weights, summing to 1 (0 for a row with no real token). Shared by every router with the same
+        settings that reads this mask (see _PLANS)."""
+        B, H, S, dh = k.shape
+        key = (self.edge_pooling, self.pool_tokens, H, dh, key_mask._version)
+        memo = _plans_of(key_mask)
+        if key not in memo:
+            memo.clear()  # plans of an earlier version of the mask
+            memo[key] = self._edge_plan(key_mask, B, H, S, dh) if self.edge_pooling else self._ranked_plan(key_mask)
+        return memo[key]
 
-    def _pool_ranked(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        m = key_mask.to(k.dtype)  # (B, S)
+    def _ranked_plan(self, key_mask: Tensor) -> tuple[None, Tensor]:
+        m = key_mask.float()  # (B, S)
         rank = torch.cumsum(m, dim=1) - 1  # rank of each real token among the real ones
         n_real = m.sum(1, keepdim=True)
-        first = m * (rank < self.pool_tokens).to(k.dtype)
-        last = m * (rank >= n_real - self.pool_tokens).to(k.dtype)
+        w = torch.stack([m * (rank < self.pool_tokens).float(), m * (rank >= n_real - self.pool_tokens).float()], 1)
+        return None, (w / w.sum(2, keepdim=True).clamp(min=1))[:, None]  # (B, 1, 2, S)
 
-        def mean(w):
-            return (k * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
-        return torch.cat([mean(first), mean(last)], dim=-1)
-
-    def _pool_edges(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        B, H, S, dh = k.shape
-        r = torch.arange(self.pool_tokens, device=k.device)[None, :]  # (1, N): a constant N, whatever S
+    def _edge_plan(self, key_mask: Tensor, B: int, H: int, S: int, dh: int) -> tuple[Tensor, Tensor]:
+        N = self.pool_tokens
+        r = torch.arange(N, device=key_mask.device)[None, :]  # (1, N): a constant N, whatever S
         n_real = key_mask.long().sum(1, keepdim=True)  # (B, 1)
         offset = S - n_real  # left padding
-        firsts = offset + r  # (B, N) the first N real positions
-        lasts = (S - self.pool_tokens + r).expand(B, -1)  # (B, N) the last N positions
-        w_first = (r < n_real).to(k.dtype)
-        w_last = (lasts >= offset).to(k.dtype)
+        pos = torch.cat([offset + r, (S - N + r).expand(B, -1)], 1)  # (B, 2N): the first N real, the last N
+        w_first, w_last = (r < n_real).float(), (pos[:, N:] >= offset).float()  # (B, N) each
+        zeros = torch.zeros_like(w_first)
+        w = torch.stack([torch.cat([w_first, zeros], 1), torch.cat([zeros, w_last], 1)], 1)  # (B, 2, 2N)
+        index = pos.clamp(0, S - 1)[:, None, :, None].expand(B, H, 2 * N, dh)
+        return index, (w / w.sum(2, keepdim=True).clamp(min=1))[:, None]  # (B, 1, 2, 2N)
 
-        def mean(pos, w):
-            idx = pos.clamp(0, S - 1)[:, None, :, None].expand(B, H, -1, dh)
-            return (torch.gather(k, 2, idx) * w[:, None, :, None]).sum(2) / w.sum(1).clamp(min=1)[:, None, None]
-        return torch.cat([mean(firsts, w_first), mean(lasts, w_last)], dim=-1)
+    def pool(self, k: Tensor, key_mask: Tensor, plan: tuple | None = None) -> Tensor:
+        """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens
+        (plan: pool_plan's, else made or found here)."""
+        B, H, S, dh = k.shape
+        index, w = plan if plan is not None else self.pool_plan(k, key_mask)
+        keys = k if index is None else torch.gather(k, 2, index)  # (B, H, positions, dh)
+        return (w @ keys).reshape(B, H, 2 * dh)  # (B, H, 2, dh): [first mean, last mean]
 
-    def route(self, k: Tensor, key_mask: Tensor) -> Tensor:
-        h = self.task(self.pool(k.float(), key_mask)) + self.head_bias  # (B, H, hidden)
+    def route(self, k: Tensor, key_mask: Tensor, plan: tuple | None = None) -> Tensor:
+        h = self.task(self.pool(k.float(), key_mask, plan)) + self.head_bias  # (B, H, hidden)
         return self.router(h)  # (B, H, 2) fp32: [FA, SA]
 
     def forward(self, k: Tensor, key_mask: Tensor) -> Tensor:
@@ -120,22 +157,23 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         it nothing, and the logits are the given modes one-hot ([1, 0] FA, [0, 1] SA). Otherwise (a
         prefill) the router decides. Traced for a runtime that runs an `If` (traced_control_flow),
         the choice is a torch.cond; elsewhere the graph computes both and selects."""
-        def given_logits(k: Tensor, key_mask: Tensor, given: Tensor) -> Tensor:
-            return torch.stack([~given, given], dim=-1).float()
+        def given_logits(k: Tensor, key_mask: Tensor, given: Tensor, *plan) -> Tensor:
+            # rows of the identity: one Gather of a constant (a stack of ~given and given is five kernels)
+            return torch.eye(2, device=given.device)[given.long()]
 
-        def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor) -> Tensor:
-            return self.route(k, key_mask)
+        def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor, *plan) -> Tensor:
+            return self.route(k, key_mask, plan if len(plan) == 2 else (None, *plan))
 
         if use_modes is None or (not torch.compiler.is_exporting() and bool(use_modes)):
-            logits = given_logits(k, key_mask, given)
-        elif not torch.compiler.is_exporting():
-            logits = routed_logits(k, key_mask, given)
-        elif control_flow_traced():
-            logits = torch.cond(use_modes, given_logits, routed_logits, (k, key_mask, given))
-        else:  # both computed; the routed choice read before the select, as in the eager prefill
-            routed = routed_logits(k, key_mask, given)
-            return torch.where(use_modes, given_logits(k, key_mask, given), routed), routed[..., 1] > routed[..., 0]
-        return logits, logits[..., 1] > logits[..., 0]
+            return given_logits(k, key_mask, given), given
+        plan = tuple(t for t in self.pool_plan(k, key_mask) if t is not None)  # tensors only: If operands
+        if not torch.compiler.is_exporting():
+            logits = routed_logits(k, key_mask, given, *plan)
+        elif control_flow_traced():  # the plan made outside the If: a branch's values stay in the branch
+            logits = torch.cond(use_modes, given_logits, routed_logits, (k, key_mask, given, *plan))
+        else:  # both computed and selected
+            logits = torch.where(use_modes, given_logits(k, key_mask, given), routed_logits(k, key_mask, given, *plan))
+        return logits, _choice(logits)
 
     def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:
         key_mask = key_mask.bool()
@@ -155,12 +193,9 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
             return o, {"sa": sa, "logits": logits, "g": g}
         if head_modes is None:
             logits = self.route(k, key_mask)  # (B, Hkv, 2)
-            sa = logits[..., 1] > logits[..., 0]
-        else:
-            given = head_modes.bool()
-            logits, sa = self._given_or_routed(k, key_mask, given, use_modes)
-            # logic, not a bool Where (ONNX Runtime has none)
-            sa = given if use_modes is None else (use_modes & given) | (~use_modes & sa)
+            sa = _choice(logits)
+        else:  # the given modes' logits are one-hot, so the choice read off the logits is theirs
+            logits, sa = self._given_or_routed(k, key_mask, head_modes.bool(), use_modes)
         margin = None
         if not torch.compiler.is_exporting():
             gap = (logits[..., 1] - logits[..., 0]).abs().double()
@@ -176,6 +211,12 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         o = fn(q, kq, vq, self._groups(sa), key_mask, self.sink, self.window, self.causal)
         self.record({"sa": sa, "logits": logits}, margins={"sa": margin} if margin is not None else None)
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
+
+
+def _choice(logits: Tensor) -> Tensor:
+    """SA where its logit is the larger, [FA, SA] -> (B, H) bool (a tie is FA): two kernels in a
+    graph (ArgMax, Equal), where comparing the two slices takes five."""
+    return logits.argmax(-1) == 1
 
 
 def sparsity(rec_or_decisions) -> Tensor:

@@ -104,7 +104,25 @@ def control_flow_traced() -> bool:
     return bool(_CONTROL_FLOW and _CONTROL_FLOW[-1])
 
 
+@contextlib.contextmanager
+def traced_decode_step(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, a decoder being traced is traced for its decode steps only (one new token
+    after a non-empty cache: the exporter's decode-step program), so it may leave out what only a
+    prefill runs (an elastic decoder's routers)."""
+    _DECODE_STEP.append(enabled)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.pop()
+
+
+def decode_step_traced() -> bool:
+    """Whether the model traced now is a decoder's decode-step program (see traced_decode_step)."""
+    return bool(_DECODE_STEP and _DECODE_STEP[-1])
+
+
 _CONTROL_FLOW: list[bool] = []
+_DECODE_STEP: list[bool] = []
 
 MODES = ("soft", "st", "hard", "naive", "dense", "eager")
 # the shipped families' older names: hard decisions computed densely, and no routing at all

@@ -27,29 +27,36 @@ from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 PRECISIONS = ("fp32",)
 
 
-def trace_for(model, contract, target: str = "onnx"):
-    """The exported program `lower` lowers for `target`."""
+def trace_for(model, contract, target: str = "onnx", step: bool = False):
+    """The exported program `lower` lowers for `target` (step: a decoder's decode-step program)."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
     # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
     # (unverified on an engine here, so the TensorRT graph stays the one already checked)
-    return trace(model, contract, mode="hard", control_flow=target == "onnx")
+    return trace(model, contract, mode="hard", control_flow=target == "onnx", step=step)
 
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
-          target: str = "onnx", ep=None) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          target: str = "onnx", ep=None, step: bool = False,
+          decode_graph: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
-    lowering per op, inputs, outputs)."""
-    ep = ep if ep is not None else trace_for(model, contract, target)
+    lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
+    bodies where they have one (its inputs and outputs are the general graph's, at one new token);
+    decode_graph: the general program of an artifact that holds the step program too."""
+    ep = ep if ep is not None else trace_for(model, contract, target, step=step)
     inputs, outputs = io_specs(ep, contract)
-    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET)
+    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         entry = lookup(op_name(node), target, variant, node)
         res = entry.fn(ctx, node)
         table[node.target] = res.translation
         for f in res.functions:
-            functions[(f.domain, f.name, f.overload)] = f
+            key = (f.domain, f.name, f.overload)
+            if key in functions and functions[key] != f:
+                raise ExportError(f"two calls of {f.domain}.{f.name} need different bodies under one name (calls "
+                                  "specialised to their shapes: different head widths?); export them as separate models")
+            functions[key] = f
         notes[op_name(node)] = entry.fn.__name__
     fx.register_schema()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -61,7 +68,10 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed: {first}") from e
     proto = _optimize_main_graph(prog.model_proto)
-    if target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
+    _restore_input_names(proto, contract.input_names())
+    if target == "onnx" and step:  # a few rows a call: fewer kernels (passes.skip_layernorm)
+        passes.skip_layernorm(proto)
+    elif target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
         passes.layernorm_rows(proto)
     proto.functions.extend(functions.values())
     _bind_overloads(proto)
@@ -72,6 +82,29 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
         proto.opset_import.append(onnx.helper.make_opsetid(fx.MS_DOMAIN, 1))
     name_axes(proto, inputs, outputs)
     return proto, notes, inputs, outputs
+
+
+def _restore_input_names(proto: onnx.ModelProto, names: list[str]) -> None:
+    """Give the graph's inputs the contract's names again where the exporter renamed one: an input
+    that is also an output as it is (a decode step's decisions.layer{i}.sa is its head_modes.{i})
+    comes out as `<output>_orig`."""
+    rename = {vi.name: want for vi, want in zip(proto.graph.input, names) if vi.name != want}
+    if not rename:
+        return
+    for vi in proto.graph.input:
+        vi.name = rename.get(vi.name, vi.name)
+
+    def walk(nodes) -> None:
+        for node in nodes:
+            node.input[:] = [rename.get(n, n) for n in node.input]
+            for g in passes.subgraphs(node):
+                walk(g.node)
+                for o in g.output:
+                    o.name = rename.get(o.name, o.name)
+    walk(proto.graph.node)
+    for o in proto.graph.output:
+        if o.name in rename:
+            raise ExportError(f"the exported graph names an output {o.name!r} after an input; report this")
 
 
 def _bind_overloads(proto: onnx.ModelProto) -> None:
@@ -171,11 +204,25 @@ def dense_rows_option(value) -> int | None:
     return int(text)
 
 
+def decode_graph_option(value, contract) -> bool:
+    """The decode_graph option as a bool: "on" or "off" (the CLI passes text), None for the
+    contract's default (on for the families whose decode steps it was measured to speed up)."""
+    if value is None:
+        return bool(getattr(contract, "decode_graph", False))
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("on", "off"):
+        raise ExportError(f"--decode-graph {value!r}: give on or off")
+    return text == "on"
+
+
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
-           tokenizer: dict | None = None, say=None, dense_rows=None) -> dict:
+           tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
-    (dispatch.py)."""
+    (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
+    the calls of one new token after a non-empty cache (dispatch.merge_decode_step)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -184,21 +231,40 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     if rows is not None and variant != "sparse":
         raise ExportError(f"--dense-rows dispatches between the sparse and the dense lowering; it needs --variant "
                           f"sparse, not {variant}")
+    explicit = decode_graph is not None
+    step = decode_graph_option(decode_graph, contract)
+    if step and explicit and not contract.decoder:
+        raise ExportError("--decode-graph is for decoders (models with a KV cache); this model has none: leave it off")
+    if step and explicit and variant != "sparse":
+        raise ExportError(f"--decode-graph serves the sparse lowering; with --variant {variant} leave it off")
+    if step and explicit and rows is not None:
+        raise ExportError("--decode-graph and --dense-rows each put an If at the top of the graph; choose one "
+                          "(--decode-graph off or --dense-rows off)")
+    step = step and contract.decoder and variant == "sparse" and rows is None  # a family default gives way
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
+    say = say or (lambda m: None)
     ep = trace_for(model, contract)  # one trace, lowered once per variant
-    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep)
-    routed = None
+    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
+                                          decode_graph=step)
+    routed, stepped = None, None
     if rows is not None:
-        (say or (lambda m: None))(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
+        say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
+    if step:
+        say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
+        step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, step=True)
+        ids_input, past_input = contract.input_names()[0], contract.input_names()[2]
+        proto = dispatch.merge_decode_step(step_proto, proto, ids_input=ids_input, past_input=past_input,
+                                           domain=fx.DOMAIN)
+        stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
-                          tokenizer=tokenizer, dispatch=routed)
+                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -216,4 +282,9 @@ TARGET = register_target(Target(
                                     "sequence) run the dense one, larger calls the sparse one; off: the sparse "
                                     "graph alone (default: what the checkpoint records, else off; "
                                     "docs/benchmarking.md#never-slower-than-dense)",
-                    variants=("sparse",)),)))
+                    variants=("sparse",)),
+             Option("--decode-graph", "decoders: on puts a second graph in the artifact, traced for a decode step "
+                                      "(one new token after a non-empty cache), which runs those calls; off: the "
+                                      "one general graph (default: on for elastic decoders, else off; "
+                                      "docs/benchmarking.md#decode-steps)",
+                    variants=("sparse",)))))

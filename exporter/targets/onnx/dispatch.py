@@ -1,5 +1,18 @@
-"""Run-time dense dispatch (ONNX Runtime): one artifact holding the sparse and the dense lowering of
-the same weights, with an If at the top of the graph that runs the dense graph for small calls.
+"""Run-time dispatch at the top of an artifact's graph (ONNX Runtime): one If over two graphs of the
+same weights. Two uses:
+
+- dense dispatch (`merge`, `--dense-rows N`): the sparse and the dense lowering of one trace; the
+  dense graph runs the small calls (below);
+- the decode-step graph (`merge_decode_step`, `--decode-graph`, an elastic decoder's default): the
+  model traced a second time for a decode step (one new token after a non-empty cache: no router,
+  the ops' step bodies, SkipLayerNormalization; graphs.nn.record.traced_decode_step), which runs
+  those calls, and the general graph, which runs every other. The If costs what ONNX Runtime does
+  not share inside a branch: its common-subexpression elimination does not merge the Constant
+  nodes that each inlined op body makes (nor what they feed) in a subgraph, as it does in the main
+  graph, so what every layer's body computes alike (the positions a step's SA pairs read) is
+  computed per layer there (docs/benchmarking.md#decode-steps).
+
+Dense dispatch in detail:
 
 Where a call has few token rows (a decode step, a short prompt), the adaptive bodies' run-time
 decisions and the kernels that act on them (the If nodes on the keep mask, gathers, scatters) cost
@@ -37,6 +50,7 @@ from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 
 DENSE_OVERLOAD = "dense"
+STEP_OVERLOAD = "step"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
 
 
@@ -51,13 +65,13 @@ def _rename_reads(nodes, rename: dict) -> None:
                 o.name = rename.get(o.name, o.name)
 
 
-def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list, list]:
-    """Point the reads of `graph`'s initializers in `nodes` (subgraphs included) at branch values
-    `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime folds
-    the pair into an initializer of the branch at load (see the module docstring). Returns the fold
-    nodes and the branch's own initializers (the shapes). Empty tensors are read as they are."""
+def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
+    """Point the reads of the main graph's `initializers` in `nodes` (subgraphs included) at branch
+    values `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime
+    folds the pair into an initializer of the branch at load (see the module docstring). Returns the
+    fold nodes and the branch's own initializers (the shapes). Empty tensors are read as they are."""
     read = set(reads(nodes))
-    weights = [w for w in graph.initializer if w.name in read and 0 not in w.dims]
+    weights = [w for w in initializers if w.name in read and 0 not in w.dims]
     if not weights:
         return [], []
     local = {w.name: f"{RESERVED}{tag}.w.{w.name}" for w in weights}
@@ -74,13 +88,28 @@ def _local_weights(nodes: list, graph: onnx.GraphProto, tag: str) -> tuple[list,
     return fold, inits
 
 
+def _overload(tag: str | None, current: str) -> str:
+    """A call's overload in a branch tagged `tag`: the tag, before the one it had (a body
+    specialised to its head count in the dense branch is `dense_heads8`)."""
+    return current if tag is None else (f"{tag}_{current}" if current else tag)
+
+
+def _point_calls(nodes, overload: str | None, domain: str) -> None:
+    """Point the adaptex calls among `nodes` (subgraphs included) at `overload`."""
+    for node in nodes:
+        if node.domain == domain:
+            node.overload = _overload(overload, node.overload)
+        for g in subgraphs(node):
+            _point_calls(g.node, overload, domain)
+
+
 def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto], overload: str | None,
-           domain: str, local_weights: bool = True) -> onnx.GraphProto:
+           domain: str, local_weights: bool = True, initializers=None) -> onnx.GraphProto:
     """`graph`'s nodes as an If branch: every value its nodes produce renamed `dispatch.<tag>.<name>`
     (the If's outputs take the graph's output names), reads of inputs unchanged, reads of
-    initializers through the branch's fold nodes (_local_weights; local_weights=False reads them
-    from the main graph, which examples/if_branch_cost.py times), the adaptex calls pointed at
-    `overload`."""
+    initializers (the main graph's: `graph`'s own unless given) through the branch's fold nodes
+    (_local_weights; local_weights=False reads them from the main graph, which
+    examples/if_branch_cost.py times), the adaptex calls pointed at `overload`."""
     nodes = [onnx.NodeProto() for _ in graph.node]
     for copy, node in zip(nodes, graph.node):
         copy.CopyFrom(node)
@@ -88,8 +117,7 @@ def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto],
     for i, node in enumerate(nodes):  # node names too: ORT's profiler then shows which branch ran
         node.name = f"{RESERVED}{tag}.{node.name or f'{node.op_type}_{i}'}"
         node.output[:] = [rename.get(o, o) for o in node.output]
-        if overload is not None and node.domain == domain:
-            node.overload = overload
+    _point_calls(nodes, overload, domain)
     _rename_reads(nodes, rename)
     outs = []
     for vi in outputs:
@@ -98,12 +126,65 @@ def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto],
             name = f"{RESERVED}{tag}.{vi.name}"
             nodes.append(helper.make_node("Identity", [vi.name], [name]))
         outs.append(helper.make_tensor_value_info(name, vi.type.tensor_type.elem_type, None))
-    fold, inits = _local_weights(nodes, graph, tag) if local_weights else ([], [])
-    return helper.make_graph(fold + nodes, f"{RESERVED}{tag}", [], outs, initializer=inits)
+    inits = graph.initializer if initializers is None else initializers
+    fold, own = _local_weights(nodes, inits, tag) if local_weights else ([], [])
+    return helper.make_graph(fold + nodes, f"{RESERVED}{tag}", [], outs, initializer=own)
+
+
+def _produced(nodes) -> list[str]:
+    """Every value `nodes` make, their subgraphs' included."""
+    out = []
+    for n in nodes:
+        out += [o for o in n.output if o]
+        for g in subgraphs(n):
+            out += _produced(g.node)
+    return out
 
 
 def _digest(inits) -> dict:
     return {i.name: hashlib.sha256(i.SerializeToString()).hexdigest() for i in inits}
+
+
+def _content(t: onnx.TensorProto) -> str:
+    """A digest of a tensor's type, shape and values, whatever its name."""
+    copy = onnx.TensorProto()
+    copy.CopyFrom(t)
+    copy.name = ""
+    return hashlib.sha256(copy.SerializeToString()).hexdigest()
+
+
+def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
+    for side, x, y in (("inputs", a.input, b.input), ("outputs", a.output, b.output)):
+        if [v.name for v in x] != [v.name for v in y]:
+            raise ExportError(f"the {what} differ in their {side}; export one of them alone")
+    taken = [n for n in [v.name for v in a.input] + [i.name for i in a.initializer] if n.startswith(RESERVED)]
+    if taken:
+        raise ExportError(f"dispatch: the graph already has a value named {taken[0]!r}")
+
+
+def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str, str], overload: str,
+              cond_nodes: list, cond: str, initializers: list, then_initializers: list, domain: str) -> onnx.ModelProto:
+    """One model whose graph is an If on `cond` (made by `cond_nodes`) over `then`'s graph (its
+    adaptex calls and bodies given the overload `overload`) and `other`'s, with `initializers` in
+    the main graph (what both branches read, `then_initializers` those then's graph reads)."""
+    outputs = list(other.graph.output)
+    then_g = branch(then.graph, tags[0], outputs, overload, domain, initializers=then_initializers)
+    else_g = branch(other.graph, tags[1], outputs, None, domain, initializers=other.graph.initializer)
+    nodes = cond_nodes + [helper.make_node("If", [cond], [o.name for o in outputs], name=f"{RESERVED}If",
+                                           then_branch=then_g, else_branch=else_g)]
+    graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs, initializer=initializers)
+    graph.doc_string = other.graph.doc_string
+    model = helper.make_model(graph, opset_imports=list(other.opset_import), ir_version=other.ir_version)
+    known = {o.domain for o in model.opset_import}
+    model.opset_import.extend(o for o in then.opset_import if o.domain not in known)
+    model.functions.extend(other.functions)
+    for f in then.functions:
+        copy = onnx.FunctionProto()
+        copy.CopyFrom(f)
+        if f.domain == domain:
+            copy.overload = _overload(overload, f.overload)
+        model.functions.append(copy)
+    return model
 
 
 def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, dense_rows: int,
@@ -114,9 +195,7 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
     gs, gd = sparse.graph, dense.graph
     if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 1:
         raise ExportError(f"dense dispatch: dense_rows must be a whole number of at least 1, got {dense_rows!r}")
-    for what, a, b in (("inputs", gs.input, gd.input), ("outputs", gs.output, gd.output)):
-        if [v.name for v in a] != [v.name for v in b]:
-            raise ExportError(f"the sparse and dense lowerings differ in their {what}; export one variant")
+    _same_io(gs, gd, "sparse and dense lowerings")
     if _digest(gs.initializer) != _digest(gd.initializer):
         raise ExportError("the sparse and dense lowerings differ in their weights; export one variant")
     vi = next((v for v in gs.input if v.name == rows_input), None)
@@ -125,40 +204,70 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
     if len(vi.type.tensor_type.shape.dim) < 2:
         raise ExportError(f"dense dispatch: input {rows_input!r} has fewer than two axes (batch, sequence); "
                           "export without dense_rows")
-    taken = [n for n in [v.name for v in gs.input] + [i.name for i in gs.initializer] if n.startswith(RESERVED)]
-    if taken:
-        raise ExportError(f"dense dispatch: the graph already has a value named {taken[0]!r}")
-
-    outputs = list(gs.output)
-    then_g = branch(gd, "dense", outputs, DENSE_OVERLOAD, domain)
-    else_g = branch(gs, "sparse", outputs, None, domain)
     rows = f"{RESERVED}rows"
     limit = numpy_helper.from_array(np.array(dense_rows, dtype=np.int64), f"{RESERVED}dense_rows")
     small = f"{RESERVED}small"
     shape = f"{RESERVED}batch_sequence"
-    nodes = [
+    cond_nodes = [
         helper.make_node("Shape", [rows_input], [shape], name=f"{RESERVED}Shape", start=0, end=2),
         helper.make_node("ReduceProd", [shape], [rows], name=f"{RESERVED}ReduceProd", keepdims=0),
         helper.make_node("LessOrEqual", [rows, limit.name], [small], name=f"{RESERVED}LessOrEqual"),
-        helper.make_node("If", [small], [o.name for o in outputs], name=f"{RESERVED}If",
-                         then_branch=then_g, else_branch=else_g),
     ]
-    graph = helper.make_graph(nodes, gs.name, list(gs.input), outputs,
-                              initializer=list(gs.initializer) + [limit])
-    graph.doc_string = gs.doc_string
-    model = helper.make_model(graph, opset_imports=list(sparse.opset_import), ir_version=sparse.ir_version)
-    known = {o.domain for o in model.opset_import}
-    model.opset_import.extend(o for o in dense.opset_import if o.domain not in known)
-    model.functions.extend(sparse.functions)
-    for f in dense.functions:
-        copy = onnx.FunctionProto()
-        copy.CopyFrom(f)
-        if f.domain == domain:
-            if f.overload:
-                raise ExportError(f"dense dispatch: the dense body of {f.name} already has an overload")
-            copy.overload = DENSE_OVERLOAD
-        model.functions.append(copy)
-    return model
+    return _if_model(dense, sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD, cond_nodes=cond_nodes,
+                     cond=small, initializers=list(gs.initializer) + [limit],
+                     then_initializers=gs.initializer, domain=domain)
+
+
+def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
+                      domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
+    non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
+    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). The two are traces of one
+    model: an initializer of the step graph equal to one of the general graph's (a weight) is
+    stored once; one that shares a name but not its values (a trace's constant) is renamed."""
+    gs, gg = step.graph, general.graph
+    _same_io(gs, gg, "decode-step and general graphs")
+    for name, axes in ((ids_input, 2), (past_input, 3)):
+        vi = next((v for v in gg.input if v.name == name), None)
+        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
+            raise ExportError(f"decode-step dispatch: the graph has no input {name!r} of rank {axes} or more")
+    by_content = {_content(t): t.name for t in gg.initializer}
+    names = {t.name for t in gg.initializer}
+    made = set(_produced(gs.node))  # a main-graph name the step graph also makes would be shadowed there
+    inits, rename = list(gg.initializer), {}
+    for t in gs.initializer:
+        same = by_content.get(_content(t))
+        if same is not None and same not in made:
+            rename[t.name] = same
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(t)
+        if t.name in names or same is not None:
+            copy.name = rename[t.name] = f"{RESERVED}step.c.{t.name}"
+        inits.append(copy)
+        names.add(copy.name)
+    step_graph = onnx.GraphProto()
+    step_graph.CopyFrom(gs)
+    _rename_reads(step_graph.node, rename)
+    step_model = onnx.ModelProto()
+    step_model.CopyFrom(step)
+    step_model.graph.CopyFrom(step_graph)
+    read = {rename.get(t.name, t.name) for t in gs.initializer}
+    one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{RESERVED}{n}") for v, n in ((1, "one"), (0, "zero")))
+    new, cached = f"{RESERVED}new_tokens", f"{RESERVED}cached_tokens"
+    is_step = f"{RESERVED}is_step"
+    cond_nodes = [
+        helper.make_node("Shape", [ids_input], [f"{new}.1"], name=f"{RESERVED}Shape_new", start=1, end=2),
+        helper.make_node("Shape", [past_input], [f"{cached}.1"], name=f"{RESERVED}Shape_cached", start=2, end=3),
+        helper.make_node("Squeeze", [f"{new}.1"], [new], name=f"{RESERVED}Squeeze_new"),
+        helper.make_node("Squeeze", [f"{cached}.1"], [cached], name=f"{RESERVED}Squeeze_cached"),
+        helper.make_node("Equal", [new, one.name], [f"{RESERVED}one_new"], name=f"{RESERVED}Equal"),
+        helper.make_node("Greater", [cached, zero.name], [f"{RESERVED}has_cache"], name=f"{RESERVED}Greater"),
+        helper.make_node("And", [f"{RESERVED}one_new", f"{RESERVED}has_cache"], [is_step], name=f"{RESERVED}And"),
+    ]
+    return _if_model(step_model, general, tags=("step", "general"), overload=STEP_OVERLOAD, cond_nodes=cond_nodes,
+                     cond=is_step, initializers=inits + [one, zero],
+                     then_initializers=[t for t in inits if t.name in read], domain=domain)
 
 
 def dense_rows_of(proto: onnx.ModelProto) -> int | None:
@@ -169,4 +278,4 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "dense_rows_of", "DENSE_OVERLOAD"]
+__all__ = ["merge", "merge_decode_step", "dense_rows_of", "DENSE_OVERLOAD", "STEP_OVERLOAD"]

@@ -470,21 +470,27 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
     return b("MatMul", b("Softmax", b("Where", visible, scores, b.const(NEG, np.float32)), axis=-1), v)
 
 
-def elastic_attention_function(variant: str, causal_known: bool | None = None,
-                               decode_step: bool = False, fused: bool = False) -> onnx.FunctionProto:
+def elastic_attention_function(variant: str, causal_known: bool | None = None, dispatch: bool = False,
+                               decode_step: bool = False, fused: bool = False,
+                               head_dim: int | None = None) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
-    sparse: the (B*H) head pairs of each mode gathered (NonZero over sa); FA pairs attend every
-    visible key; SA pairs attend block-local, each block of Bq = min(window, T) queries against its
-    own run of keys (Gather with a (blocks, L) index), plus the sinks; ScatterND (no reduction)
-    puts both groups back. dense: the full score matrix for every head, SA heads through a band
-    mask (static shapes). The sparse FA group masks by addition: a (BH, 1, S) padding bias, and for a
-    causal call a (T, S) bias of NEG above the diagonal made by one Trilu (no T x S comparisons);
-    causal_known=False (every call site is an encoder's) drops that causal bias altogether.
-    decode_step (ONNX Runtime): an If sends a causal call with T = 1 (a decode step) to a short body
-    that reads only the SA pairs' sinks and window. Not for TensorRT: the operator docs of TensorRT
-    10.1 and 10.6 ask an If's branches for equal output shapes (here (BH, 1, dh) against (BH, T, dh)),
-    only later releases for equal ranks; its engines take the general body, which serves T = 1 too.
+    sparse: the (B*H) pairs of each mode gathered (NonZero over sa): FA pairs attend every visible
+    key, SA pairs block-local (each block of Bq = min(window, T) queries against its own run of
+    keys, via a (blocks, L) Gather, plus the sinks), and ScatterND (no reduction) puts both back.
+    dispatch (ONNX Runtime): If nodes take a shorter path where one applies: a call whose pairs are
+    all FA, or whose keys all lie within an SA query's sinks and window, attends every (B, H) pair
+    over every visible key as it is (no reshape, gather or scatter); all SA, every pair
+    block-local; only a mix gathers. dense: the full score matrix for every head, SA heads through a
+    band mask (static shapes). Padding masks by addition (a bias per key), causality by one Trilu of
+    NEG above the diagonal (no T x S comparisons). causal_known (the call's causal flag where
+    tracing fixed it) drops the branches of the other kind; head_dim (likewise) makes the score
+    scale a constant.
+    decode_step (with dispatch): an If sends a causal call with T = 1 (a decode step) to a short
+    body that reads only the SA pairs' sinks and window; off where the artifact's decode steps run a
+    decode-step graph of their own (elastic_step_function). TensorRT-bound bodies take neither: the
+    operator docs of TensorRT 10.1 and 10.6 ask an If's branches for equal output shapes, only later
+    releases for equal ranks, so its engines take the general body, which serves every call.
     fused (ONNX Runtime, encoders: causal_known False): FA pairs of a call with no padded key run
     ONNX Runtime's own fused attention kernel, com.microsoft.MultiHeadAttention (one head per pair).
     Measured at (6, 512, 32) pairs, 1 thread: 4.1 ms against 5.9 ms for MatMul + bias Add + Softmax
@@ -497,164 +503,304 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None,
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
     c0, c1 = b.const(0), b.const(1)
-    B1, H1 = b("Shape", q, start=0, end=1), b("Shape", q, start=1, end=2)
-    T1, dh1, S1 = b("Shape", q, start=2, end=3), b("Shape", q, start=3, end=4), b("Shape", k, start=2, end=3)
+    T1, S1 = b("Shape", q, start=2, end=3), b("Shape", k, start=2, end=3)
     T, S = b("Squeeze", T1, b.const([0])), b("Squeeze", S1, b.const([0]))
-    scale = b("Reciprocal", b("Sqrt", b("Cast", dh1, to=TensorProto.FLOAT)))  # (1,)
+    if head_dim:
+        scale = b.const([1.0 / np.sqrt(head_dim)], np.float32)  # (1,)
+    else:
+        scale = b("Reciprocal", b("Sqrt", b("Cast", b("Shape", q, start=3, end=4), to=TensorProto.FLOAT)))
+    is_causal = b("Equal", causal, c1) if causal_known is None else None
+
+    def causal_or(when_causal, otherwise):  # the call's kind, chosen here where tracing fixed it
+        if causal_known is None:
+            return when_causal(), otherwise()
+        return when_causal() if causal_known else otherwise()
+
     if variant == "dense":
         fa_vis, sa_vis = _visibility(b, T, S, sink, window, causal)
         scores = b("Mul", b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2])), scale)  # (B, H, T, S)
         vis = _pick(b, b("Unsqueeze", sa, b.const([2, 3])), sa_vis, fa_vis)  # (B, H, T, S)
         vis = b("And", vis, b("Unsqueeze", key_mask, b.const([1, 2])))
         b.nodes.append(helper.make_node("Identity", [_masked_softmax_av(b, scores, vis, v)], ["o"]))
-    else:
-        cm1 = b.const([-1])
-        qf = b("Reshape", q, b("Concat", cm1, T1, dh1, axis=0))  # (BH, T, dh)
-        kf = b("Reshape", k, b("Concat", cm1, S1, dh1, axis=0))  # (BH, S, dh)
-        vf = b("Reshape", v, b("Concat", cm1, S1, dh1, axis=0))
-        mf = b("Reshape", b("Expand", b("Unsqueeze", key_mask, b.const([1])), b("Concat", B1, H1, S1, axis=0)),
-               b("Concat", cm1, S1, axis=0))  # (BH, S)
-        modes = b("Reshape", sa, cm1)  # (BH,)
+        return _ea_function(b, variant, fused)
 
-        def padded_scores(qx: str, kx: str, mx: str) -> str:  # (N, Tq, L) scaled, padded keys at NEG
-            bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
-            return b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+    # the padding bias (B, 1, 1, S), read by the paths that attend the pairs as they are (dispatch only)
+    bias4 = b("Unsqueeze", b("Where", key_mask, b.const(0.0, np.float32), b.const(NEG, np.float32)),
+              b.const([1, 2])) if dispatch else None
+    causal_bias = causal_known is not False
 
-        def full_pairs(out: str, causal_bias: bool) -> str:  # the FA pairs over every visible key, into out
-            idx = b("Transpose", b("NonZero", b("Not", modes)), perm=[1, 0])  # (Nf, 1)
-            rows = b("Squeeze", idx, b.const([1]))
-            qa, ka, va, ma = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            return b("ScatterND", out, idx, attend(qa, ka, va, ma, causal_bias))  # (Nf, T, S) scores
-
-        def causal_scores(qx: str, kx: str, mx: str, causal_bias: bool) -> str:  # (N, T, S)
-            scores = padded_scores(qx, kx, mx)
-            if causal_bias:  # keys after the query: NEG where j - i >= S - T + 1 (S: nowhere)
-                kdiag = b("Where", b("Equal", causal, c1), b("Add", b("Sub", S, T), c1), S)
-                full = b("ConstantOfShape", b("Concat", T1, S1, axis=0),
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
-                scores = b("Add", scores, b("Trilu", full, kdiag, upper=1))
+    def with_causality(scores: str) -> str:  # keys after the query: NEG where j - i >= S - T + 1
+        if not causal_bias:
             return scores
+        kdiag = b("Add", b("Sub", S, T), c1)
+        if causal_known is None:  # not causal: the diagonal past the last key, so nothing is masked
+            kdiag = b("Where", is_causal, kdiag, S)
+        full = b("ConstantOfShape", b("Concat", T1, S1, axis=0), value=helper.make_tensor("v", TensorProto.FLOAT, [1], [NEG]))
+        return b("Add", scores, b("Trilu", full, kdiag, upper=1))
 
-        def plain_attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
-            return b("MatMul", b("Softmax", causal_scores(qx, kx, mx, causal_bias), axis=-1), vx)
+    def no_pad() -> str:  # ONNX Runtime's fused kernel computes the same where no key is padded
+        return b("Equal", b("ReduceMin", b("Cast", key_mask, to=TensorProto.INT32), keepdims=0), b.const(1, np.int32))
 
-        if fused:  # ONNX Runtime's kernel where it computes the same: no padded key
-            no_pad = b("Equal", b("ReduceMin", b("Cast", key_mask, to=TensorProto.INT32), keepdims=0),
-                       b.const(1, np.int32))
+    def every_fa() -> str:  # every (B, H) pair over every visible key, as it is: (B, H, T, dh)
+        if fused:
+            return b.if_(no_pad(), lambda: b("Reshape", b("MultiHeadAttention", *flat(q, k, v), domain=MS_DOMAIN,
+                                                           num_heads=1), b("Shape", q)),
+                         plain_fa)
+        return plain_fa()
 
-        def attend(qx: str, kx: str, vx: str, mx: str, causal_bias: bool = False) -> str:
-            if not fused:
-                return plain_attend(qx, kx, vx, mx, causal_bias)
-            return b.if_(no_pad, lambda: b("MultiHeadAttention", qx, kx, vx, domain=MS_DOMAIN, num_heads=1),
-                         lambda: plain_attend(qx, kx, vx, mx, causal_bias))
+    def plain_fa() -> str:
+        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), bias4)
+        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
 
-        def one_mode_or_mixed(every_fa, every_sa, mixed) -> str:
-            """ONNX Runtime: a call whose pairs are all FA or all SA runs only that mode's body, on
-            every pair in place (no NonZero, gather or ScatterND); a mix runs `mixed` (two Ifs deep).
-            A call whose keys all lie within an SA query's sinks and window (causal: S <= sink +
-            window; encoder: S - 1 <= window // 2, or S <= sink) takes the FA body whatever its
-            modes: there SA sees exactly the keys FA sees, so the same output comes from one plain
-            attention (a short prompt's whole layer in ~10 nodes, not the block-local ~60)."""
-            n_sa = b("ReduceSum", b("Cast", modes, to=TensorProto.INT64), keepdims=0)
-            sees_all = _pick(b, b("Equal", causal, c1), b("LessOrEqual", S, b("Add", sink, window)),
-                             b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
-                               b("LessOrEqual", S, sink)))
-            return b.if_(b("Or", b("Equal", n_sa, c0), sees_all), every_fa,
-                         lambda: b.if_(b("Equal", n_sa, b("Size", modes)), every_sa, mixed))
+    def flat(*xs: str) -> list[str]:  # (B, H, L, dh) -> (B*H, L, dh)
+        dh1 = b("Shape", q, start=3, end=4)
+        return [b("Reshape", x, b("Concat", b.const([-1]), b("Shape", x, start=2, end=3), dh1, axis=0)) for x in xs]
 
-        def general() -> str:  # any T: FA pairs over every visible key, SA pairs block-local
-            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), causal_known is not False)
-            idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
+    def flat_mask() -> str:  # (B, S) -> (B*H, S)
+        B1, H1 = b("Shape", q, start=0, end=1), b("Shape", q, start=1, end=2)
+        return b("Reshape", b("Expand", b("Unsqueeze", key_mask, b.const([1])), b("Concat", B1, H1, S1, axis=0)),
+                 b("Concat", b.const([-1]), S1, axis=0))
+
+    def pairs_attend(qx: str, kx: str, vx: str, mx: str) -> str:  # (N, T, dh) pairs over every visible key
+        bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
+        scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
+
+    def sees_all() -> str:  # every key within an SA query's reach: SA sees what FA sees
+        return causal_or(lambda: b("LessOrEqual", S, b("Add", sink, window)),
+                         lambda: b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
+                                   b("LessOrEqual", S, sink)))
+
+    def one_mode_or_mixed(every_sa_, every_fa_, mixed_) -> str:
+        """A call whose pairs are all SA runs `every_sa_` (one If deep: the common case where the
+        routers were trained for a high SA share); all FA, or keys an SA query all sees (where SA
+        sees what FA sees), `every_fa_`; a mix `mixed_` (two Ifs deep)."""
+        n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
+        reach = sees_all()
+        if causal_known is None:
+            reach = _pick(b, is_causal, *reach)
+        return b.if_(b("And", b("Equal", n_sa, b("Size", sa)), b("Not", reach)), every_sa_,
+                     lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, mixed_))
+
+    def by_modes() -> str:  # any call: every pair FA as it is, every pair block-local, or a mix
+        return one_mode_or_mixed(every_sa, every_fa, mixed)
+
+    def every_sa() -> str:
+        qf, kf, vf = flat(q, k, v)
+        return b("Reshape", block_local(qf, kf, vf, flat_mask()), b("Shape", q))
+
+    def fa_pairs(qx: str, kx: str, vx: str, mx: str) -> str:  # gathered FA pairs, fused where it applies
+        if not fused:
+            return pairs_attend(qx, kx, vx, mx)
+        return b.if_(no_pad(), lambda: b("MultiHeadAttention", qx, kx, vx, domain=MS_DOMAIN, num_heads=1),
+                     lambda: pairs_attend(qx, kx, vx, mx))
+
+    def mixed() -> str:  # FA pairs over every visible key, SA pairs block-local, each into its rows
+        qf, kf, vf = flat(q, k, v)
+        mf = flat_mask()
+        modes = b("Reshape", sa, b.const([-1]))  # (BH,)
+        out = b("Mul", qf, b.const(0.0, np.float32))
+        for pick, fn in ((b("Not", modes), fa_pairs), (modes, block_local)):
+            idx = b("Transpose", b("NonZero", pick), perm=[1, 0])  # (N, 1)
             rows = b("Squeeze", idx, b.const([1]))
-            qs, ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))
-            return b("ScatterND", out, idx, block_local(qs, ks, vs, ms))
+            out = b("ScatterND", out, idx, fn(*(b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))))
+        return b("Reshape", out, b("Shape", q))
 
-        def by_modes() -> str:  # any T: FA over every visible key in place, SA block-local, or a mix
-            return one_mode_or_mixed(lambda: attend(qf, kf, vf, mf, causal_known is not False),
-                                     lambda: block_local(qf, kf, vf, mf), general)
-
-        def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
-            is_causal = b("Equal", causal, c1)
-            Bq = b("Max", b("Min", window, T), c1)
-            nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
-            half = b("Div", window, b.const(2))
-            before = b("Where", is_causal, b("Sub", window, c1), half)
-            L = b("Add", Bq, b("Where", is_causal, b("Sub", window, c1), b("Mul", half, b.const(2))))
-            a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
-            j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
-                  b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
-            a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
-            d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
-            inwin = _pick(b, is_causal, b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
-                          b("LessOrEqual", b("Abs", d), half))
-            j3 = b("Unsqueeze", j, b.const([1]))
-            valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
-                      b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
-            jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
-            pad = b("Sub", b("Mul", nb, Bq), T)
-            qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
-            qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
-                                    dh1, axis=0))  # (Ns, nb, Bq, dh)
-            kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
-            s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
-            vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
-                        b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
-            ns = b("Min", sink, S)
-            ns1 = b("Unsqueeze", ns, b.const([0]))
-            k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
-            v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
-            s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
+    def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
+        dh1 = b("Shape", q, start=3, end=4)
+        cm1 = b.const([-1])
+        half = b("Div", window, b.const(2))
+        Bq = b("Max", b("Min", window, T), c1)
+        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
+        # query a sees a - window + 1 .. a (causal) or a - half .. a + half: `before` keys ahead of
+        # it, and a block's run is Bq plus `extra` keys long
+        spans = causal_or(lambda: (b("Sub", window, c1),) * 2, lambda: (half, b("Mul", half, b.const(2))))
+        if causal_known is None:
+            (cb, ce), (nb_, ne) = spans
+            spans = (b("Where", is_causal, cb, nb_), b("Where", is_causal, ce, ne))
+        before, extra = spans
+        L = b("Add", Bq, extra)
+        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
+        j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
+              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
+        a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
+        d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
+        inwin = causal_or(lambda: b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
+                          lambda: b("LessOrEqual", b("Abs", d), half))
+        if causal_known is None:
+            inwin = _pick(b, is_causal, *inwin)
+        j3 = b("Unsqueeze", j, b.const([1]))
+        valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
+                  b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
+        jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
+        pad = b("Sub", b("Mul", nb, Bq), T)
+        qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
+        qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
+                                dh1, axis=0))  # (Ns, nb, Bq, dh)
+        kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
+        s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
+        vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
+                    b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
+        ns = b("Min", sink, S)
+        ns1 = b("Unsqueeze", ns, b.const([0]))
+        k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
+        v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
+        s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
+        vis_sink = b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2]))
+        if causal_bias:  # a sink after the query (the first queries of a short prompt)
             jn = b("Range", c0, ns, c1)  # (ns,)
-            sink_c = b("Or", b("LessOrEqual", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2]))),
-                       b("Not", is_causal))  # (nb, Bq, ns)
-            vis_sink = b("And", b("Unsqueeze", sink_c, b.const([0])),
-                         b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2])))
-            scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
-                       b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
-            p = b("Softmax", scores, axis=-1)
-            end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
-            o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
-                  b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
-            o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
-            return b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
+            later = b("Greater", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2])))  # (nb, Bq, ns)
+            if causal_known is None:
+                later = b("And", later, is_causal)
+            vis_sink = b("And", vis_sink, b("Unsqueeze", b("Not", later), b.const([0])))
+        scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
+                   b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
+        p = b("Softmax", scores, axis=-1)
+        end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
+        o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
+              b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
+        o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
+        return b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
 
-        def step() -> str:  # a decode step (T = 1, causal): the query is the last position
-            # A layer's pairs are often all FA or all SA: those steps take no gather of pairs, no
-            # scatter, and no copy of the FA pairs' cache (~10 nodes against ~40). FA: every key is
-            # at or before the query, so only padding is masked
-            return one_mode_or_mixed(lambda: attend(qf, kf, vf, mf), lambda: sa_step(None, qf), mixed_step)
+    def step() -> str:  # a decode step (T = 1, causal): the query is the last position
+        # A layer's pairs are often all FA or all SA: those steps take no gather of pairs, no
+        # scatter, and no copy of the FA pairs' cache. FA: every key is at or before the query, so
+        # only padding is masked
+        ns = b("Min", sink, S)
+        ws = b("Max", b("Sub", S, window), ns)
+        keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,) sinks and window
+        step_fa = lambda: b("MatMul", b("Softmax", b("Add", b("MatMul", b("Mul", q, scale),
+                                                                        b("Transpose", k, perm=[0, 1, 3, 2])), bias4),
+                                                     axis=-1), v)
 
-        def sa_step(rows, qx: str) -> str:
-            # SA pairs read their sinks [0, ns) and their window [ws, S) of the cache, nothing else:
-            # the positions are gathered for every pair first (L = ns + S - ws <= sink + window), the
-            # SA pairs' rows of that after (rows None: every pair is SA)
-            ns = b("Min", sink, S)
-            ws = b("Max", b("Sub", S, window), ns)
-            keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
-            ks, vs, ms = (b("Gather", t, keys, axis=1) for t in (kf, vf, mf))
-            if rows is not None:
-                ks, vs, ms = (b("Gather", t, rows, axis=0) for t in (ks, vs, ms))
-            return attend(qx, ks, vs, ms)
+        def step_sa() -> str:
+            kw, vw = b("Gather", k, keys, axis=2), b("Gather", v, keys, axis=2)
+            scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", kw, perm=[0, 1, 3, 2])),
+                       b("Gather", bias4, keys, axis=3))
+            return b("MatMul", b("Softmax", scores, axis=-1), vw)
 
-        def mixed_step() -> str:
-            out = full_pairs(b("Mul", qf, b.const(0.0, np.float32)), False)  # into (BH, 1, dh) zeros
-            idx = b("Transpose", b("NonZero", modes), perm=[1, 0])  # (Ns, 1)
-            rows = b("Squeeze", idx, b.const([1]))
-            return b("ScatterND", out, idx, sa_step(rows, b("Gather", qf, rows, axis=0)))
+        def step_mixed() -> str:  # FA pairs over every key, SA pairs over their sinks and window
+            qf, kf, vf = flat(q, k, v)
+            mf = flat_mask()
+            kw, vw, mw = b("Gather", kf, keys, axis=1), b("Gather", vf, keys, axis=1), b("Gather", mf, keys, axis=1)
+            modes = b("Reshape", sa, b.const([-1]))
+            out = b("Mul", qf, b.const(0.0, np.float32))
+            for pick, kk, vv, mm in ((b("Not", modes), kf, vf, mf), (modes, kw, vw, mw)):
+                idx = b("Transpose", b("NonZero", pick), perm=[1, 0])  # (N, 1)
+                rows = b("Squeeze", idx, b.const([1]))
+                out = b("ScatterND", out, idx, pairs_step(*(b("Gather", t, rows, axis=0) for t in (qf, kk, vv, mm))))
+            return b("Reshape", out, b("Shape", q))
 
-        if not decode_step:  # TensorRT: the general body alone
-            out = general()
-        elif causal_known is False:  # an encoder's calls (never a decode step)
-            out = by_modes()
-        else:  # one If: a step reads O(sink + window) keys per SA pair in ~30 nodes, not the ~90 of the
-            # general body, whose per-node cost dominates a step (ONNX Runtime, CPU)
-            out = b.if_(b("And", b("Equal", T, c1), b("Equal", causal, c1)), step, by_modes)
-        b.nodes.append(helper.make_node("Reshape", [out, b("Shape", q)], ["o"]))
+        def pairs_step(qx, kx, vx, mx) -> str:
+            bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
+            scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+            return b("MatMul", b("Softmax", scores, axis=-1), vx)
+
+        return one_mode_or_mixed(step_sa, step_fa, step_mixed)
+
+    if not dispatch:  # TensorRT: no If
+        out = mixed()
+    elif not decode_step or causal_known is False:  # a decode-step graph elsewhere, or an encoder
+        out = by_modes()
+    else:  # one If: a step reads O(sink + window) keys per SA pair in ~20 nodes
+        is_step = b("Equal", T, c1)
+        if causal_known is None:
+            is_step = b("And", is_step, is_causal)
+        out = b.if_(is_step, step, by_modes)
+    b.nodes.append(helper.make_node("Identity", [out], ["o"]))
+    return _ea_function(b, variant, fused)
+
+
+def _ea_function(b: _Body, variant: str, fused: bool) -> onnx.FunctionProto:
     return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if fused else []),
         attributes=["sink", "window", "causal"],
         doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
+    ))
+
+
+# A decode step's mixed layer (some pairs FA, some SA) attends every pair over every key, the SA
+# pairs' keys outside their sinks and window masked, while its cache holds at most this many floats
+# (B*H*S*dh); past it, the pairs are gathered by mode and each reads only its own keys. Measured on
+# elastic-charlm, B1 steps (docs/benchmarking.md): masking ran 0.92 of gathering after 511 cached
+# tokens (65,536 floats) and 0.97 after 2047.
+MIXED_STEP_MASKED_UP_TO = 1 << 17
+
+
+def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
+    """adaptex.ElasticAttention for a call the exporter traced as a decode step (ONNX Runtime): one
+    causal query per pair (T = 1) after a non-empty cache (docs/ops.md). A layer whose pairs are
+    all FA attends every key; all SA, only the sinks and the window of the cache (a Gather of those
+    positions, L <= sink + window); a mix, see MIXED_STEP_MASKED_UP_TO. What depends on the key
+    mask and the attributes alone (the positions an SA query reads, the padding bias) reads no
+    per-layer value, so ONNX Runtime's common-subexpression elimination computes it once for every
+    layer of the step. It serves the decode-step program only: the general body takes every other
+    call (exporter/targets/onnx/dispatch.py). head_dim: the calls' dh where tracing fixed it, so
+    the score scale is a constant (else read from q's shape: four kernels a layer)."""
+    b = _Body("eas_")
+    q, k, v, sa, key_mask = EA_INPUTS
+    sink, window = b.attr_int("sink"), b.attr_int("window")
+    c0, c1 = b.const(0), b.const(1)
+    neg, zero = b.const(NEG, np.float32), b.const(0.0, np.float32)
+    # shared by every layer: the key positions an SA query reads (sinks, then the window) and the bias
+    S = b("Squeeze", b("Shape", key_mask, start=1, end=2), b.const([0]))
+    ns = b("Min", sink, S)
+    ws = b("Max", b("Sub", S, window), ns)  # the window starts after the sinks
+    keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
+    bias = b("Unsqueeze", b("Where", key_mask, zero, neg), b.const([1, 2]))  # (B, 1, 1, S)
+    bias_sa = b("Gather", bias, keys, axis=3)  # (B, 1, 1, L)
+    if head_dim:
+        scale = b.const(1.0 / np.sqrt(head_dim), np.float32)
+    else:
+        scale = b("Reciprocal", b("Sqrt", b("Cast", b("Shape", q, start=3, end=4), to=TensorProto.FLOAT)))
+    qs = b("Mul", q, scale)  # (B, H, 1, dh)
+    n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
+
+    def attend(qx: str, kx: str, vx: str, bx: str, perm=(0, 1, 3, 2)) -> str:
+        scores = b("Add", b("MatMul", qx, b("Transpose", kx, perm=list(perm))), bx)
+        return b("MatMul", b("Softmax", scores, axis=-1), vx)
+
+    def every_sa() -> str:
+        return attend(qs, b("Gather", k, keys, axis=2), b("Gather", v, keys, axis=2), bias_sa)
+
+    def masked() -> str:  # every pair over every key, an SA pair's keys outside sinks and window hidden
+        j = b("Range", c0, S, c1)
+        outside = b("Not", b("Or", b("Less", j, ns), b("GreaterOrEqual", j, ws)))  # (S,)
+        hide = b("And", b("Unsqueeze", sa, b.const([2, 3])), outside)  # (B, H, 1, S)
+        return attend(qs, k, v, b("Add", bias, b("Where", hide, neg, zero)))
+
+    def by_pairs() -> str:  # FA pairs over every key, SA pairs over their sinks and window
+        cm1 = b.const([-1])
+        H = b("Shape", q, start=1, end=2)
+        dh1 = b("Shape", q, start=3, end=4)
+        qf = b("Reshape", qs, b("Concat", cm1, b.const([1]), dh1, axis=0))  # (BH, 1, dh)
+        modes = b("Reshape", sa, cm1)  # (BH,)
+        out = b("Mul", qf, zero)
+        for pick, kk, vv, bb in ((b("Not", modes), k, v, bias), (modes, None, None, bias_sa)):
+            if kk is None:
+                kk, vv = b("Gather", k, keys, axis=2), b("Gather", v, keys, axis=2)
+            idx = b("Transpose", b("NonZero", pick), perm=[1, 0])  # (N, 1)
+            rows = b("Squeeze", idx, b.const([1]))
+            L1 = b("Shape", kk, start=2, end=3)
+            kx, vx = (b("Gather", b("Reshape", t, b("Concat", cm1, L1, dh1, axis=0)), rows, axis=0) for t in (kk, vv))
+            bx = b("Gather", b("Squeeze", bb, b.const([1])), b("Div", rows, H), axis=0)  # (N, 1, L): the pair's sample's
+            out = b("ScatterND", out, idx, attend(b("Gather", qf, rows, axis=0), kx, vx, bx, perm=(0, 2, 1)))
+        return b("Reshape", out, b("Shape", q))
+
+    def mixed() -> str:
+        small = b("LessOrEqual", b("Size", k), b.const(MIXED_STEP_MASKED_UP_TO))
+        return b.if_(small, masked, by_pairs)
+
+    # every pair SA first: the common case where the routers were trained for a high SA share (one If)
+    out = b.if_(b("Equal", n_sa, b("Size", sa)), every_sa,
+                lambda: b.if_(b("Equal", n_sa, c0), lambda: attend(qs, k, v, bias), mixed))
+    b.nodes.append(helper.make_node("Identity", [out], ["o"]))
+    return _private(helper.make_function(
+        DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        attributes=["sink", "window", "causal"],
+        doc_string="adaptex::elastic_attention, sparse lowering of a decode step (see docs/ops.md)",
     ))
 
 

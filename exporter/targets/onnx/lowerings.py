@@ -23,6 +23,8 @@ class LoweringContext:
     variant: str
     precision: str
     onnx_opset: int
+    step: bool = False  # the decode-step program: every call one causal token after a non-empty cache
+    decode_graph: bool = False  # the general program of an artifact whose decode steps run the step program
 
 
 @dataclass
@@ -118,6 +120,13 @@ def conditional_attention_onnx_dense(ctx, node):
     return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("dense")])
 
 
+def head_dim_of(node) -> int | None:
+    """The per-head width of the node's queries (its first argument) when tracing fixed it."""
+    val = node.args[0].meta.get("val") if node is not None and node.args else None
+    dh = val.shape[-1] if val is not None and val.dim() else None
+    return int(dh) if isinstance(dh, int) else None
+
+
 def causal_flag(node) -> bool | None:
     """The node's causal flag when tracing left it a constant (an encoder's False), else None."""
     c = node.kwargs.get("causal", node.args[7] if node is not None and len(node.args) > 7 else None) \
@@ -129,9 +138,14 @@ def causal_flag(node) -> bool | None:
 def elastic_attention_onnx_sparse(ctx, node):
     """The (B*H) head pairs split by mode (NonZero over sa): FA pairs attend every visible key, SA
     pairs block-local (each block of min(window, T) queries against its own run of keys, plus the
-    sinks: O(T (sink + window))); ScatterND puts both groups back."""
+    sinks: O(T (sink + window))); ScatterND puts both groups back. In a decode-step program (ONNX
+    Runtime) the step's own body: an SA pair reads its sinks and window, a FA pair every key."""
+    if ctx.step and ctx.target == "onnx":
+        return OnnxLowering(elastic_attention_node, [fx.elastic_step_function(head_dim_of(node))])
+    ort = ctx.target == "onnx"
     return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
-        "sparse", causal_flag(node), decode_step=ctx.target == "onnx", fused=ctx.target == "onnx")])
+        "sparse", causal_flag(node), dispatch=ort, decode_step=ort and not ctx.decode_graph, fused=ort,
+        head_dim=head_dim_of(node))])
 
 
 @lowering("adaptex::elastic_attention", target=BOTH, variant="dense")

@@ -1,0 +1,209 @@
+"""The decode-step graph (`adaptex export --target onnx --decode-graph on`, an elastic decoder's
+default): one ONNX artifact holding the model traced for a decode step (one new token after a
+non-empty cache: no router, the ops' step bodies) beside the general graph, and an If that runs the
+step graph for such calls only. Each call runs one branch (ORT's profiler shows which), the step
+graph computes what the general graph computes, decisions exactly, on every path of the step body
+(every pair SA, every pair FA, a mix masked or gathered by pairs, left padding), an SA pair reads
+nothing of its cache outside its sinks and window, parity passes, and bad requests are refused
+with one line and no file."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from adaptex.exporter.errors import ExportError
+from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx.functions import MIXED_STEP_MASKED_UP_TO
+from adaptex.graphs import checkpoint
+from tests import zoo
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def decoders(family_checkpoints, tmp_path_factory):
+    """The tiny elastic decoder exported by default (with the decode-step graph) and with
+    --decode-graph off, and the tiny TSA decoder with it on (its default is off)."""
+    out = tmp_path_factory.mktemp("decode_graph")
+    model, info = checkpoint.load(family_checkpoints / "eldec")
+    zoo.export(model, info, out / "eldec.onnx")
+    zoo.export(model, info, out / "eldec-general.onnx", decode_graph="off")
+    model, info = checkpoint.load(family_checkpoints / "tsa")
+    zoo.export(model, info, out / "tsa.onnx", decode_graph="on")
+    zoo.export(model, info, out / "tsa-general.onnx")
+    return out
+
+
+def _session(path, profile_dir=None):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if profile_dir is not None:
+        so.enable_profiling, so.profile_file_prefix = True, str(profile_dir / "p")
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(sess, batch: int, seq: int, past: int, modes="mixed", pad: int = 0, seed: int = 0) -> dict:
+    """ids, a mask over the cache and the new tokens (the first `pad` columns of every row but the
+    first padded), a random cache and head modes: "mixed" at random, "sa" or "fa" every pair."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(3, 30, (batch, seq)).astype(np.int64)
+        elif i.name == "attention_mask":
+            mask = np.ones((batch, past + seq), np.int64)
+            mask[1:, :pad] = 0
+            feeds[i.name] = mask
+        elif i.name.startswith("past"):
+            feeds[i.name] = rng.standard_normal((batch, i.shape[1], past, i.shape[3])).astype(np.float32)
+        elif i.name.startswith("head_modes."):
+            shape = (batch, i.shape[1])
+            feeds[i.name] = {"sa": np.ones(shape, bool), "fa": np.zeros(shape, bool)}.get(modes, rng.random(shape) < 0.5)
+        else:
+            raise AssertionError(f"unexpected input {i.name}")
+    return feeds
+
+
+def _ran(path, feeds, tmp_path) -> set[str]:
+    sess = _session(path, tmp_path)
+    sess.run(None, feeds)
+    events = json.loads(open(sess.end_profiling()).read())
+    return {tag for e in events if e.get("cat") == "Node"
+            for tag in ("step", "general") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+
+
+@pytest.mark.parametrize("batch, seq, past, branch", [
+    (1, 1, 9, "step"),      # a decode step
+    (3, 1, 20, "step"),
+    (2, 1, 0, "general"),   # a prompt of one token: the routers decide
+    (2, 6, 0, "general"),   # a prompt
+    (2, 3, 5, "general"),   # three new tokens after a cache
+])
+def test_each_call_runs_one_branch(decoders, tmp_path, batch, seq, past, branch):
+    path = decoders / "eldec.onnx"
+    assert _ran(path, _feeds(_session(path), batch, seq, past), tmp_path) == {branch}
+
+
+def _same(got: list, want: list, names: list) -> None:
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape, name
+        if a.dtype.kind in "biu":  # decisions: exactly equal
+            assert np.array_equal(a, b), name
+        else:
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("batch, past, modes, pad", [
+    (1, 9, "sa", 0),      # every pair SA: the sinks and the window only
+    (2, 30, "sa", 4),     # ... with left padding in the window's reach
+    (2, 30, "fa", 3),     # every pair FA
+    (4, 40, "mixed", 2),  # a mix, small: every pair over every key, SA keys outside masked
+    (64, 99, "mixed", 5),  # a mix past MIXED_STEP_MASKED_UP_TO floats: pairs gathered by mode
+    (2, 3, "sa", 0),      # a cache shorter than the sinks and the window
+])
+def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, past, modes, pad):
+    sess = _session(decoders / "eldec.onnx")
+    feeds = _feeds(sess, batch, 1, past, modes, pad)
+    if (batch, past) == (64, 99):
+        heads, dim = sess.get_inputs()[2].shape[1], sess.get_inputs()[2].shape[3]
+        assert batch * heads * (past + 1) * dim > MIXED_STEP_MASKED_UP_TO  # the pairs path runs
+    names = [o.name for o in sess.get_outputs()]
+    _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
+
+
+def test_an_sa_pair_reads_nothing_of_its_cache_outside_its_sinks_and_window(decoders, family_checkpoints):
+    """NaN in every cache entry an SA query does not see leaves a step whose pairs are all SA
+    finite and unchanged: those entries are never read (the general graph's masking reads them)."""
+    sess = _session(decoders / "eldec.onnx")
+    model, _ = checkpoint.load(family_checkpoints / "eldec")
+    sink, window, past = model.cfg.sink, model.cfg.window, 40
+    feeds = _feeds(sess, 2, 1, past, "sa")
+    clean = sess.run(None, feeds)
+    unseen = slice(sink, past + 1 - window)  # the query sits at position `past`
+    for name in feeds:
+        if name.startswith("past_key_values."):
+            feeds[name] = feeds[name].copy()
+            feeds[name][:, :, unseen] = np.nan
+    poisoned = sess.run(None, feeds)
+    names = [o.name for o in sess.get_outputs()]
+    assert np.isfinite(poisoned[0]).all()
+    for name, a, b in zip(names, poisoned, clean):
+        if not name.startswith("present."):  # the cache out holds the NaN it was given
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["eldec", "tsa"])
+def test_parity_passes_on_prefill_and_decode_steps(decoders, family_checkpoints, family):
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.parity import check
+    from adaptex.runtimes.torch_ref import TorchRunner
+
+    model, _ = checkpoint.load(family_checkpoints / family)
+    report = check(OnnxRuntimeRunner(decoders / f"{family}.onnx"), TorchRunner(model), samples=40, task="copy")
+    assert report.passed, report.format()
+    assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
+
+
+def test_the_tsa_step_graph_matches_its_general_graph(decoders):
+    sess = _session(decoders / "tsa.onnx")
+    feeds = _feeds(sess, 3, 1, 12)
+    names = [o.name for o in sess.get_outputs()]
+    _same(sess.run(None, feeds), _session(decoders / "tsa-general.onnx").run(None, feeds), names)
+
+
+def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    meta = read_onnx_metadata(decoders / "eldec.onnx")
+    assert meta["decode_step"]["new_tokens_input"] == "input_ids"
+    assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
+    assert "decode_step" not in read_onnx_metadata(decoders / "eldec-general.onnx")
+    proto = onnx.load(str(decoders / "eldec.onnx"))
+    assert proto.graph.node[-1].op_type == "If"
+    branches = {a.name: a.g for a in proto.graph.node[-1].attribute}
+    step, general = branches["then_branch"], branches["else_branch"]
+    assert not any(n.op_type == "If" for n in step.node)  # no router, no choice between given and routed
+    assert any(n.op_type == "If" for n in general.node)  # the general graph's routers skip its decode steps
+    calls = [n for n in step.node if n.domain == "adaptex"]
+    assert calls and all(n.overload == dispatch.STEP_OVERLOAD for n in calls)
+    assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {"", dispatch.STEP_OVERLOAD}
+    fused = [n for n in step.node if n.op_type == "SkipLayerNormalization"]
+    assert fused and not any(n.op_type == "SkipLayerNormalization" for n in general.node)
+    single = onnx.load(str(decoders / "eldec-general.onnx"))
+    weights = {i.name for i in single.graph.initializer if np.prod(i.dims) > 64}
+    assert weights <= {i.name for i in proto.graph.initializer}  # stored once
+    assert sum(np.prod(i.dims) for i in proto.graph.initializer) < 1.2 * sum(np.prod(i.dims) for i in single.graph.initializer)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"decode_graph": "maybe"}, "--decode-graph 'maybe': give on or off"),
+    ({"decode_graph": "on", "variant": "dense"}, "serves the sparse lowering"),
+    ({"decode_graph": "on", "dense_rows": 8}, "choose one"),
+])
+def test_bad_requests_are_refused_on_one_line(family_checkpoints, tmp_path, options, match):
+    model, info = checkpoint.load(family_checkpoints / "eldec")
+    with pytest.raises(ExportError, match=match) as e:
+        zoo.export(model, info, tmp_path / "m.onnx", **options)
+    assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
+
+
+def test_an_encoder_has_no_decode_steps(family_checkpoints, tmp_path):
+    model, info = checkpoint.load(family_checkpoints / "bf")
+    with pytest.raises(ExportError, match="for decoders") as e:
+        zoo.export(model, info, tmp_path / "m.onnx", decode_graph="on")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
+    zoo.export(model, info, tmp_path / "m.onnx", decode_graph="off")  # off asks nothing of it
+
+
+def test_cli_refuses_it_for_another_target(family_checkpoints, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "adaptex", "export", str(family_checkpoints / "eldec"), "--target",
+                        "coreml", "-o", str(tmp_path / "m.mlpackage"), "--decode-graph", "on"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "another target" in r.stderr, r.stderr
+    assert not (tmp_path / "m.mlpackage").exists()
