@@ -51,17 +51,18 @@ def test_block_local_layout_costs_sink_plus_window_per_query():
     assert Bq == 1 and idx.shape == (1, 64) and int(idx.max()) == 499
 
 
-def _function_model(variant, sink, window, causal, decode_step=True, fused=False, dispatch=True):
+def _function_model(variant, sink, window, causal, decode_step=True, fused=False, dispatch=True, masked_up_to=0):
     """One ElasticAttention call as a model: ONNX Runtime's body (dispatch: If nodes pick the path;
     decode_step: a step's own branch), or dispatch=False TensorRT's; fused: ONNX Runtime's encoder
     body (the call's causal flag known False at export, FA pairs through
-    com.microsoft.MultiHeadAttention where unpadded)."""
+    com.microsoft.MultiHeadAttention where unpadded). masked_up_to: 0 (here) sends the small calls
+    of these tests down the paths that gather pairs; None, the artifacts' threshold."""
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
     body = fx.elastic_attention_function(variant, causal_known=False if fused else None, dispatch=dispatch,
-                                         decode_step=decode_step, fused=fused)
+                                         decode_step=decode_step, fused=fused, masked_up_to=masked_up_to)
     return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
                              opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1),
                                             helper.make_opsetid(fx.MS_DOMAIN, 1)],
@@ -73,15 +74,17 @@ def _pairs(shape) -> tuple:
     return (int(np.prod(shape[:-2])), *shape[-2:])
 
 
-def _function_session(variant, sink, window, causal):
-    return ort.InferenceSession(_function_model(variant, sink, window, causal).SerializeToString(),
-                                providers=["CPUExecutionProvider"])
+def _function_session(variant, sink, window, causal, masked_up_to=0):
+    return ort.InferenceSession(_function_model(variant, sink, window, causal, masked_up_to=masked_up_to)
+                                .SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("variant", ["sparse", "dense"])
+@pytest.mark.parametrize("variant, masked_up_to", [("sparse", 0), ("sparse", None), ("dense", 0)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, causal):
-    sess = _function_session(variant, 2, 6, causal)
+def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, masked_up_to, causal):
+    """Every path: the dense body, the sparse one gathering pairs by mode (masked_up_to=0), and the
+    sparse one as artifacts have it, whose small calls mask instead."""
+    sess = _function_session(variant, 2, 6, causal, masked_up_to)
     for B, H, T, S in CASES:
         q, k, v, sa, km = _inputs(B, H, T, S, seed=1)
         for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
@@ -180,6 +183,29 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
             assert ran == [(6, T, S)], (S, T, ran)
         else:  # the mix splits: an FA group and an SA group
             assert len(ran) == 2 and ran[0][0] + ran[1][0] == 6, (S, T, ran)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
+    """A call with SA pairs and at most MIXED_CALL_MASKED_UP_TO scores attends every pair over every
+    key as it is, the SA pairs' keys outside their reach masked (one (B, H, T, S) softmax, no
+    gather): the reference's output, all SA or mixed; past the threshold it gathers again."""
+    from tests import planted
+
+    sink, window = 2, 6
+    B, H, T = 2, 3, 20
+    for up_to, gathers in ((B * H * T * T, False), (B * H * T * T - 1, True)):
+        proto = _function_model("sparse", sink, window, causal, decode_step=False, masked_up_to=up_to)
+        probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+        q, k, v, sa, km = _inputs(B, H, T, T, seed=5)
+        sa[0, 0], sa[0, 1] = True, False  # a mix
+        for modes in (sa, torch.ones_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, sink, window, causal)
+            out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                      "key_mask": km.numpy()})
+            assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, (up_to, modes)
+            ran = [out[p].shape for p in probes if out[p].size]
+            assert (ran != [(B, H, T, T)]) == gathers, (up_to, ran)
 
 
 def test_onnx_encoder_fa_pairs_run_ort_fused_attention_where_unpadded(artifacts):

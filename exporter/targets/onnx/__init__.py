@@ -27,12 +27,15 @@ from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 PRECISIONS = ("fp32",)
 
 
-def trace_for(model, contract, target: str = "onnx", step: bool = False):
-    """The exported program `lower` lowers for `target` (step: a decoder's decode-step program)."""
+def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_graph: bool = False):
+    """The exported program `lower` lowers for `target` (step: a decoder's decode-step program;
+    decode_graph: the general program of an artifact that holds one too)."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
     # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
-    # (unverified on an engine here, so the TensorRT graph stays the one already checked)
-    return trace(model, contract, mode="hard", control_flow=target == "onnx", step=step)
+    # (unverified on an engine here, so the TensorRT graph stays the one already checked). Beside a
+    # decode-step graph the general graph's calls after a cache are chunks of several tokens (rare),
+    # so its routers compute and select too: no If per layer at a prefill
+    return trace(model, contract, mode="hard", control_flow=target == "onnx" and not decode_graph, step=step)
 
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
@@ -244,7 +247,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
-    ep = trace_for(model, contract)  # one trace, lowered once per variant
+    ep = trace_for(model, contract, decode_graph=step)  # one trace, lowered once per variant
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
                                           decode_graph=step)
     routed, stepped = None, None

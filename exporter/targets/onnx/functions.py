@@ -471,8 +471,8 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
 
 
 def elastic_attention_function(variant: str, causal_known: bool | None = None, dispatch: bool = False,
-                               decode_step: bool = False, fused: bool = False,
-                               head_dim: int | None = None) -> onnx.FunctionProto:
+                               decode_step: bool = False, fused: bool = False, head_dim: int | None = None,
+                               masked_up_to: int | None = None) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) pairs of each mode gathered (NonZero over sa): FA pairs attend every visible
@@ -481,7 +481,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     dispatch (ONNX Runtime): If nodes take a shorter path where one applies: a call whose pairs are
     all FA, or whose keys all lie within an SA query's sinks and window, attends every (B, H) pair
     over every visible key as it is (no reshape, gather or scatter); all SA, every pair
-    block-local; only a mix gathers. dense: the full score matrix for every head, SA heads through a
+    block-local; only a mix gathers; and a call with SA pairs and at most `masked_up_to` scores
+    (B*H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
+    pairs' keys outside their reach masked. dense: the full score matrix for every head, SA heads through a
     band mask (static shapes). Padding masks by addition (a bias per key), causality by one Trilu of
     NEG above the diagonal (no T x S comparisons). causal_known (the call's causal flag where
     tracing fixed it) drops the branches of the other kind; head_dim (likewise) makes the score
@@ -571,19 +573,44 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
                          lambda: b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
                                    b("LessOrEqual", S, sink)))
 
-    def one_mode_or_mixed(every_sa_, every_fa_, mixed_) -> str:
+    def one_mode_or_mixed(every_sa_, every_fa_, mixed_, small=None) -> str:
         """A call whose pairs are all SA runs `every_sa_` (one If deep: the common case where the
         routers were trained for a high SA share); all FA, or keys an SA query all sees (where SA
-        sees what FA sees), `every_fa_`; a mix `mixed_` (two Ifs deep)."""
+        sees what FA sees), `every_fa_`; a mix `mixed_` (two Ifs deep). small, a pair (condition,
+        body): a call with SA pairs for which the condition holds runs that body instead."""
         n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
         reach = sees_all()
         if causal_known is None:
             reach = _pick(b, is_causal, *reach)
-        return b.if_(b("And", b("Equal", n_sa, b("Size", sa)), b("Not", reach)), every_sa_,
-                     lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, mixed_))
+        only_sa = b("And", b("Equal", n_sa, b("Size", sa)), b("Not", reach))
+        rest = mixed_
+        if small is not None:
+            cond, body = small
+            few = cond()
+            only_sa = b("And", only_sa, b("Not", few))
+            rest = lambda: b.if_(few, body, mixed_)  # noqa: E731
+        return b.if_(only_sa, every_sa_, lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, rest))
+
+    up_to = MIXED_CALL_MASKED_UP_TO if masked_up_to is None else masked_up_to
+
+    def few_scores() -> str:  # a call of at most `up_to` scores (B H T S)
+        return b("LessOrEqual", b("Mul", b("Mul", b("Size", sa), T), S), b.const(up_to))
 
     def by_modes() -> str:  # any call: every pair FA as it is, every pair block-local, or a mix
-        return one_mode_or_mixed(every_sa, every_fa, mixed)
+        return one_mode_or_mixed(every_sa, every_fa, mixed, small=(few_scores, masked) if up_to > 0 else None)
+
+    def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
+        a = b("Unsqueeze", b("Range", b("Sub", S, T), S, c1), b.const([1]))  # (T, 1) query positions
+        j = b("Unsqueeze", b("Range", c0, S, c1), b.const([0]))  # (1, S)
+        reach = causal_or(lambda: b("Less", b("Sub", a, j), window),  # keys after the query: the causal bias
+                          lambda: b("LessOrEqual", b("Abs", b("Sub", j, a)), b("Div", window, b.const(2))))
+        if causal_known is None:
+            reach = _pick(b, is_causal, *reach)
+        outside = b("Not", b("Or", b("Less", j, sink), reach))  # (T, S)
+        hide = b("Where", b("And", b("Unsqueeze", sa, b.const([2, 3])), outside),
+                 b.const(NEG, np.float32), b.const(0.0, np.float32))  # (B, H, T, S)
+        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), b("Add", bias4, hide))
+        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
 
     def every_sa() -> str:
         qf, kf, vf = flat(q, k, v)
@@ -719,6 +746,14 @@ def _ea_function(b: _Body, variant: str, fused: bool) -> onnx.FunctionProto:
         doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
     ))
 
+
+# A call with SA pairs attends every pair over every visible key, the SA pairs' keys outside their
+# sinks and window masked, while it has at most this many scores (B*H*T*S): there gathering the
+# pairs by mode and attending block-local costs more kernels than the scores it skips. Measured at
+# B1, 1 thread, masked against block-local (docs/benchmarking.md#short-calls): elastic-charlm 0.856
+# at T = 128 (65,536 scores), 1.072 at T = 256 (262,144); elastic-minilm 0.852 at T = 32, 0.906 at
+# T = 64 (49,152), 0.990 at T = 128 (196,608), 1.073 at T = 256.
+MIXED_CALL_MASKED_UP_TO = 1 << 17
 
 # A decode step's mixed layer (some pairs FA, some SA) attends every pair over every key, the SA
 # pairs' keys outside their sinks and window masked, while its cache holds at most this many floats
