@@ -526,9 +526,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         b.nodes.append(helper.make_node("Identity", [_masked_softmax_av(b, scores, vis, v)], ["o"]))
         return _ea_function(b, variant, fused)
 
-    # the padding bias (B, 1, 1, S), read by the paths that attend the pairs as they are (dispatch only)
-    bias4 = b("Unsqueeze", b("Where", key_mask, b.const(0.0, np.float32), b.const(NEG, np.float32)),
-              b.const([1, 2])) if dispatch else None
+    def pad_bias() -> str:  # (B, 1, 1, S): made in the branch that reads it (only one branch runs)
+        return b("Unsqueeze", b("Where", key_mask, b.const(0.0, np.float32), b.const(NEG, np.float32)),
+                 b.const([1, 2]))
     causal_bias = causal_known is not False
 
     def with_causality(scores: str) -> str:  # keys after the query: NEG where j - i >= S - T + 1
@@ -551,7 +551,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         return plain_fa()
 
     def plain_fa() -> str:
-        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), bias4)
+        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), pad_bias())
         return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
 
     def flat(*xs: str) -> list[str]:  # (B, H, L, dh) -> (B*H, L, dh)
@@ -573,31 +573,28 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
                          lambda: b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
                                    b("LessOrEqual", S, sink)))
 
-    def one_mode_or_mixed(every_sa_, every_fa_, mixed_, small=None) -> str:
+    def one_mode_or_mixed(every_sa_, every_fa_, mixed_) -> str:
         """A call whose pairs are all SA runs `every_sa_` (one If deep: the common case where the
         routers were trained for a high SA share); all FA, or keys an SA query all sees (where SA
-        sees what FA sees), `every_fa_`; a mix `mixed_` (two Ifs deep). small, a pair (condition,
-        body): a call with SA pairs for which the condition holds runs that body instead."""
+        sees what FA sees), `every_fa_`; a mix `mixed_` (two Ifs deep)."""
         n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
         reach = sees_all()
         if causal_known is None:
             reach = _pick(b, is_causal, *reach)
         only_sa = b("And", b("Equal", n_sa, b("Size", sa)), b("Not", reach))
-        rest = mixed_
-        if small is not None:
-            cond, body = small
-            few = cond()
-            only_sa = b("And", only_sa, b("Not", few))
-            rest = lambda: b.if_(few, body, mixed_)  # noqa: E731
-        return b.if_(only_sa, every_sa_, lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, rest))
+        return b.if_(only_sa, every_sa_, lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, mixed_))
 
     up_to = MIXED_CALL_MASKED_UP_TO if masked_up_to is None else masked_up_to
 
-    def few_scores() -> str:  # a call of at most `up_to` scores (B H T S)
-        return b("LessOrEqual", b("Mul", b("Mul", b("Size", sa), T), S), b.const(up_to))
-
-    def by_modes() -> str:  # any call: every pair FA as it is, every pair block-local, or a mix
-        return one_mode_or_mixed(every_sa, every_fa, mixed, small=(few_scores, masked) if up_to > 0 else None)
+    def by_modes() -> str:
+        """Any call: one of at most `up_to` scores (B H T S) every pair as it is, SA keys masked
+        (one If deep, whatever its modes: an ONNX Runtime If costs more than a few small kernels);
+        a larger one by its modes (one_mode_or_mixed)."""
+        by_mode = lambda: one_mode_or_mixed(every_sa, every_fa, mixed)  # noqa: E731
+        if up_to <= 0:
+            return by_mode()
+        few = b("LessOrEqual", b("Mul", b("Mul", b("Size", sa), T), S), b.const(up_to))
+        return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
         a = b("Unsqueeze", b("Range", b("Sub", S, T), S, c1), b.const([1]))  # (T, 1) query positions
@@ -609,7 +606,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         outside = b("Not", b("Or", b("Less", j, sink), reach))  # (T, S)
         hide = b("Where", b("And", b("Unsqueeze", sa, b.const([2, 3])), outside),
                  b.const(NEG, np.float32), b.const(0.0, np.float32))  # (B, H, T, S)
-        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), b("Add", bias4, hide))
+        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), b("Add", pad_bias(), hide))
         return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
 
     def every_sa() -> str:
@@ -696,7 +693,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         ns = b("Min", sink, S)
         ws = b("Max", b("Sub", S, window), ns)
         keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,) sinks and window
-        step_fa = lambda: b("MatMul", b("Softmax", b("Add", b("MatMul", b("Mul", q, scale),
+        bias4 = pad_bias()
+        step_fa = lambda: b("MatMul", b("Softmax", b("Add", b("MatMul", b("Mul", q, scale),  # noqa: E731
                                                                         b("Transpose", k, perm=[0, 1, 3, 2])), bias4),
                                                      axis=-1), v)
 
