@@ -41,11 +41,11 @@ class HeadRouter(nn.Module):
     """[FA, SA] logits per head from the layer's keys pooled over the first and last N real tokens,
     a task MLP shared by the heads plus a per-head bias, and a router MLP.
 
-    Pooling: mask-weighted over the real tokens' ranks (encoders), or, with edge_pooling, two runs of
-    N keys gathered from the first real token (decoder batches are left-padded) and from the end: O(N)
-    whatever the length (and a decoder's decode steps skip the router: ElasticAttention's head_modes).
-    Either way the two means are one MatMul of the keys with a (B, 2, positions) weight matrix, made
-    from the mask alone once for all the routers that read it (pool_plan)."""
+    Pooling: over the real tokens' ranks (encoders), or, with edge_pooling, two runs of N positions
+    from the first real token (decoder batches are left-padded) and from the end (a decoder's decode
+    steps skip the router: ElasticAttention's head_modes). Either way the two means are one MatMul of
+    the keys with a (B, 2, S) weight matrix, made from the mask alone once for all the routers that
+    read it (pool_plan): a layer reads its keys once, with no gather or index the size of the keys."""
 
     def __init__(self, num_heads: int, head_dim: int, hidden: int = 64, pool_tokens: int = 100,
                  edge_pooling: bool = False):
@@ -55,47 +55,45 @@ class HeadRouter(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(num_heads, hidden))
         self.router = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 2))
 
-    def pool_plan(self, k: Tensor, key_mask: Tensor) -> tuple[Tensor | None, Tensor]:
-        """(index, weights) to pool (B, H, S, dh) keys with: index (B, H, 2N, dh) the key positions
-        to gather (edge pooling) or None (every position), weights (B, 1, 2, positions) each mean's
-        weights, summing to 1 (0 for a row with no real token). Shared by every router with the same
-        settings that reads this mask (see _PLANS)."""
-        B, H, S, dh = k.shape
-        key = (self.edge_pooling, self.pool_tokens, H, dh, key_mask._version)
+    def pool_plan(self, k: Tensor, key_mask: Tensor) -> Tensor:
+        """(B, 1, 2, S) weights to pool (B, H, S, dh) keys with, one row per mean, each summing to 1
+        over the positions it averages (0 for a row with no real token). Shared by every router with
+        the same settings that reads this mask (see _PLANS)."""
+        key = (self.edge_pooling, self.pool_tokens, key_mask._version)
         memo = _plans_of(key_mask)
         if key not in memo:
             memo.clear()  # plans of an earlier version of the mask
-            memo[key] = self._edge_plan(key_mask, B, H, S, dh) if self.edge_pooling else self._ranked_plan(key_mask)
+            w = self._edge_weights(key_mask) if self.edge_pooling else self._ranked_weights(key_mask)
+            memo[key] = (w / w.sum(2, keepdim=True).clamp(min=1))[:, None]
         return memo[key]
 
-    def _ranked_plan(self, key_mask: Tensor) -> tuple[None, Tensor]:
+    def _ranked_weights(self, key_mask: Tensor) -> Tensor:
         m = key_mask.float()  # (B, S)
         rank = torch.cumsum(m, dim=1) - 1  # rank of each real token among the real ones
         n_real = m.sum(1, keepdim=True)
-        w = torch.stack([m * (rank < self.pool_tokens).float(), m * (rank >= n_real - self.pool_tokens).float()], 1)
-        return None, (w / w.sum(2, keepdim=True).clamp(min=1))[:, None]  # (B, 1, 2, S)
+        return torch.stack([m * (rank < self.pool_tokens).float(), m * (rank >= n_real - self.pool_tokens).float()], 1)
 
-    def _edge_plan(self, key_mask: Tensor, B: int, H: int, S: int, dh: int) -> tuple[Tensor, Tensor]:
-        N = self.pool_tokens
-        r = torch.arange(N, device=key_mask.device)[None, :]  # (1, N): a constant N, whatever S
-        n_real = key_mask.long().sum(1, keepdim=True)  # (B, 1)
-        offset = S - n_real  # left padding
-        pos = torch.cat([offset + r, (S - N + r).expand(B, -1)], 1)  # (B, 2N): the first N real, the last N
-        w_first, w_last = (r < n_real).float(), (pos[:, N:] >= offset).float()  # (B, N) each
-        zeros = torch.zeros_like(w_first)
-        w = torch.stack([torch.cat([w_first, zeros], 1), torch.cat([zeros, w_last], 1)], 1)  # (B, 2, 2N)
-        index = pos.clamp(0, S - 1)[:, None, :, None].expand(B, H, 2 * N, dh)
-        return index, (w / w.sum(2, keepdim=True).clamp(min=1))[:, None]  # (B, 1, 2, 2N)
+    def _edge_weights(self, key_mask: Tensor) -> Tensor:
+        """The first N positions from the first real token and the last N (of the real ones):
+        decoder batches are left-padded, so both are runs of positions, whatever the length."""
+        S, N = key_mask.shape[1], self.pool_tokens
+        j = torch.arange(S, device=key_mask.device)[None, :]  # (1, S)
+        offset = S - key_mask.long().sum(1, keepdim=True)  # (B, 1): the left padding
+        first = (j >= offset) & (j < offset + N)
+        last = (j >= offset) & (j >= S - N)
+        return torch.stack([first, last], 1).float()  # (B, 2, S)
 
-    def pool(self, k: Tensor, key_mask: Tensor, plan: tuple | None = None) -> Tensor:
+    def pool(self, k: Tensor, key_mask: Tensor, plan: Tensor | None = None) -> Tensor:
         """(B, H, S, dh) keys -> (B, H, 2 dh): means over the first and the last N real tokens
-        (plan: pool_plan's, else made or found here)."""
+        (plan: pool_plan's weights, else made or found here)."""
         B, H, S, dh = k.shape
-        index, w = plan if plan is not None else self.pool_plan(k, key_mask)
-        keys = k if index is None else torch.gather(k, 2, index)  # (B, H, positions, dh)
-        return (w @ keys).reshape(B, H, 2 * dh)  # (B, H, 2, dh): [first mean, last mean]
+        w = plan if plan is not None else self.pool_plan(k, key_mask)
+        # the weights expanded over the heads, not broadcast in the MatMul: with the broadcast,
+        # coremltools' shape inference left the head width of the next attention a symbol (seen:
+        # the dense Core ML export of an elastic decoder failed on float(q.shape[-1]))
+        return (w.expand(B, H, 2, S) @ k).reshape(B, H, 2 * dh)  # (B, H, 2, dh): [first mean, last mean]
 
-    def route(self, k: Tensor, key_mask: Tensor, plan: tuple | None = None) -> Tensor:
+    def route(self, k: Tensor, key_mask: Tensor, plan: Tensor | None = None) -> Tensor:
         h = self.task(self.pool(k.float(), key_mask, plan)) + self.head_bias  # (B, H, hidden)
         return self.router(h)  # (B, H, 2) fp32: [FA, SA]
 
@@ -157,22 +155,22 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         it nothing, and the logits are the given modes one-hot ([1, 0] FA, [0, 1] SA). Otherwise (a
         prefill) the router decides. Traced for a runtime that runs an `If` (traced_control_flow),
         the choice is a torch.cond; elsewhere the graph computes both and selects."""
-        def given_logits(k: Tensor, key_mask: Tensor, given: Tensor, *plan) -> Tensor:
+        def given_logits(k: Tensor, key_mask: Tensor, given: Tensor, plan: Tensor | None = None) -> Tensor:
             # rows of the identity: one Gather of a constant (a stack of ~given and given is five kernels)
             return torch.eye(2, device=given.device)[given.long()]
 
-        def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor, *plan) -> Tensor:
-            return self.route(k, key_mask, plan if len(plan) == 2 else (None, *plan))
+        def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor, plan: Tensor) -> Tensor:
+            return self.route(k, key_mask, plan)
 
         if use_modes is None or (not torch.compiler.is_exporting() and bool(use_modes)):
             return given_logits(k, key_mask, given), given
-        plan = tuple(t for t in self.pool_plan(k, key_mask) if t is not None)  # tensors only: If operands
+        plan = self.pool_plan(k, key_mask)
         if not torch.compiler.is_exporting():
-            logits = routed_logits(k, key_mask, given, *plan)
+            logits = routed_logits(k, key_mask, given, plan)
         elif control_flow_traced():  # the plan made outside the If: a branch's values stay in the branch
-            logits = torch.cond(use_modes, given_logits, routed_logits, (k, key_mask, given, *plan))
+            logits = torch.cond(use_modes, given_logits, routed_logits, (k, key_mask, given, plan))
         else:  # both computed and selected
-            logits = torch.where(use_modes, given_logits(k, key_mask, given), routed_logits(k, key_mask, given, *plan))
+            logits = torch.where(use_modes, given_logits(k, key_mask, given), routed_logits(k, key_mask, given, plan))
         return logits, _choice(logits)
 
     def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:

@@ -131,6 +131,16 @@ def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto],
     return helper.make_graph(fold + nodes, f"{RESERVED}{tag}", [], outs, initializer=own)
 
 
+def _rename_outputs(nodes, rename: dict) -> None:
+    """Rename the values `nodes` make (their subgraphs' too)."""
+    for n in nodes:
+        n.output[:] = [rename.get(o, o) for o in n.output]
+        for g in subgraphs(n):
+            _rename_outputs(g.node, rename)
+            for o in g.output:
+                o.name = rename.get(o.name, o.name)
+
+
 def _produced(nodes) -> list[str]:
     """Every value `nodes` make, their subgraphs' included."""
     out = []
@@ -233,21 +243,27 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
             raise ExportError(f"decode-step dispatch: the graph has no input {name!r} of rank {axes} or more")
     by_content = {_content(t): t.name for t in gg.initializer}
     names = {t.name for t in gg.initializer}
-    made = set(_produced(gs.node))  # a main-graph name the step graph also makes would be shadowed there
+    step_graph = onnx.GraphProto()
+    step_graph.CopyFrom(gs)
+    # a value the step graph makes under a name of the general graph's initializers would shadow
+    # that initializer in the branch: such values take a reserved name first (none is an output)
+    outputs = {o.name for o in gs.output}
+    shadow = {v: f"{RESERVED}step.v.{v}" for v in _produced(step_graph.node) if v in names and v not in outputs}
+    if shadow:
+        _rename_outputs(step_graph.node, shadow)
+        _rename_reads(step_graph.node, shadow)
     inits, rename = list(gg.initializer), {}
     for t in gs.initializer:
         same = by_content.get(_content(t))
-        if same is not None and same not in made:
+        if same is not None:
             rename[t.name] = same
             continue
         copy = onnx.TensorProto()
         copy.CopyFrom(t)
-        if t.name in names or same is not None:
+        if t.name in names:
             copy.name = rename[t.name] = f"{RESERVED}step.c.{t.name}"
         inits.append(copy)
         names.add(copy.name)
-    step_graph = onnx.GraphProto()
-    step_graph.CopyFrom(gs)
     _rename_reads(step_graph.node, rename)
     step_model = onnx.ModelProto()
     step_model.CopyFrom(step)
