@@ -767,8 +767,9 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
     all FA attends every key; all SA, only the sinks and the window of the cache (a Gather of those
     positions, L <= sink + window); a mix, see MIXED_STEP_MASKED_UP_TO. What depends on the key
     mask and the attributes alone (the positions an SA query reads, the padding bias) reads no
-    per-layer value, so ONNX Runtime's common-subexpression elimination computes it once for every
-    layer of the step. It serves the decode-step program only: the general body takes every other
+    per-layer value: in a main graph ONNX Runtime's common-subexpression elimination computes it once
+    for every layer; inside the decode-step If branch it does not (exporter/targets/onnx/dispatch.py),
+    a few small kernels a layer. It serves the decode-step program only: the general body takes every other
     call (exporter/targets/onnx/dispatch.py). head_dim: the calls' dh where tracing fixed it, so
     the score scale is a constant (else read from q's shape: four kernels a layer)."""
     b = _Body("eas_")
