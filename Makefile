@@ -71,8 +71,11 @@ demo: $(STAMP) web
 	@echo; echo "the apps: serve the page with  $(SERVE)  (or make serve), open http://127.0.0.1:$(PORT)/;"
 	@echo "          node $(NODE)/run.mjs runs the same three tasks in Node"
 
+# two pytest-xdist workers (one per core on the 2-core machines this project runs on), each test
+# file on one worker (its module fixtures made once); TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 test: $(STAMP) apps-deps
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py

@@ -18,6 +18,13 @@ settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers, one per core: each keeps to one intra-op thread, where
+    # two each would compete for the same two cores
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def _coreml_runtime_reason() -> str | None:
     if platform.system() != "Darwin":

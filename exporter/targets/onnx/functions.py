@@ -447,6 +447,11 @@ EA_INPUTS = ["q", "k", "v", "sa", "key_mask"]
 NEG = -1e30  # masked scores: finite, so a query with no visible key gives a finite (ignored) row
 
 
+def _pad_bias(b: _Body, key_mask: str) -> str:
+    """(B, 1, 1, S): 0 for a real key, NEG for a padded one, added to (B, H, T, S) scores."""
+    return b("Unsqueeze", b("Where", key_mask, b.const(0.0, np.float32), b.const(NEG, np.float32)), b.const([1, 2]))
+
+
 def _pick(b: _Body, cond: str, x: str, y: str) -> str:
     """Where over bool tensors (ONNX Runtime's Where has no bool kernel): (cond & x) | (~cond & y)."""
     return b("Or", b("And", cond, x), b("And", b("Not", cond), y))
@@ -526,9 +531,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         b.nodes.append(helper.make_node("Identity", [_masked_softmax_av(b, scores, vis, v)], ["o"]))
         return _ea_function(b, variant, fused)
 
-    def pad_bias() -> str:  # (B, 1, 1, S): made in the branch that reads it (only one branch runs)
-        return b("Unsqueeze", b("Where", key_mask, b.const(0.0, np.float32), b.const(NEG, np.float32)),
-                 b.const([1, 2]))
+    def pad_bias() -> str:  # made in the branch that reads it (only one branch runs)
+        return _pad_bias(b, key_mask)
     causal_bias = causal_known is not False
 
     def with_causality(scores: str) -> str:  # keys after the query: NEG where j - i >= S - T + 1
@@ -782,7 +786,7 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
     ns = b("Min", sink, S)
     ws = b("Max", b("Sub", S, window), ns)  # the window starts after the sinks
     keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
-    bias = b("Unsqueeze", b("Where", key_mask, zero, neg), b.const([1, 2]))  # (B, 1, 1, S)
+    bias = _pad_bias(b, key_mask)  # (B, 1, 1, S)
     bias_sa = b("Gather", bias, keys, axis=3)  # (B, 1, 1, L)
     if head_dim:
         scale = b.const(1.0 / np.sqrt(head_dim), np.float32)
