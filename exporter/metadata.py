@@ -88,6 +88,7 @@ SCHEMA = {
     "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
     "tensorrt": (dict, False), "dispatch": (dict, False), "decode_step": (dict, False),
+    "short_call": (dict, False),
 }
 
 
@@ -116,6 +117,13 @@ def validate(meta, where) -> dict:
                                        for k in ("new_tokens_input", "cache_input")):
         raise AdaptexError(f"{where}: metadata 'decode_step' needs new_tokens_input and cache_input (names of "
                            "inputs); re-export it with adaptex")
+    within = meta.get("short_call")
+    if within is not None:
+        keys = within.get("max_keys")
+        if not isinstance(keys, int) or isinstance(keys, bool) or keys < 1 \
+                or not (isinstance(within.get("keys_input"), str) and within["keys_input"] in meta["inputs"]):
+            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1) and keys_input "
+                               "(an input name); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

@@ -9,22 +9,27 @@ import torch
 import adaptex.graphs  # noqa: F401  (registers the adaptex ops)
 from adaptex.exporter.errors import ExportError
 from adaptex.graphs.family import Contract
-from adaptex.graphs.nn.record import traced_control_flow, traced_decode_step
+from adaptex.graphs.nn.record import traced_control_flow, traced_decode_step, traced_short_call
 
 
 def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = "hard",
-          float_bools: bool = False, control_flow: bool = False, step: bool = False) -> torch.export.ExportedProgram:
+          float_bools: bool = False, control_flow: bool = False, step: bool = False,
+          short: bool = False) -> torch.export.ExportedProgram:
     """torch.export the model in inference mode (contract: default, its shipped family's). float_bools:
     bool inputs as float32 0/1 (Core ML has no bool features; the layers read them back with .bool()).
     control_flow: layers may skip work behind a torch.cond (an ONNX `If`; graphs.nn.traced_control_flow).
     step: a decoder's decode-step program (one new token after a non-empty cache; the contract's
-    step shapes), which serves those calls only."""
+    step shapes), which serves those calls only. short: a decoder's short-call program (calls of at
+    most the model's short-call key count: graphs.nn.record.traced_short_call), likewise."""
     if contract is None:
         from adaptex.graphs.family import family_contract
 
         contract = family_contract(model)
     if step and not contract.decoder:
         raise ExportError("a decode-step program is a decoder's (a model with a KV cache); this model has none")
+    if short and contract.short_call_keys() is None:
+        raise ExportError("this model has no short-call program (an elastic decoder's: calls within its streaming "
+                          "heads' sinks and window)")
     model.eval()
     wrapper = contract.wrapper(model, mode)
     shapes = {"step": True} if step else {}
@@ -32,7 +37,8 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     if float_bools:
         example = tuple(t.float() if t.dtype == torch.bool else t for t in example)
     try:
-        with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow), traced_decode_step(step):
+        with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow), \
+                traced_decode_step(step), traced_short_call(short):
             warnings.simplefilter("ignore")
             return torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode, **shapes))
     except Exception as e:  # torch.export raises many types; the first line is the useful one

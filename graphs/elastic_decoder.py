@@ -43,7 +43,8 @@ from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.nn.record import decode_step_traced
+from adaptex.graphs.nn.record import decode_step_traced, short_call_traced
+from adaptex.graphs.ops.elastic_attention import NEG
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -238,6 +239,10 @@ class ElasticDecoder(nn.Module):
         step_program = torch.compiler.is_exporting() and decode_step_traced()
         has_past = None if step_program else torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
+        # a short-call program (traced for calls of at most sink + window keys, where every head's
+        # streaming attention is its full attention) attends as the dense decoder does, through one
+        # padding and causal bias for every layer; the routers still decide
+        bias = _dense_bias(key_ok, T) if torch.compiler.is_exporting() and short_call_traced() else None
         decisions, presents = [], []
         for li in range(cfg.num_layers):
             q, k, v = bb.qkv(li, h, ctx)  # (B, H, T, dh), (B, Hkv, T, dh) x 2
@@ -246,12 +251,26 @@ class ElasticDecoder(nn.Module):
             presents.append((k, v))
             modes = head_modes[li] if head_modes is not None else None
             force = force_sa[li] if force_sa is not None else None
-            o, dec = self.routers[li](q, k, v, key_ok, modes, has_past,
-                                      mode=mode, force_sa=force, tau=tau, return_decisions=True)
+            if bias is not None:
+                o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias, modes, has_past)
+            else:
+                o, dec = self.routers[li](q, k, v, key_ok, modes, has_past,
+                                          mode=mode, force_sa=force, tau=tau, return_decisions=True)
             decisions.append(dec)
             h = bb.attn_out(li, h, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
             h = bb.mlp(li, h)
         return bb.head(h), decisions, presents
+
+
+def _dense_bias(key_ok: Tensor, T: int) -> Tensor:
+    """(B, 1, T, S) additive mask of a causal call of T new tokens over S = cache + T keys: NEG on a
+    padded key plus NEG on a key after its query, as the op's bodies add them (a padded query's row,
+    which nothing real reads, then comes out the same too)."""
+    S = key_ok.shape[1]
+    j = torch.arange(S, device=key_ok.device)
+    a = torch.arange(T, device=key_ok.device) + (S - T)  # the queries' positions
+    pad = torch.where(key_ok, 0.0, NEG)[:, None, None, :]  # (B, 1, 1, S)
+    return pad + torch.where(j[None, :] > a[:, None], NEG, 0.0)  # + (T, S)
 
 
 def attention_flops(cfg: ElasticDecoderConfig, sa: np.ndarray, seq: int, past: int = 0) -> tuple[float, float]:
@@ -438,6 +457,10 @@ class ElasticDecoderFamily(DecoderContract):
         ids, mask, past, modes = self.split_inputs(inputs)
         logits, _, presents = model(ids, mask, past=past, head_modes=modes or None, mode=mode)
         return (logits, *[t for kv in presents for t in kv])
+
+    def short_call_keys(self) -> int | None:
+        # within sink + window keys every streaming head sees what a full head sees (causal)
+        return self.cfg.sink + self.cfg.window if self.cfg.adaptive else None
 
     def routing_meta(self) -> dict:
         cfg = self.cfg

@@ -163,6 +163,11 @@ class Contract:
         return Reference({n: t.detach().numpy() for n, t in named.items()}, margins, aux)
 
     # --- family knowledge (a user model has none of these) -------------------------------------------
+    def short_call_keys(self) -> int | None:
+        """Decoders with a short-call program (graphs.nn.record.traced_short_call): the most keys
+        (cache plus new tokens) a call may have to run it; None for models without one."""
+        return None
+
     @property
     def max_sequence(self) -> int | None:
         return getattr(self.cfg, "max_len", None)

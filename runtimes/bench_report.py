@@ -23,7 +23,7 @@ def format_bench(r: dict) -> str:
     if r.get("dense_rows") is not None:
         variant += f"; dense at <= {r['dense_rows']} rows: this call ran the {r['ran_variant']} branch"
     if r.get("ran_graph"):
-        variant += f"; with a decode-step graph: this call ran the {r['ran_graph']} graph"
+        variant += f"; this call ran its {r['ran_graph']} graph"
     lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "

@@ -174,7 +174,8 @@ class Artifacts:
 
     def __call__(self, family: str, target: str = "onnx", variant: str = "sparse", precision: str | None = None,
                  **options) -> Path:
-        """options: the target's, e.g. decode_graph="off" for an elastic decoder's general graph alone."""
+        """options: the target's, e.g. decode_graph="off", short_graph="off" for an elastic decoder's general
+        graph alone."""
         from adaptex.exporter import targets
         from adaptex.graphs import checkpoint
         from adaptex.graphs.family import family_contract

@@ -1,11 +1,13 @@
 """The decode-step graph (`adaptex export --target onnx --decode-graph on`, an elastic decoder's
 default): one ONNX artifact holding the model traced for a decode step (one new token after a
 non-empty cache: no router, the ops' step bodies) beside the general graph, and an If that runs the
-step graph for such calls only. Each call runs one branch (ORT's profiler shows which), the step
-graph computes what the general graph computes, decisions exactly, on every path of the step body
-(every pair SA, every pair FA, a mix masked or gathered by pairs, left padding), an SA pair reads
-nothing of its cache outside its sinks and window, parity passes, and bad requests are refused
-with one line and no file."""
+step graph for such calls only; and the short-call graph (`--short-graph on`, likewise the
+default), traced for calls of at most sink + window keys, where every head attends as dense
+attention does and the routers still decide. Each call runs one branch (ORT's profiler shows
+which), the step and short-call graphs compute what the general graph computes, decisions exactly,
+on every path of the step body (every pair SA, every pair FA, a mix masked or gathered by pairs,
+left padding), an SA pair reads nothing of its cache outside its sinks and window, parity passes,
+and bad requests are refused with one line and no file."""
 from __future__ import annotations
 
 import json
@@ -28,12 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def decoders(family_checkpoints, tmp_path_factory):
-    """The tiny elastic decoder exported by default (with the decode-step graph) and with
-    --decode-graph off, and the tiny TSA decoder with it on (its default is off)."""
+    """The tiny elastic decoder exported by default (with the decode-step and the short-call graph)
+    and with both off (the general graph alone), and the tiny TSA decoder with the decode-step graph
+    on (its default is off)."""
     out = tmp_path_factory.mktemp("decode_graph")
     model, info = checkpoint.load(family_checkpoints / "eldec")
     zoo.export(model, info, out / "eldec.onnx")
-    zoo.export(model, info, out / "eldec-general.onnx", decode_graph="off")
+    zoo.export(model, info, out / "eldec-general.onnx", decode_graph="off", short_graph="off")
     model, info = checkpoint.load(family_checkpoints / "tsa")
     zoo.export(model, info, out / "tsa.onnx", decode_graph="on")
     zoo.export(model, info, out / "tsa-general.onnx")
@@ -75,15 +78,19 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
     return {tag for e in events if e.get("cat") == "Node"
-            for tag in ("step", "general") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+            for tag in ("step", "short", "long") if f"{dispatch.RESERVED}{tag}." in e["name"]}
 
 
+# the tiny elastic decoder: sink 2, window 8, so calls of at most 10 keys run the short-call graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "step"),      # a decode step
     (3, 1, 20, "step"),
-    (2, 1, 0, "general"),   # a prompt of one token: the routers decide
-    (2, 6, 0, "general"),   # a prompt
-    (2, 3, 5, "general"),   # three new tokens after a cache
+    (2, 1, 0, "short"),     # a prompt of one token: the routers decide
+    (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
+    (2, 3, 5, "short"),     # three new tokens after a cache
+    (2, 10, 0, "short"),    # sink + window keys: the last that SA sees whole
+    (2, 11, 0, "long"),     # one key more: the general graph
+    (2, 4, 9, "long"),      # four new tokens after a cache, 13 keys
 ])
 def test_each_call_runs_one_branch(decoders, tmp_path, batch, seq, past, branch):
     path = decoders / "eldec.onnx"
@@ -115,6 +122,56 @@ def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, pa
         assert batch * heads * (past + 1) * dim > MIXED_STEP_MASKED_UP_TO  # the pairs path runs
     names = [o.name for o in sess.get_outputs()]
     _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
+
+
+@pytest.mark.parametrize("batch, seq, past, modes, pad", [
+    (1, 10, 0, "mixed", 0),   # a prompt of sink + window tokens
+    (3, 7, 0, "mixed", 3),    # left padding
+    (2, 1, 0, "mixed", 0),    # one token
+    (2, 4, 6, "sa", 2),       # new tokens after a cache: the given modes, not the routers'
+    (2, 4, 6, "fa", 0),
+])
+def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, batch, seq, past, modes, pad):
+    sess = _session(decoders / "eldec.onnx")
+    feeds = _feeds(sess, batch, seq, past, modes, pad)
+    names = [o.name for o in sess.get_outputs()]
+    _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
+
+
+def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
+    """The short-call branch attends densely (no adaptex call, one causal and padding bias for
+    every layer); its weights are the general graph's, stored once; ONNX Runtime folds every
+    branch's copy at load, nested branches included."""
+    proto = onnx.load(str(decoders / "eldec.onnx"))
+    outer = {a.name: a.g for a in proto.graph.node[-1].attribute}
+    inner_if = next(n for n in outer["else_branch"].node if n.op_type == "If")
+    inner = {a.name: a.g for a in inner_if.attribute}
+    short, long = inner["then_branch"], inner["else_branch"]
+    assert not any(n.domain == "adaptex" for n in short.node) and not any(n.op_type == "If" for n in short.node)
+    assert any(n.domain == "adaptex" for n in long.node)
+    assert dispatch.short_keys_of(proto) == 10
+
+
+def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders, tmp_path):
+    proto = onnx.load(str(decoders / "eldec.onnx"))
+    weights = {i.name for i in proto.graph.initializer if np.prod(i.dims) > 1}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
+    ort.InferenceSession(str(decoders / "eldec.onnx"), so, providers=["CPUExecutionProvider"])
+    loaded = onnx.load(str(tmp_path / "loaded.onnx"))
+    assert not [i.name for i in loaded.graph.initializer if np.prod(i.dims) > 1]  # no weight in the main graph
+
+    def branches(g):
+        for n in g.node:
+            if n.op_type == "If" and n.name.startswith(dispatch.RESERVED):
+                for a in n.attribute:
+                    yield a.name, a.g
+    step, general = (g for _, g in branches(loaded.graph))
+    short, long = (g for _, g in branches(general))
+    for g in (step, short, long):  # three graphs, each with its own folded copies
+        assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in g.node)
+        assert len([i for i in g.initializer if np.prod(i.dims) > 1]) >= len(weights) // 2
 
 
 def test_an_sa_pair_reads_nothing_of_its_cache_outside_its_sinks_and_window(decoders, family_checkpoints):
@@ -164,10 +221,14 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert meta["decode_step"]["new_tokens_input"] == "input_ids"
     assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
     assert "decode_step" not in read_onnx_metadata(decoders / "eldec-general.onnx")
+    assert meta["short_call"] == {"keys_input": "attention_mask", "max_keys": 10}
+    assert "short_call" not in read_onnx_metadata(decoders / "eldec-general.onnx")
     proto = onnx.load(str(decoders / "eldec.onnx"))
     assert proto.graph.node[-1].op_type == "If"
     branches = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    step, general = branches["then_branch"], branches["else_branch"]
+    step, prompts = branches["then_branch"], branches["else_branch"]
+    assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "LessOrEqual", "If"]  # short or long
+    general = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
     # no router in the step graph; beside it, the general graph's calls after a cache are chunks of
     # several tokens, so its routers compute and select (no If a layer at a prefill)
     assert not any(n.op_type == "If" for n in step.node) and not any(n.op_type == "If" for n in general.node)
@@ -187,6 +248,9 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     ({"decode_graph": "maybe"}, "--decode-graph 'maybe': give on or off"),
     ({"decode_graph": "on", "variant": "dense"}, "serves the sparse lowering"),
     ({"decode_graph": "on", "dense_rows": 8}, "choose one"),
+    ({"short_graph": "maybe"}, "--short-graph 'maybe': give on or off"),
+    ({"short_graph": "on", "variant": "dense", "decode_graph": "off"}, "serves the sparse lowering"),
+    ({"short_graph": "on", "dense_rows": 8, "decode_graph": "off"}, "choose one"),
 ])
 def test_bad_requests_are_refused_on_one_line(family_checkpoints, tmp_path, options, match):
     model, info = checkpoint.load(family_checkpoints / "eldec")
@@ -201,6 +265,14 @@ def test_an_encoder_has_no_decode_steps(family_checkpoints, tmp_path):
         zoo.export(model, info, tmp_path / "m.onnx", decode_graph="on")
     assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
     zoo.export(model, info, tmp_path / "m.onnx", decode_graph="off")  # off asks nothing of it
+
+
+@pytest.mark.parametrize("family", ["bf", "tsa"])
+def test_a_model_without_a_short_call_program_refuses_the_graph(family_checkpoints, tmp_path, family):
+    model, info = checkpoint.load(family_checkpoints / family)
+    with pytest.raises(ExportError, match="for elastic decoders") as e:
+        zoo.export(model, info, tmp_path / "m.onnx", short_graph="on")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.onnx").exists()
 
 
 def test_cli_refuses_it_for_another_target(family_checkpoints, tmp_path):

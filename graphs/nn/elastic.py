@@ -211,6 +211,30 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
 
 
+    def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, bias: Tensor,
+                            head_modes: Tensor | None = None, use_modes: Tensor | None = None) -> tuple[Tensor, dict]:
+        """A call whose every key lies within each SA query's sinks and window (causal, at most
+        sink + window keys, the cache included): SA computes what FA does there, so every head
+        attends as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and
+        causal mask, made once for every layer by the caller). The router still decides: its
+        decisions are outputs, and the decode steps after this call read them. Returns (o, decisions)
+        as the hard op path does. The exporter's short-call program (graphs.nn.record.traced_short_call)
+        runs it; the op computes the same on such calls (tests/test_decode_graph.py)."""
+        if not self.causal:
+            raise ValueError("attend_within_reach serves causal (decoder) calls")
+        key_mask = key_mask.bool()
+        if head_modes is None:
+            logits = self.route(k, key_mask)
+            sa = _choice(logits)
+        else:
+            logits, sa = self._given_or_routed(k, key_mask, head_modes.bool(), use_modes)
+        kq, vq = self._groups(k), self._groups(v)
+        scores = (q * (q.shape[-1] ** -0.5)) @ kq.transpose(-1, -2) + bias
+        o = torch.softmax(scores, dim=-1) @ vq
+        self.record({"sa": sa, "logits": logits})
+        return o, {"sa": sa, "logits": logits, "g": sa.float()}
+
+
 def _choice(logits: Tensor) -> Tensor:
     """SA where its logit is the larger, [FA, SA] -> (B, H) bool (a tie is FA): two kernels in a
     graph (ArgMax, Equal), where comparing the two slices takes five."""

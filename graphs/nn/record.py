@@ -121,8 +121,27 @@ def decode_step_traced() -> bool:
     return bool(_DECODE_STEP and _DECODE_STEP[-1])
 
 
+@contextlib.contextmanager
+def traced_short_call(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, a decoder being traced is traced for its short calls only: calls whose
+    every key lies within each streaming head's sinks and window (at most sink + window keys, cache
+    included), where streaming attention computes what full attention does. An elastic decoder then
+    attends every head as dense attention does and keeps its routers (their decisions are outputs)."""
+    _SHORT_CALL.append(enabled)
+    try:
+        yield
+    finally:
+        _SHORT_CALL.pop()
+
+
+def short_call_traced() -> bool:
+    """Whether the model traced now is a decoder's short-call program (see traced_short_call)."""
+    return bool(_SHORT_CALL and _SHORT_CALL[-1])
+
+
 _CONTROL_FLOW: list[bool] = []
 _DECODE_STEP: list[bool] = []
+_SHORT_CALL: list[bool] = []
 
 MODES = ("soft", "st", "hard", "naive", "dense", "eager")
 # the shipped families' older names: hard decisions computed densely, and no routing at all

@@ -27,26 +27,31 @@ from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 PRECISIONS = ("fp32",)
 
 
-def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_graph: bool = False):
+def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_graph: bool = False,
+              short: bool = False):
     """The exported program `lower` lowers for `target` (step: a decoder's decode-step program;
-    decode_graph: the general program of an artifact that holds one too)."""
+    short: its short-call program; decode_graph: the general (or short-call) program of an artifact
+    that holds a decode-step program too)."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
     # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
     # (unverified on an engine here, so the TensorRT graph stays the one already checked). Beside a
     # decode-step graph the general graph's calls after a cache are chunks of several tokens (rare),
     # so its routers compute and select too: no If per layer at a prefill
-    return trace(model, contract, mode="hard", control_flow=target == "onnx" and not decode_graph, step=step)
+    return trace(model, contract, mode="hard", control_flow=target == "onnx" and not decode_graph, step=step,
+                 short=short)
 
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
-          target: str = "onnx", ep=None, step: bool = False,
+          target: str = "onnx", ep=None, step: bool = False, short: bool = False,
           decode_graph: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
     bodies where they have one (its inputs and outputs are the general graph's, at one new token);
+    short: the short-call program (no adaptex call: dense attention and the routers);
     decode_graph: the general program of an artifact that holds the step program too."""
-    ep = ep if ep is not None else trace_for(model, contract, target, step=step)
+    ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short,
+                                             decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph)
     table, functions, notes = {}, {}, {}
@@ -220,12 +225,27 @@ def decode_graph_option(value, contract) -> bool:
     return text == "on"
 
 
+def short_graph_option(value, contract) -> bool:
+    """The short_graph option as a bool: "on" or "off" (the CLI passes text), None for on where
+    the model has a short-call program (an elastic decoder)."""
+    if value is None:
+        return contract.short_call_keys() is not None
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("on", "off"):
+        raise ExportError(f"--short-graph {value!r}: give on or off")
+    return text == "on"
+
+
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
-           tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None) -> dict:
+           tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
-    the calls of one new token after a non-empty cache (dispatch.merge_decode_step)."""
+    the calls of one new token after a non-empty cache (dispatch.merge_decode_step). short_graph
+    (elastic decoders): one graph more, traced for calls within the streaming heads' reach (at most
+    sink + window keys), which runs those calls (dispatch.merge_short_call)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -244,19 +264,39 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         raise ExportError("--decode-graph and --dense-rows each put an If at the top of the graph; choose one "
                           "(--decode-graph off or --dense-rows off)")
     step = step and contract.decoder and variant == "sparse" and rows is None  # a family default gives way
+    explicit_short = short_graph is not None
+    short = short_graph_option(short_graph, contract)
+    if short and explicit_short and contract.short_call_keys() is None:
+        raise ExportError("--short-graph is for elastic decoders (calls within their streaming heads' sinks and "
+                          "window); this model has no short-call program: leave it off")
+    if short and explicit_short and variant != "sparse":
+        raise ExportError(f"--short-graph serves the sparse lowering; with --variant {variant} leave it off")
+    if short and explicit_short and rows is not None:
+        raise ExportError("--short-graph and --dense-rows each put an If at the top of the graph; choose one "
+                          "(--short-graph off or --dense-rows off)")
+    short = short and variant == "sparse" and rows is None
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
     ep = trace_for(model, contract, decode_graph=step)  # one trace, lowered once per variant
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
                                           decode_graph=step)
-    routed, stepped = None, None
+    routed, stepped, within = None, None, None
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
+    if short:
+        keys = contract.short_call_keys()
+        say(f"tracing and lowering the short-call graph too (calls of at most {keys} keys, cache included) ...")
+        short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
+                                     decode_graph=step)
+        keys_input = contract.input_names()[1]
+        proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, max_keys=keys,
+                                          domain=fx.DOMAIN)
+        within = {"keys_input": keys_input, "max_keys": keys}
     if step:
         say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
         step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, step=True)
@@ -267,7 +307,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
-                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped)
+                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -290,4 +330,9 @@ TARGET = register_target(Target(
                                       "(one new token after a non-empty cache), which runs those calls; off: the "
                                       "one general graph (default: on for elastic decoders, else off; "
                                       "docs/benchmarking.md#decode-steps)",
+                    variants=("sparse",)),
+             Option("--short-graph", "elastic decoders: on puts one more graph in the artifact, traced for calls "
+                                     "of at most sink + window keys (cache included), where every head attends "
+                                     "as dense attention does and the routers still decide; off: none (default: "
+                                     "on for elastic decoders; docs/benchmarking.md#short-calls)",
                     variants=("sparse",)))))

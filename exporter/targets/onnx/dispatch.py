@@ -51,6 +51,7 @@ from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
+SHORT_OVERLOAD = "short"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
 
 
@@ -173,13 +174,17 @@ def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
 
 
 def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str, str], overload: str,
-              cond_nodes: list, cond: str, initializers: list, then_initializers: list, domain: str) -> onnx.ModelProto:
+              cond_nodes: list, cond: str, initializers: list, then_initializers: list, domain: str,
+              other_local: bool = True) -> onnx.ModelProto:
     """One model whose graph is an If on `cond` (made by `cond_nodes`) over `then`'s graph (its
     adaptex calls and bodies given the overload `overload`) and `other`'s, with `initializers` in
-    the main graph (what both branches read, `then_initializers` those then's graph reads)."""
+    the main graph (what both branches read, `then_initializers` those then's graph reads).
+    other_local=False: `other`'s graph reads the main graph's weights as it is (a merged model whose
+    own branches fold their copies: ONNX Runtime folds them from two scopes up too)."""
     outputs = list(other.graph.output)
     then_g = branch(then.graph, tags[0], outputs, overload, domain, initializers=then_initializers)
-    else_g = branch(other.graph, tags[1], outputs, None, domain, initializers=other.graph.initializer)
+    else_g = branch(other.graph, tags[1], outputs, None, domain, local_weights=other_local,
+                    initializers=other.graph.initializer)
     nodes = cond_nodes + [helper.make_node("If", [cond], [o.name for o in outputs], name=f"{RESERVED}If",
                                            then_branch=then_g, else_branch=else_g)]
     graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs, initializer=initializers)
@@ -228,32 +233,25 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
                      then_initializers=gs.initializer, domain=domain)
 
 
-def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
-                      domain: str = "adaptex") -> onnx.ModelProto:
-    """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
-    non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
-    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). The two are traces of one
-    model: an initializer of the step graph equal to one of the general graph's (a weight) is
-    stored once; one that shares a name but not its values (a trace's constant) is renamed."""
-    gs, gg = step.graph, general.graph
-    _same_io(gs, gg, "decode-step and general graphs")
-    for name, axes in ((ids_input, 2), (past_input, 3)):
-        vi = next((v for v in gg.input if v.name == name), None)
-        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
-            raise ExportError(f"decode-step dispatch: the graph has no input {name!r} of rank {axes} or more")
-    by_content = {_content(t): t.name for t in gg.initializer}
-    names = {t.name for t in gg.initializer}
-    step_graph = onnx.GraphProto()
-    step_graph.CopyFrom(gs)
-    # a value the step graph makes under a name of the general graph's initializers would shadow
-    # that initializer in the branch: such values take a reserved name first (none is an output)
-    outputs = {o.name for o in gs.output}
-    shadow = {v: f"{RESERVED}step.v.{v}" for v in _produced(step_graph.node) if v in names and v not in outputs}
+def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> tuple[onnx.ModelProto, list, list]:
+    """`then` (another trace of the model `other` was traced from) with its initializers equal to
+    one of `other`'s (a weight) read from that one: returns (then with its reads renamed, the
+    initializers of both, stored once, those `then` reads). An initializer that shares a name but
+    not its values (a trace's constant) is renamed `dispatch.<tag>.c.<name>`."""
+    gt = then.graph
+    by_content = {_content(t): t.name for t in other.initializer}
+    names = {t.name for t in other.initializer}
+    graph = onnx.GraphProto()
+    graph.CopyFrom(gt)
+    # a value the graph makes under a name of `other`'s initializers would shadow that
+    # initializer in the branch: such values take a reserved name first (none is an output)
+    outputs = {o.name for o in gt.output}
+    shadow = {v: f"{RESERVED}{tag}.v.{v}" for v in _produced(graph.node) if v in names and v not in outputs}
     if shadow:
-        _rename_outputs(step_graph.node, shadow)
-        _rename_reads(step_graph.node, shadow)
-    inits, rename = list(gg.initializer), {}
-    for t in gs.initializer:
+        _rename_outputs(graph.node, shadow)
+        _rename_reads(graph.node, shadow)
+    inits, rename = list(other.initializer), {}
+    for t in gt.initializer:
         same = by_content.get(_content(t))
         if same is not None:
             rename[t.name] = same
@@ -261,29 +259,84 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
         copy = onnx.TensorProto()
         copy.CopyFrom(t)
         if t.name in names:
-            copy.name = rename[t.name] = f"{RESERVED}step.c.{t.name}"
+            copy.name = rename[t.name] = f"{RESERVED}{tag}.c.{t.name}"
         inits.append(copy)
         names.add(copy.name)
-    _rename_reads(step_graph.node, rename)
-    step_model = onnx.ModelProto()
-    step_model.CopyFrom(step)
-    step_model.graph.CopyFrom(step_graph)
-    read = {rename.get(t.name, t.name) for t in gs.initializer}
+    _rename_reads(graph.node, rename)
+    model = onnx.ModelProto()
+    model.CopyFrom(then)
+    model.graph.CopyFrom(graph)
+    read = {rename.get(t.name, t.name) for t in gt.initializer}
+    return model, inits, [t for t in inits if t.name in read]
+
+
+def _squeezed_axis(name: str, axis: int, tag: str) -> tuple[list, str]:
+    """Nodes that read the length of `name`'s axis `axis` as a scalar, and that scalar's name."""
+    one, out = f"{RESERVED}{tag}.1", f"{RESERVED}{tag}"
+    return [helper.make_node("Shape", [name], [one], name=f"{RESERVED}Shape_{tag}", start=axis, end=axis + 1),
+            helper.make_node("Squeeze", [one], [out], name=f"{RESERVED}Squeeze_{tag}")], out
+
+
+def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
+                      domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
+    non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
+    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). The two are traces of one
+    model: an initializer of the step graph equal to one of the general graph's (a weight) is
+    stored once; one that shares a name but not its values (a trace's constant) is renamed.
+    `general` may itself be a merged model (merge_short_call): its branches then keep their own
+    copies of the weights, folded from the main graph's."""
+    gs, gg = step.graph, general.graph
+    _same_io(gs, gg, "decode-step and general graphs")
+    for name, axes in ((ids_input, 2), (past_input, 3)):
+        vi = next((v for v in gg.input if v.name == name), None)
+        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
+            raise ExportError(f"decode-step dispatch: the graph has no input {name!r} of rank {axes} or more")
+    step_model, inits, read = _share_weights(step, gg, "step")
     one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{RESERVED}{n}") for v, n in ((1, "one"), (0, "zero")))
-    new, cached = f"{RESERVED}new_tokens", f"{RESERVED}cached_tokens"
     is_step = f"{RESERVED}is_step"
-    cond_nodes = [
-        helper.make_node("Shape", [ids_input], [f"{new}.1"], name=f"{RESERVED}Shape_new", start=1, end=2),
-        helper.make_node("Shape", [past_input], [f"{cached}.1"], name=f"{RESERVED}Shape_cached", start=2, end=3),
-        helper.make_node("Squeeze", [f"{new}.1"], [new], name=f"{RESERVED}Squeeze_new"),
-        helper.make_node("Squeeze", [f"{cached}.1"], [cached], name=f"{RESERVED}Squeeze_cached"),
+    new_nodes, new = _squeezed_axis(ids_input, 1, "new")
+    cached_nodes, cached = _squeezed_axis(past_input, 2, "cached")
+    cond_nodes = new_nodes + cached_nodes + [
         helper.make_node("Equal", [new, one.name], [f"{RESERVED}one_new"], name=f"{RESERVED}Equal"),
         helper.make_node("Greater", [cached, zero.name], [f"{RESERVED}has_cache"], name=f"{RESERVED}Greater"),
         helper.make_node("And", [f"{RESERVED}one_new", f"{RESERVED}has_cache"], [is_step], name=f"{RESERVED}And"),
     ]
     return _if_model(step_model, general, tags=("step", "general"), overload=STEP_OVERLOAD, cond_nodes=cond_nodes,
-                     cond=is_step, initializers=inits + [one, zero],
-                     then_initializers=[t for t in inits if t.name in read], domain=domain)
+                     cond=is_step, initializers=inits + [one, zero], then_initializers=read, domain=domain,
+                     other_local=short_keys_of(general) is None)
+
+
+def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, max_keys: int,
+                     domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `short`'s graph (a decoder's short-call program: every head attends as
+    dense attention does, which streaming attention equals where every key lies within its sinks
+    and window) for calls of at most `max_keys` keys, the length of `keys_input`'s axis 1 (the
+    attention mask: cache plus new tokens), and `general`'s for longer ones. Weights stored once,
+    as in merge_decode_step."""
+    gs, gg = short.graph, general.graph
+    if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+        raise ExportError(f"short-call dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
+    _same_io(gs, gg, "short-call and general graphs")
+    vi = next((v for v in gg.input if v.name == keys_input), None)
+    if vi is None or len(vi.type.tensor_type.shape.dim) < 2:
+        raise ExportError(f"short-call dispatch: the graph has no input {keys_input!r} of rank 2 or more")
+    short_model, inits, read = _share_weights(short, gg, "short")
+    limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{RESERVED}short_keys")
+    key_nodes, keys = _squeezed_axis(keys_input, 1, "keys")
+    within = f"{RESERVED}within_reach"
+    cond_nodes = key_nodes + [helper.make_node("LessOrEqual", [keys, limit.name], [within],
+                                               name=f"{RESERVED}LessOrEqual_keys")]
+    return _if_model(short_model, general, tags=("short", "long"), overload=SHORT_OVERLOAD, cond_nodes=cond_nodes,
+                     cond=within, initializers=inits + [limit], then_initializers=read, domain=domain)
+
+
+def short_keys_of(proto: onnx.ModelProto) -> int | None:
+    """The key count at or below which `proto` runs its short-call graph, or None (none)."""
+    for i in proto.graph.initializer:
+        if i.name == f"{RESERVED}short_keys":
+            return int(numpy_helper.to_array(i))
+    return None
 
 
 def dense_rows_of(proto: onnx.ModelProto) -> int | None:
@@ -294,4 +347,5 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "dense_rows_of", "DENSE_OVERLOAD", "STEP_OVERLOAD"]
+__all__ = ["merge", "merge_decode_step", "merge_short_call", "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD",
+           "STEP_OVERLOAD", "SHORT_OVERLOAD"]
