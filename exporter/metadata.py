@@ -121,9 +121,10 @@ def validate(meta, where) -> dict:
     if within is not None:
         keys = within.get("max_keys")
         if not isinstance(keys, int) or isinstance(keys, bool) or keys < 1 \
-                or not (isinstance(within.get("keys_input"), str) and within["keys_input"] in meta["inputs"]):
-            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1) and keys_input "
-                               "(an input name); re-export it with adaptex")
+                or not all(isinstance(within.get(k), str) and within[k] in meta["inputs"]
+                           for k in ("keys_input", "cache_input")):
+            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1), keys_input and "
+                               "cache_input (input names); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

@@ -237,22 +237,26 @@ class ElasticDecoder(nn.Module):
         # refuse a zero-size tensor). A decode-step program (traced for calls after a non-empty
         # cache) traces no choice: the given modes, and no router at all
         step_program = torch.compiler.is_exporting() and decode_step_traced()
-        has_past = None if step_program else torch.ones_like(attention_mask[:1]).sum() > T
+        short_program = torch.compiler.is_exporting() and short_call_traced()
+        has_past = None if step_program or short_program else torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
-        # a short-call program (traced for calls of at most sink + window keys, where every head's
-        # streaming attention is its full attention) attends as the dense decoder does, through one
-        # padding and causal bias for every layer; the routers still decide
-        bias = _dense_bias(key_ok, T) if torch.compiler.is_exporting() and short_call_traced() else None
+        # a short-call program (traced for prefills of at most sink + window keys, where every
+        # head's streaming attention is its full attention) attends as the dense decoder does,
+        # through one padding and causal bias for every layer; the routers still decide
+        if short_program:  # the cache is empty there: the mask's columns are the new tokens'
+            key_ok = key_ok[:, -T:]
+        bias = _dense_bias(key_ok, T) if short_program else None
         decisions, presents = [], []
         for li in range(cfg.num_layers):
             q, k, v = bb.qkv(li, h, ctx)  # (B, H, T, dh), (B, Hkv, T, dh) x 2
-            k = torch.cat([past[li][0], k], dim=2)
-            v = torch.cat([past[li][1], v], dim=2)
+            if not short_program:  # (the short-call program serves empty caches only)
+                k = torch.cat([past[li][0], k], dim=2)
+                v = torch.cat([past[li][1], v], dim=2)
             presents.append((k, v))
             modes = head_modes[li] if head_modes is not None else None
             force = force_sa[li] if force_sa is not None else None
-            if bias is not None:
-                o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias, modes, has_past)
+            if bias is not None:  # a prefill: the routers decide (the given modes serve steps)
+                o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias)
             else:
                 o, dec = self.routers[li](q, k, v, key_ok, modes, has_past,
                                           mode=mode, force_sa=force, tau=tau, return_decisions=True)

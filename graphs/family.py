@@ -164,8 +164,8 @@ class Contract:
 
     # --- family knowledge (a user model has none of these) -------------------------------------------
     def short_call_keys(self) -> int | None:
-        """Decoders with a short-call program (graphs.nn.record.traced_short_call): the most keys
-        (cache plus new tokens) a call may have to run it; None for models without one."""
+        """Decoders with a short-call program (graphs.nn.record.traced_short_call): the most tokens a
+        prefill may have to run it; None for models without one."""
         return None
 
     @property

@@ -114,14 +114,14 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
 
 def ran_graph(meta: dict, seq: int, past: int) -> str | None:
     """Which graph of an artifact with a decode-step or a short-call graph a call runs ("decode-step"
-    for one new token after a non-empty cache, "short-call" for a call of at most its max_keys keys,
-    else "general"); None for an artifact with neither."""
+    for one new token after a non-empty cache, "short-call" for a prefill of at most its max_keys
+    tokens, else "general"); None for an artifact with neither."""
     within = meta.get("short_call")
     if not meta.get("decode_step") and not within:
         return None
     if meta.get("decode_step") and seq == 1 and past > 0:
         return "decode-step"
-    if within and seq + past <= within["max_keys"]:
+    if within and past == 0 and seq <= within["max_keys"]:
         return "short-call"
     return "general"
 

@@ -81,16 +81,16 @@ def _ran(path, feeds, tmp_path) -> set[str]:
             for tag in ("step", "short", "long") if f"{dispatch.RESERVED}{tag}." in e["name"]}
 
 
-# the tiny elastic decoder: sink 2, window 8, so calls of at most 10 keys run the short-call graph
+# the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "step"),      # a decode step
     (3, 1, 20, "step"),
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
-    (2, 3, 5, "short"),     # three new tokens after a cache
-    (2, 10, 0, "short"),    # sink + window keys: the last that SA sees whole
-    (2, 11, 0, "long"),     # one key more: the general graph
-    (2, 4, 9, "long"),      # four new tokens after a cache, 13 keys
+    (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
+    (2, 11, 0, "long"),     # one token more: the general graph
+    (2, 3, 5, "long"),      # three new tokens after a cache (within reach, but the routers do not run)
+    (2, 4, 9, "long"),
 ])
 def test_each_call_runs_one_branch(decoders, tmp_path, batch, seq, past, branch):
     path = decoders / "eldec.onnx"
@@ -124,30 +124,28 @@ def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, pa
     _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
 
 
-@pytest.mark.parametrize("batch, seq, past, modes, pad", [
-    (1, 10, 0, "mixed", 0),   # a prompt of sink + window tokens
-    (3, 7, 0, "mixed", 3),    # left padding
-    (2, 1, 0, "mixed", 0),    # one token
-    (2, 4, 6, "sa", 2),       # new tokens after a cache: the given modes, not the routers'
-    (2, 4, 6, "fa", 0),
+@pytest.mark.parametrize("batch, seq, pad", [
+    (1, 10, 0),   # a prompt of sink + window tokens
+    (3, 7, 3),    # left padding
+    (2, 1, 0),    # one token
 ])
-def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, batch, seq, past, modes, pad):
+def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, batch, seq, pad):
     sess = _session(decoders / "eldec.onnx")
-    feeds = _feeds(sess, batch, seq, past, modes, pad)
+    feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
     names = [o.name for o in sess.get_outputs()]
     _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
 
 
 def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
     """The short-call branch attends densely (no adaptex call, one causal and padding bias for
-    every layer); its weights are the general graph's, stored once; ONNX Runtime folds every
-    branch's copy at load, nested branches included."""
+    every layer) and reads no cache (its shape at most); the long one calls the op."""
     proto = onnx.load(str(decoders / "eldec.onnx"))
     outer = {a.name: a.g for a in proto.graph.node[-1].attribute}
     inner_if = next(n for n in outer["else_branch"].node if n.op_type == "If")
     inner = {a.name: a.g for a in inner_if.attribute}
     short, long = inner["then_branch"], inner["else_branch"]
     assert not any(n.domain == "adaptex" for n in short.node) and not any(n.op_type == "If" for n in short.node)
+    assert {n.op_type for n in short.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
     assert any(n.domain == "adaptex" for n in long.node)
     assert dispatch.short_keys_of(proto) == 10
 
@@ -221,13 +219,14 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert meta["decode_step"]["new_tokens_input"] == "input_ids"
     assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
     assert "decode_step" not in read_onnx_metadata(decoders / "eldec-general.onnx")
-    assert meta["short_call"] == {"keys_input": "attention_mask", "max_keys": 10}
+    assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}
     assert "short_call" not in read_onnx_metadata(decoders / "eldec-general.onnx")
     proto = onnx.load(str(decoders / "eldec.onnx"))
     assert proto.graph.node[-1].op_type == "If"
     branches = {a.name: a.g for a in proto.graph.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]
-    assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "LessOrEqual", "If"]  # short or long
+    assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
+                                                 "And", "If"]  # short or long
     general = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
     # no router in the step graph; beside it, the general graph's calls after a cache are chunks of
     # several tokens, so its routers compute and select (no If a layer at a prefill)
@@ -281,3 +280,27 @@ def test_cli_refuses_it_for_another_target(family_checkpoints, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and "another target" in r.stderr, r.stderr
     assert not (tmp_path / "m.mlpackage").exists()
+
+
+def test_metadata_with_a_malformed_short_call_is_refused(decoders):
+    from adaptex.exporter.metadata import read_onnx_metadata, validate
+    from adaptex.graphs.errors import AdaptexError
+
+    meta = read_onnx_metadata(decoders / "eldec.onnx")
+    good = meta["short_call"]
+    for bad in ({**good, "max_keys": "10"}, {**good, "max_keys": 0}, {**good, "max_keys": True},
+                {**good, "keys_input": "nope"}, {"max_keys": 10}, "10"):
+        with pytest.raises(AdaptexError, match="short_call"):
+            validate({**meta, "short_call": bad}, "m.onnx")
+
+
+def test_bench_names_the_graph_a_call_runs():
+    from adaptex.runtimes.bench import ran_graph
+
+    both = {"decode_step": {"new_tokens_input": "input_ids", "cache_input": "past_key_values.0.key"},
+            "short_call": {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}}
+    assert ran_graph(both, 1, 5) == "decode-step" and ran_graph(both, 1, 0) == "short-call"
+    assert ran_graph(both, 10, 0) == "short-call" and ran_graph(both, 11, 0) == "general"
+    assert ran_graph(both, 3, 5) == "general"  # new tokens after a cache: the general graph
+    assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
+    assert ran_graph({}, 10, 0) is None

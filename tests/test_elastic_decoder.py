@@ -226,3 +226,26 @@ def test_generation_example_matches_eager_greedy_decoding(ckpt, artifacts):
         ids, sa = gen.generate(prompt, 20)
         assert ids == generate(loaded, prompt, 20)
         assert len(set(sa)) == 1  # the modes are fixed at prefill
+
+
+@pytest.mark.parametrize("T, pad", [(10, 0), (7, 3), (1, 0)])
+def test_within_reach_every_head_attends_as_the_op_does(T, pad):
+    """Where every key lies within an SA query's sinks and window (a prefill of at most sink +
+    window tokens), the short-call program's dense attention (ElasticAttention.attend_within_reach,
+    one bias for every layer) gives what the op gives on every real query, and the same decisions."""
+    from adaptex.graphs.elastic_decoder import _dense_bias
+    from adaptex.graphs.nn import ElasticAttention
+
+    torch.manual_seed(0)
+    layer = ElasticAttention(4, 8, sink=2, window=8, causal=True, router_hidden=16, pool_tokens=8).eval()
+    q, k, v = (torch.randn(3, 4, T, 8) for _ in range(3))
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1:, :pad] = False
+    with torch.no_grad():
+        want, dec = layer(q, k, v, mask, mode="hard", return_decisions=True)
+        got, short = layer.attend_within_reach(q, k, v, mask, _dense_bias(mask, T))
+    real = mask[:, None, :, None]
+    assert torch.equal(short["sa"], dec["sa"]) and torch.allclose(short["logits"], dec["logits"], atol=1e-6)
+    assert ((got - want).abs() * real).max() < 1e-5
+    with pytest.raises(ValueError, match="causal"):
+        ElasticAttention(4, 8, causal=False).attend_within_reach(q, k, v, mask, _dense_bias(mask, T))

@@ -93,8 +93,16 @@ class HeadRouter(nn.Module):
         # the dense Core ML export of an elastic decoder failed on float(q.shape[-1]))
         return (w.expand(B, H, 2, S) @ k).reshape(B, H, 2 * dh)  # (B, H, 2, dh): [first mean, last mean]
 
-    def route(self, k: Tensor, key_mask: Tensor, plan: Tensor | None = None) -> Tensor:
-        h = self.task(self.pool(k.float(), key_mask, plan)) + self.head_bias  # (B, H, hidden)
+    def route(self, k: Tensor, key_mask: Tensor, plan: Tensor | None = None, expand: bool = True) -> Tensor:
+        """(B, H, 2) fp32 [FA, SA] logits. expand=False pools with the plan broadcast over the heads
+        in the MatMul (two kernels fewer a layer in ONNX Runtime; see pool for why the rest expand)."""
+        if expand:
+            pooled = self.pool(k.float(), key_mask, plan)
+        else:
+            B, H, S, dh = k.shape
+            w = plan if plan is not None else self.pool_plan(k, key_mask)
+            pooled = (w @ k.float()).reshape(B, H, 2 * dh)
+        h = self.task(pooled) + self.head_bias  # (B, H, hidden)
         return self.router(h)  # (B, H, 2) fp32: [FA, SA]
 
     def forward(self, k: Tensor, key_mask: Tensor) -> Tensor:
@@ -211,23 +219,20 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
 
 
-    def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, bias: Tensor,
-                            head_modes: Tensor | None = None, use_modes: Tensor | None = None) -> tuple[Tensor, dict]:
-        """A call whose every key lies within each SA query's sinks and window (causal, at most
-        sink + window keys, the cache included): SA computes what FA does there, so every head
-        attends as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and
-        causal mask, made once for every layer by the caller). The router still decides: its
-        decisions are outputs, and the decode steps after this call read them. Returns (o, decisions)
-        as the hard op path does. The exporter's short-call program (graphs.nn.record.traced_short_call)
-        runs it; the op computes the same on such calls (tests/test_decode_graph.py)."""
+    def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor,
+                            bias: Tensor) -> tuple[Tensor, dict]:
+        """A prefill (empty cache) whose every key lies within each SA query's sinks and window
+        (causal, at most sink + window keys): SA computes what FA does there, so every head attends
+        as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and causal mask,
+        made once for every layer by the caller). The router still decides: its decisions are
+        outputs, and the decode steps after this call read them. Returns (o, decisions) as the hard
+        op path does. The exporter's short-call program (graphs.nn.record.traced_short_call) runs
+        it; the op computes the same on such calls (tests/test_decode_graph.py)."""
         if not self.causal:
             raise ValueError("attend_within_reach serves causal (decoder) calls")
         key_mask = key_mask.bool()
-        if head_modes is None:
-            logits = self.route(k, key_mask)
-            sa = _choice(logits)
-        else:
-            logits, sa = self._given_or_routed(k, key_mask, head_modes.bool(), use_modes)
+        logits = self.route(k, key_mask, expand=False)
+        sa = _choice(logits)
         kq, vq = self._groups(k), self._groups(v)
         scores = (q * (q.shape[-1] ** -0.5)) @ kq.transpose(-1, -2) + bias
         o = torch.softmax(scores, dim=-1) @ vq

@@ -123,10 +123,11 @@ def decode_step_traced() -> bool:
 
 @contextlib.contextmanager
 def traced_short_call(enabled: bool = True) -> Iterator[None]:
-    """Inside the block, a decoder being traced is traced for its short calls only: calls whose
-    every key lies within each streaming head's sinks and window (at most sink + window keys, cache
-    included), where streaming attention computes what full attention does. An elastic decoder then
-    attends every head as dense attention does and keeps its routers (their decisions are outputs)."""
+    """Inside the block, a decoder being traced is traced for its short calls only: prefills (an
+    empty cache) whose every key lies within each streaming head's sinks and window (at most
+    sink + window tokens), where streaming attention computes what full attention does. An elastic
+    decoder then attends every head as dense attention does and keeps its routers (their decisions
+    are outputs)."""
     _SHORT_CALL.append(enabled)
     try:
         yield

@@ -244,8 +244,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
     the calls of one new token after a non-empty cache (dispatch.merge_decode_step). short_graph
-    (elastic decoders): one graph more, traced for calls within the streaming heads' reach (at most
-    sink + window keys), which runs those calls (dispatch.merge_short_call)."""
+    (elastic decoders): one graph more, traced for prefills within the streaming heads' reach (at
+    most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -290,13 +290,13 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
     if short:
         keys = contract.short_call_keys()
-        say(f"tracing and lowering the short-call graph too (calls of at most {keys} keys, cache included) ...")
+        say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
                                      decode_graph=step)
-        keys_input = contract.input_names()[1]
-        proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, max_keys=keys,
-                                          domain=fx.DOMAIN)
-        within = {"keys_input": keys_input, "max_keys": keys}
+        keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
+        proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, cache_input=cache_input,
+                                          max_keys=keys, domain=fx.DOMAIN)
+        within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
     if step:
         say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
         step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, step=True)
@@ -331,8 +331,8 @@ TARGET = register_target(Target(
                                       "one general graph (default: on for elastic decoders, else off; "
                                       "docs/benchmarking.md#decode-steps)",
                     variants=("sparse",)),
-             Option("--short-graph", "elastic decoders: on puts one more graph in the artifact, traced for calls "
-                                     "of at most sink + window keys (cache included), where every head attends "
+             Option("--short-graph", "elastic decoders: on puts one more graph in the artifact, traced for "
+                                     "prefills of at most sink + window tokens, where every head attends "
                                      "as dense attention does and the routers still decide; off: none (default: "
                                      "on for elastic decoders; docs/benchmarking.md#short-calls)",
                     variants=("sparse",)))))

@@ -307,28 +307,36 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
                      other_local=short_keys_of(general) is None)
 
 
-def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, max_keys: int,
-                     domain: str = "adaptex") -> onnx.ModelProto:
-    """One model that runs `short`'s graph (a decoder's short-call program: every head attends as
-    dense attention does, which streaming attention equals where every key lies within its sinks
-    and window) for calls of at most `max_keys` keys, the length of `keys_input`'s axis 1 (the
-    attention mask: cache plus new tokens), and `general`'s for longer ones. Weights stored once,
-    as in merge_decode_step."""
+def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
+                     max_keys: int, domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `short`'s graph (a decoder's short-call program: a prefill where every
+    head attends as dense attention does, which streaming attention equals where every key lies
+    within its sinks and window) for prefills of at most `max_keys` keys (the length of
+    `keys_input`'s axis 1, the attention mask, at most max_keys, and `cache_input`'s axis 2, the
+    cache, empty), and `general`'s for every other call. Weights stored once, as in
+    merge_decode_step."""
     gs, gg = short.graph, general.graph
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
         raise ExportError(f"short-call dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
     _same_io(gs, gg, "short-call and general graphs")
-    vi = next((v for v in gg.input if v.name == keys_input), None)
-    if vi is None or len(vi.type.tensor_type.shape.dim) < 2:
-        raise ExportError(f"short-call dispatch: the graph has no input {keys_input!r} of rank 2 or more")
+    for name, axes in ((keys_input, 2), (cache_input, 3)):
+        vi = next((v for v in gg.input if v.name == name), None)
+        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
+            raise ExportError(f"short-call dispatch: the graph has no input {name!r} of rank {axes} or more")
     short_model, inits, read = _share_weights(short, gg, "short")
     limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{RESERVED}short_keys")
+    none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{RESERVED}no_cache")
     key_nodes, keys = _squeezed_axis(keys_input, 1, "keys")
+    cache_nodes, cached = _squeezed_axis(cache_input, 2, "prefill_cache")
     within = f"{RESERVED}within_reach"
-    cond_nodes = key_nodes + [helper.make_node("LessOrEqual", [keys, limit.name], [within],
-                                               name=f"{RESERVED}LessOrEqual_keys")]
+    cond_nodes = key_nodes + cache_nodes + [
+        helper.make_node("LessOrEqual", [keys, limit.name], [f"{RESERVED}few_keys"], name=f"{RESERVED}LessOrEqual_keys"),
+        helper.make_node("Equal", [cached, none.name], [f"{RESERVED}no_cache_yet"], name=f"{RESERVED}Equal_cache"),
+        helper.make_node("And", [f"{RESERVED}few_keys", f"{RESERVED}no_cache_yet"], [within],
+                         name=f"{RESERVED}And_within"),
+    ]
     return _if_model(short_model, general, tags=("short", "long"), overload=SHORT_OVERLOAD, cond_nodes=cond_nodes,
-                     cond=within, initializers=inits + [limit], then_initializers=read, domain=domain)
+                     cond=within, initializers=inits + [limit, none], then_initializers=read, domain=domain)
 
 
 def short_keys_of(proto: onnx.ModelProto) -> int | None:
