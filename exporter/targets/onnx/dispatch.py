@@ -26,7 +26,8 @@ sequence), and runs
 
 The weights are stored once, as initializers of the main graph, and each branch reads them through
 a pair of Reshapes (to one axis and back) that ONNX Runtime's constant folding turns into
-initializers of that branch when the session loads. An If whose branch reads main-graph
+initializers of that branch when the session loads (a tensor of at most COPIED_UP_TO elements is
+copied into the branch instead). An If whose branch reads main-graph
 initializers directly pays for them on every call: tsa-charlm's dense graph as a branch cost 46 to
 53 us more a B1 decode step read directly, 5 to 7 us folded; elastic-charlm's 88 to 145 us against
 18 to 52 us (ONNX Runtime 1.32, 1 thread; examples/if_branch_cost.py,
@@ -53,6 +54,12 @@ DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
 SHORT_OVERLOAD = "short"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
+# A main-graph initializer of at most this many elements (an axis list, a shape, a scalar) is copied
+# into each branch that reads it rather than folded there: ONNX Runtime's fusions that want a
+# constant input (GatherSliceToSplitFusion: the Slices of a split projection into one Split) run
+# before the folding and do not see a folded one (elastic-charlm's short-call graph at B1, T = 32:
+# 12 kernels more, about 4% of the call, with every initializer folded)
+COPIED_UP_TO = 64
 
 
 def _rename_reads(nodes, rename: dict) -> None:
@@ -69,8 +76,9 @@ def _rename_reads(nodes, rename: dict) -> None:
 def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     """Point the reads of the main graph's `initializers` in `nodes` (subgraphs included) at branch
     values `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime
-    folds the pair into an initializer of the branch at load (see the module docstring). Returns the
-    fold nodes and the branch's own initializers (the shapes). Empty tensors are read as they are."""
+    folds the pair into an initializer of the branch at load (see the module docstring); one of at
+    most COPIED_UP_TO elements is copied into the branch instead. Returns the fold nodes and the
+    branch's own initializers (the shapes and the copies). Empty tensors are read as they are."""
     read = set(reads(nodes))
     weights = [w for w in initializers if w.name in read and 0 not in w.dims]
     if not weights:
@@ -79,7 +87,12 @@ def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     _rename_reads(nodes, local)
     flat = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{RESERVED}{tag}.one_axis")
     inits, fold = [flat], []
-    for w in weights:
+    for w in [w for w in weights if int(np.prod(w.dims)) <= COPIED_UP_TO]:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(w)
+        copy.name = local[w.name]
+        inits.append(copy)
+    for w in [w for w in weights if int(np.prod(w.dims)) > COPIED_UP_TO]:
         shape = numpy_helper.from_array(np.array(w.dims, dtype=np.int64), f"{RESERVED}{tag}.shape.{w.name}")
         inits.append(shape)
         fold += [helper.make_node("Reshape", [w.name, flat.name], [f"{local[w.name]}.flat"],
@@ -187,7 +200,9 @@ def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str,
                     initializers=other.graph.initializer)
     nodes = cond_nodes + [helper.make_node("If", [cond], [o.name for o in outputs], name=f"{RESERVED}If",
                                            then_branch=then_g, else_branch=else_g)]
-    graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs, initializer=initializers)
+    read = set(reads(nodes))  # a small initializer every branch copied is read by none (ORT would warn)
+    graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs,
+                              initializer=[t for t in initializers if t.name in read])
     graph.doc_string = other.graph.doc_string
     model = helper.make_model(graph, opset_imports=list(other.opset_import), ir_version=other.ir_version)
     known = {o.domain for o in model.opset_import}
