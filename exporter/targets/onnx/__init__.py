@@ -212,30 +212,28 @@ def dense_rows_option(value) -> int | None:
     return int(text)
 
 
-def decode_graph_option(value, contract) -> bool:
-    """The decode_graph option as a bool: "on" or "off" (the CLI passes text), None for the
-    contract's default (on for the families whose decode steps it was measured to speed up)."""
+def _on_off(value, flag: str, default: bool) -> bool:
+    """An on/off option as a bool: "on" or "off" (the CLI passes text), a bool, or None for `default`."""
     if value is None:
-        return bool(getattr(contract, "decode_graph", False))
+        return default
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
     if text not in ("on", "off"):
-        raise ExportError(f"--decode-graph {value!r}: give on or off")
+        raise ExportError(f"{flag} {value!r}: give on or off")
     return text == "on"
+
+
+def decode_graph_option(value, contract) -> bool:
+    """The decode_graph option as a bool; None for the contract's default (on for the families
+    whose decode steps it was measured to speed up)."""
+    return _on_off(value, "--decode-graph", bool(getattr(contract, "decode_graph", False)))
 
 
 def short_graph_option(value, contract) -> bool:
-    """The short_graph option as a bool: "on" or "off" (the CLI passes text), None for on where
-    the model has a short-call program (an elastic decoder)."""
-    if value is None:
-        return contract.short_call_keys() is not None
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text not in ("on", "off"):
-        raise ExportError(f"--short-graph {value!r}: give on or off")
-    return text == "on"
+    """The short_graph option as a bool; None for on where the model has a short-call program (an
+    elastic decoder)."""
+    return _on_off(value, "--short-graph", contract.short_call_keys() is not None)
 
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,

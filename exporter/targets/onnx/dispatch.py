@@ -285,6 +285,14 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
     return model, inits, [t for t in inits if t.name in read]
 
 
+def _has_inputs(graph: onnx.GraphProto, what: str, wanted) -> None:
+    """Refuse a graph without each (name, rank) input of `wanted` (rank at least)."""
+    for name, axes in wanted:
+        vi = next((v for v in graph.input if v.name == name), None)
+        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
+            raise ExportError(f"{what} dispatch: the graph has no input {name!r} of rank {axes} or more")
+
+
 def _squeezed_axis(name: str, axis: int, tag: str) -> tuple[list, str]:
     """Nodes that read the length of `name`'s axis `axis` as a scalar, and that scalar's name."""
     one, out = f"{RESERVED}{tag}.1", f"{RESERVED}{tag}"
@@ -303,10 +311,7 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     copies of the weights, folded from the main graph's."""
     gs, gg = step.graph, general.graph
     _same_io(gs, gg, "decode-step and general graphs")
-    for name, axes in ((ids_input, 2), (past_input, 3)):
-        vi = next((v for v in gg.input if v.name == name), None)
-        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
-            raise ExportError(f"decode-step dispatch: the graph has no input {name!r} of rank {axes} or more")
+    _has_inputs(gg, "decode-step", ((ids_input, 2), (past_input, 3)))
     step_model, inits, read = _share_weights(step, gg, "step")
     one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{RESERVED}{n}") for v, n in ((1, "one"), (0, "zero")))
     is_step = f"{RESERVED}is_step"
@@ -334,10 +339,7 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
         raise ExportError(f"short-call dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
     _same_io(gs, gg, "short-call and general graphs")
-    for name, axes in ((keys_input, 2), (cache_input, 3)):
-        vi = next((v for v in gg.input if v.name == name), None)
-        if vi is None or len(vi.type.tensor_type.shape.dim) < axes:
-            raise ExportError(f"short-call dispatch: the graph has no input {name!r} of rank {axes} or more")
+    _has_inputs(gg, "short-call", ((keys_input, 2), (cache_input, 3)))
     short_model, inits, read = _share_weights(short, gg, "short")
     limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{RESERVED}short_keys")
     none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{RESERVED}no_cache")
