@@ -19,8 +19,8 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     bool inputs as float32 0/1 (Core ML has no bool features; the layers read them back with .bool()).
     control_flow: layers may skip work behind a torch.cond (an ONNX `If`; graphs.nn.traced_control_flow).
     step: a decoder's decode-step program (one new token after a non-empty cache; the contract's
-    step shapes), which serves those calls only. short: a decoder's short-call program (calls of at
-    most the model's short-call key count: graphs.nn.record.traced_short_call), likewise."""
+    step shapes), which serves those calls only. short: a decoder's short-call program (prefills of
+    at most the contract's short_call_keys() tokens: graphs.nn.record.traced_short_call), likewise."""
     if contract is None:
         from adaptex.graphs.family import family_contract
 

@@ -240,7 +240,7 @@ class ElasticDecoder(nn.Module):
         short_program = torch.compiler.is_exporting() and short_call_traced()
         has_past = None if step_program or short_program else torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
-        # a short-call program (traced for prefills of at most sink + window keys, where every
+        # a short-call program (traced for prefills of at most sink + window tokens, where every
         # head's streaming attention is its full attention) attends as the dense decoder does,
         # through one padding and causal bias for every layer; the routers still decide
         if short_program:  # the cache is empty there: the mask's columns are the new tokens'

@@ -218,7 +218,6 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         self.record({"sa": sa, "logits": logits}, margins={"sa": margin} if margin is not None else None)
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
 
-
     def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor,
                             bias: Tensor) -> tuple[Tensor, dict]:
         """A prefill (empty cache) whose every key lies within each SA query's sinks and window
@@ -227,7 +226,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         made once for every layer by the caller). The router still decides: its decisions are
         outputs, and the decode steps after this call read them. Returns (o, decisions) as the hard
         op path does. The exporter's short-call program (graphs.nn.record.traced_short_call) runs
-        it; the op computes the same on such calls (tests/test_decode_graph.py)."""
+        it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the
+        artifact's graphs against each other in tests/test_decode_graph.py)."""
         if not self.causal:
             raise ValueError("attend_within_reach serves causal (decoder) calls")
         key_mask = key_mask.bool()
