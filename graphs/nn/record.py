@@ -87,21 +87,32 @@ def adaptive_mode(mode: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _pushed(stack: list[bool], enabled: bool) -> Iterator[None]:
+    """`enabled` on top of a tracing flag's stack for the block (the flag reads the top)."""
+    stack.append(enabled)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _top(stack: list[bool]) -> bool:
+    return bool(stack and stack[-1])
+
+
+@contextlib.contextmanager
 def traced_control_flow(enabled: bool = True) -> Iterator[None]:
     """Inside the block, a layer being traced may put data-dependent control flow in the graph
     (torch.cond: an ONNX `If`) to skip work at run time. The exporter enables it for targets whose
     runtime runs an `If` as such (ONNX Runtime); elsewhere layers trace a select of both results
     (the same values, without the saving)."""
-    _CONTROL_FLOW.append(enabled)
-    try:
+    with _pushed(_CONTROL_FLOW, enabled):
         yield
-    finally:
-        _CONTROL_FLOW.pop()
 
 
 def control_flow_traced() -> bool:
     """Whether a layer traced now may emit torch.cond (see traced_control_flow)."""
-    return bool(_CONTROL_FLOW and _CONTROL_FLOW[-1])
+    return _top(_CONTROL_FLOW)
 
 
 @contextlib.contextmanager
@@ -109,16 +120,13 @@ def traced_decode_step(enabled: bool = True) -> Iterator[None]:
     """Inside the block, a decoder being traced is traced for its decode steps only (one new token
     after a non-empty cache: the exporter's decode-step program), so it may leave out what only a
     prefill runs (an elastic decoder's routers)."""
-    _DECODE_STEP.append(enabled)
-    try:
+    with _pushed(_DECODE_STEP, enabled):
         yield
-    finally:
-        _DECODE_STEP.pop()
 
 
 def decode_step_traced() -> bool:
     """Whether the model traced now is a decoder's decode-step program (see traced_decode_step)."""
-    return bool(_DECODE_STEP and _DECODE_STEP[-1])
+    return _top(_DECODE_STEP)
 
 
 @contextlib.contextmanager
@@ -128,16 +136,13 @@ def traced_short_call(enabled: bool = True) -> Iterator[None]:
     sink + window tokens), where streaming attention computes what full attention does. An elastic
     decoder then attends every head as dense attention does and keeps its routers (their decisions
     are outputs)."""
-    _SHORT_CALL.append(enabled)
-    try:
+    with _pushed(_SHORT_CALL, enabled):
         yield
-    finally:
-        _SHORT_CALL.pop()
 
 
 def short_call_traced() -> bool:
     """Whether the model traced now is a decoder's short-call program (see traced_short_call)."""
-    return bool(_SHORT_CALL and _SHORT_CALL[-1])
+    return _top(_SHORT_CALL)
 
 
 _CONTROL_FLOW: list[bool] = []
