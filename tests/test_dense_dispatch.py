@@ -158,6 +158,42 @@ def test_each_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(merged, t
         assert len(a.g.initializer) >= len(weights) // 2, (a.name, len(a.g.initializer))
 
 
+def _loaded_ops(path, tmp_path) -> dict:
+    """{graph: op type counts} of the model ONNX Runtime runs after loading `path` (its main graph,
+    "then" and "else" for a top-level If's branches)."""
+    import collections
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / f"{path.stem}.loaded.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    g = onnx.load(so.optimized_model_filepath).graph
+    out = {"main": collections.Counter(n.op_type for n in g.node)}
+    for n in g.node:
+        if n.op_type == "If" and n.name == f"{dispatch.RESERVED}If":
+            for a in n.attribute:
+                out[a.name.split("_")[0]] = collections.Counter(m.op_type for m in a.g.node)
+    return out
+
+
+def test_each_branch_carries_its_shapes_and_loads_as_its_graph_alone(merged, artifacts, tmp_path):
+    """A branch keeps the exporter's shapes of its values (renamed with it): ONNX Runtime's fusions
+    that check a shape then fire in the branch as in the graph alone (without them the dense branch
+    kept the Slices of each split projection where its graph alone runs one Split: 2.6% of a B1
+    decode step of tsa-charlm, docs/benchmarking.md)."""
+    proto = onnx.load(str(merged["tsa"]))
+    dense = onnx.load(str(artifacts("tsa", "onnx", "dense")))
+    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    shapes = {v.name: v.type for v in then.value_info}
+    made = {o for n in dense.graph.node for o in n.output}
+    for vi in [v for v in dense.graph.value_info if v.name in made]:
+        assert shapes.get(f"{dispatch.RESERVED}dense.{vi.name}") == vi.type, vi.name
+    alone = _loaded_ops(artifacts("tsa", "onnx", "dense"), tmp_path)["main"]
+    branch = _loaded_ops(merged["tsa"], tmp_path)["then"]
+    assert alone["Split"] > 0 and branch["Split"] == alone["Split"], (branch, alone)
+    assert branch["Slice"] == alone["Slice"], (branch, alone)
+
+
 def _with_export_default(family_checkpoints, tmp_path, export) -> str:
     """A copy of the tiny TSA checkpoint whose config.json records `export`."""
     import shutil
