@@ -296,31 +296,43 @@ def cached_onnx_candidates(model, contract, workdir: Path, say=None, cache: bool
     from adaptex.graphs import files
 
     entry = cache_root() / "counterparts" / _cache_key(model, contract, "onnx")
-    manifest = entry / "graphs.json"
-    if manifest.is_file():
-        try:
-            graphs = [Graph(**g) for g in json.loads(manifest.read_text())]
-            for g in graphs:
-                if g.path is not None:
-                    g.path = str(entry / g.path)
-                    if not Path(g.path).is_file():
-                        raise FileNotFoundError(g.path)
-            (say or (lambda m: None))(f"dense graphs from the cache ({entry})")
-            return graphs
-        except (OSError, TypeError, ValueError):
-            pass  # a damaged entry: build it again
+    graphs = _cached_entry(entry, say)
+    if graphs is not None:
+        return graphs
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with files.atomic_directory(entry) as new:
-            new.mkdir()
-            graphs = onnx_candidates(model, contract, new, say)
-            rows = [dict(asdict(g), path=Path(g.path).name if g.path else None) for g in graphs]
-            (new / "graphs.json").write_text(json.dumps(rows, indent=1))
+        # one process builds an entry; another that wants it meanwhile waits, then reads it
+        with files.exclusive(f"{entry}.lock"):
+            graphs = _cached_entry(entry, say)
+            if graphs is not None:
+                return graphs
+            with files.atomic_directory(entry) as new:
+                new.mkdir()
+                graphs = onnx_candidates(model, contract, new, say)
+                rows = [dict(asdict(g), path=Path(g.path).name if g.path else None) for g in graphs]
+                (new / "graphs.json").write_text(json.dumps(rows, indent=1))
     except OSError:  # an unwritable cache: export into the bench's own directory
         return onnx_candidates(model, contract, workdir, say)
     for g in graphs:
         if g.path is not None:
             g.path = str(entry / Path(g.path).name)
+    return graphs
+
+
+def _cached_entry(entry: Path, say=None) -> list[Graph] | None:
+    """The graphs of a whole cache entry, or None (missing or damaged: build it again)."""
+    manifest = entry / "graphs.json"
+    if not manifest.is_file():
+        return None
+    try:
+        graphs = [Graph(**g) for g in json.loads(manifest.read_text())]
+        for g in graphs:
+            if g.path is not None:
+                g.path = str(entry / g.path)
+                if not Path(g.path).is_file():
+                    raise FileNotFoundError(g.path)
+    except (OSError, TypeError, ValueError):
+        return None
+    (say or (lambda m: None))(f"dense graphs from the cache ({entry})")
     return graphs
 
 

@@ -173,3 +173,22 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
             if (work / "old").exists() and not out.exists():
                 os.replace(work / "old", out)
             raise
+
+
+@contextlib.contextmanager
+def exclusive(lock: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` (made if missing) for the block: one process at a
+    time builds what the lock guards (two `adaptex bench` runs filling one cache entry). Where the
+    platform has no fcntl, the block runs unlocked (what it guards is written atomically anyway)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    Path(lock).parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

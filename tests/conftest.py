@@ -86,13 +86,37 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(pytest.mark.skip(reason=reasons[marker]))
 
 
+def _shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory of this run that both pytest-xdist workers see (beside their own base temps), so
+    what one worker builds the other reads; without xdist, one of this session's."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.mktemp(name)
+    d = tmp_path_factory.getbasetemp().parent / name
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _once(path: Path, build) -> Path:
+    """`build(path)` unless a worker of this run has built `path` already (the other waits on the
+    lock meanwhile, then reads it); returns path."""
+    from adaptex.graphs import files
+
+    with files.exclusive(f"{path}.lock"):
+        done = path.parent / f"{path.name}.done"
+        if not done.exists():
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
-    """bench caches its dense graphs per weights; the tests' cache is their own, never the user's."""
+    """bench caches its dense graphs per weights; the tests' cache is their own, never the user's (the
+    two workers of `make test` share it: an entry is built under a lock, once)."""
     import os
 
     old = os.environ.get("ADAPTEX_CACHE_DIR")
-    os.environ["ADAPTEX_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["ADAPTEX_CACHE_DIR"] = str(_shared_dir(tmp_path_factory, "cache"))
     yield
     if old is None:
         os.environ.pop("ADAPTEX_CACHE_DIR", None)
@@ -155,19 +179,22 @@ def family_checkpoints(tmp_path_factory):
     ("el") and elastic decoder ("eldec"), in one directory (returned)."""
     from adaptex.graphs import checkpoint
 
-    d = tmp_path_factory.mktemp("families")
-    zoo.save_tiny(d / "bf")
-    checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
-                                                 "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
-    checkpoint.save(d / "el", zoo.tiny_elastic(), {"description": "test elastic encoder"})
-    checkpoint.save(d / "eldec", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
-    return d
+    def build(d: Path) -> None:
+        d.mkdir()
+        zoo.save_tiny(d / "bf")
+        checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
+                                                     "tokenizer": {"kind": "ids", "pad": 0, "bos": 1, "sep": 2}})
+        checkpoint.save(d / "el", zoo.tiny_elastic(), {"description": "test elastic encoder"})
+        checkpoint.save(d / "eldec", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
+
+    return _once(_shared_dir(tmp_path_factory, "families") / "checkpoints", build)
 
 
 class Artifacts:
-    """Exports of the family checkpoints, each made on first use and shared by the whole session
-    (an export costs seconds; many tests read the same one). Each records its checkpoint as its
-    source, so `adaptex check ART` finds the reference by itself."""
+    """Exports of the family checkpoints, each made on first use and shared by the whole run, both
+    xdist workers (an export costs seconds; many tests read the same one; tests that alter one alter
+    a copy). Each records its checkpoint as its source, so `adaptex check ART` finds the reference by
+    itself."""
 
     def __init__(self, checkpoints: Path, root: Path):
         self.checkpoints, self.root, self._made = checkpoints, root, {}
@@ -189,8 +216,8 @@ class Artifacts:
             path = self.root / f"{family}.{variant}.{precision}{tag}{suffix}"
             if target == "tensorrt":
                 options = {"onnx_only": True, **options}
-            zoo.export(model, info, path, target, variant=variant, precision=precision, **options)
-            self._made[key] = path
+            self._made[key] = _once(path, lambda p: zoo.export(model, info, p, target, variant=variant,
+                                                                precision=precision, **options))
         return self._made[key]
 
     def model(self, family: str):
@@ -203,7 +230,7 @@ class Artifacts:
 def artifacts(family_checkpoints, tmp_path_factory) -> Artifacts:
     """artifacts(family, target="onnx", variant="sparse", precision=None) -> the path of that export of
     family_checkpoints' tiny model ("bf", "tsa", "el", "eldec"); artifacts.model(family) its model."""
-    return Artifacts(family_checkpoints, tmp_path_factory.mktemp("artifacts"))
+    return Artifacts(family_checkpoints, _shared_dir(tmp_path_factory, "artifacts"))
 
 
 @pytest.fixture(scope="session", autouse=True)

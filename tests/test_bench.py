@@ -205,6 +205,49 @@ def test_the_cache_serves_a_second_bench_and_rebuilds_a_damaged_entry(tiny_check
     assert __import__("os").path.isfile(victim)
 
 
+def test_a_bench_waits_for_the_entry_another_process_is_building(tiny_checkpoint, tmp_path, monkeypatch):
+    """Two benches of one model (two shells, two test workers): the second waits on the entry's lock
+    while the first builds it, then reads what the first wrote instead of exporting again."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from adaptex.exporter import counterparts
+
+    monkeypatch.setenv("ADAPTEX_CACHE_DIR", str(tmp_path / "cache"))
+    model, _ = checkpoint.load(tiny_checkpoint)
+    contract = family_contract(model)
+    entry = counterparts.cache_root() / "counterparts" / counterparts._cache_key(model, contract, "onnx")
+    held, go = tmp_path / "held", tmp_path / "go"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib\nfrom adaptex.graphs import files\n"
+        "with files.exclusive(sys.argv[1]):\n"
+        "    pathlib.Path(sys.argv[2]).touch()\n"
+        "    while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.02)\n"),
+        f"{entry}.lock", str(held), str(go)])
+    try:
+        while not held.exists():
+            assert holder.poll() is None, "the lock holder exited early"
+            time.sleep(0.02)
+        built, got = [], []
+        monkeypatch.setattr(counterparts, "onnx_candidates", lambda *a, **k: built.append(1) or [])
+        waiter = threading.Thread(target=lambda: got.append(cached_onnx_candidates(model, contract, tmp_path)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not built  # waiting on the lock, not building
+        entry.mkdir(parents=True)  # what the holder's bench wrote meanwhile
+        (entry / "dense.onnx").write_bytes(b"graph")
+        (entry / "graphs.json").write_text(json.dumps([{"name": "dense", "path": "dense.onnx", "how": "stock"}]))
+        go.touch()
+        waiter.join(60)
+        assert not waiter.is_alive() and not built
+        assert [(g.name, g.path) for g in got[0]] == [("dense", str(entry / "dense.onnx"))]
+    finally:
+        go.touch()
+        holder.wait(60)
+
+
 def test_the_cache_key_follows_the_code_that_makes_the_graphs(tiny_checkpoint, monkeypatch):
     """A change to the graphs or exporter sources (a pass, a lowering of the naive graph) is a new
     cache entry, although the package version stays the same in a development install."""

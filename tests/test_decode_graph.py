@@ -29,18 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def decoders(family_checkpoints, tmp_path_factory):
-    """The tiny elastic decoder exported by default (with the decode-step and the short-call graph)
-    and with both off (the general graph alone), and the tiny TSA decoder with the decode-step graph
-    on (its default is off)."""
-    out = tmp_path_factory.mktemp("decode_graph")
-    model, info = checkpoint.load(family_checkpoints / "eldec")
-    zoo.export(model, info, out / "eldec.onnx")
-    zoo.export(model, info, out / "eldec-general.onnx", decode_graph="off", short_graph="off")
-    model, info = checkpoint.load(family_checkpoints / "tsa")
-    zoo.export(model, info, out / "tsa.onnx", decode_graph="on")
-    zoo.export(model, info, out / "tsa-general.onnx")
-    return out
+def decoders(artifacts) -> dict:
+    """{file name: path}: the tiny elastic decoder exported by default (with the decode-step and the
+    short-call graph) and with both off (the general graph alone), and the tiny TSA decoder with the
+    decode-step graph on (its default is off) and by default (the session's shared exports)."""
+    return {"eldec.onnx": artifacts("eldec"),
+            "eldec-general.onnx": artifacts("eldec", decode_graph="off", short_graph="off"),
+            "tsa.onnx": artifacts("tsa", decode_graph="on"), "tsa-general.onnx": artifacts("tsa")}
 
 
 def _session(path, profile_dir=None):
@@ -93,7 +88,7 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     (2, 4, 9, "long"),
 ])
 def test_each_call_runs_one_branch(decoders, tmp_path, batch, seq, past, branch):
-    path = decoders / "eldec.onnx"
+    path = decoders["eldec.onnx"]
     assert _ran(path, _feeds(_session(path), batch, seq, past), tmp_path) == {branch}
 
 
@@ -115,13 +110,13 @@ def _same(got: list, want: list, names: list) -> None:
     (2, 3, "sa", 0),      # a cache shorter than the sinks and the window
 ])
 def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, past, modes, pad):
-    sess = _session(decoders / "eldec.onnx")
+    sess = _session(decoders["eldec.onnx"])
     feeds = _feeds(sess, batch, 1, past, modes, pad)
     if (batch, past) == (64, 99):
         heads, dim = sess.get_inputs()[2].shape[1], sess.get_inputs()[2].shape[3]
         assert batch * heads * (past + 1) * dim > MIXED_STEP_MASKED_UP_TO  # the pairs path runs
     names = [o.name for o in sess.get_outputs()]
-    _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
+    _same(sess.run(None, feeds), _session(decoders["eldec-general.onnx"]).run(None, feeds), names)
 
 
 @pytest.mark.parametrize("batch, seq, pad", [
@@ -130,16 +125,16 @@ def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, pa
     (2, 1, 0),    # one token
 ])
 def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, batch, seq, pad):
-    sess = _session(decoders / "eldec.onnx")
+    sess = _session(decoders["eldec.onnx"])
     feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
     names = [o.name for o in sess.get_outputs()]
-    _same(sess.run(None, feeds), _session(decoders / "eldec-general.onnx").run(None, feeds), names)
+    _same(sess.run(None, feeds), _session(decoders["eldec-general.onnx"]).run(None, feeds), names)
 
 
 def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
     """The short-call branch attends densely (no adaptex call, one causal and padding bias for
     every layer) and reads no cache (its shape at most); the long one calls the op."""
-    proto = onnx.load(str(decoders / "eldec.onnx"))
+    proto = onnx.load(str(decoders["eldec.onnx"]))
     outer = {a.name: a.g for a in proto.graph.node[-1].attribute}
     inner_if = next(n for n in outer["else_branch"].node if n.op_type == "If")
     inner = {a.name: a.g for a in inner_if.attribute}
@@ -151,12 +146,12 @@ def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
 
 
 def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders, tmp_path):
-    proto = onnx.load(str(decoders / "eldec.onnx"))
+    proto = onnx.load(str(decoders["eldec.onnx"]))
     weights = {i.name for i in proto.graph.initializer if np.prod(i.dims) > 1}
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
-    ort.InferenceSession(str(decoders / "eldec.onnx"), so, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(str(decoders["eldec.onnx"]), so, providers=["CPUExecutionProvider"])
     loaded = onnx.load(str(tmp_path / "loaded.onnx"))
     assert not [i.name for i in loaded.graph.initializer if np.prod(i.dims) > 1]  # no weight in the main graph
 
@@ -175,7 +170,7 @@ def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders
 def test_an_sa_pair_reads_nothing_of_its_cache_outside_its_sinks_and_window(decoders, family_checkpoints):
     """NaN in every cache entry an SA query does not see leaves a step whose pairs are all SA
     finite and unchanged: those entries are never read (the general graph's masking reads them)."""
-    sess = _session(decoders / "eldec.onnx")
+    sess = _session(decoders["eldec.onnx"])
     model, _ = checkpoint.load(family_checkpoints / "eldec")
     sink, window, past = model.cfg.sink, model.cfg.window, 40
     feeds = _feeds(sess, 2, 1, past, "sa")
@@ -200,28 +195,28 @@ def test_parity_passes_on_prefill_and_decode_steps(decoders, family_checkpoints,
     from adaptex.runtimes.torch_ref import TorchRunner
 
     model, _ = checkpoint.load(family_checkpoints / family)
-    report = check(OnnxRuntimeRunner(decoders / f"{family}.onnx"), TorchRunner(model), samples=40, task="copy")
+    report = check(OnnxRuntimeRunner(decoders[f"{family}.onnx"]), TorchRunner(model), samples=40, task="copy")
     assert report.passed, report.format()
     assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
 
 
 def test_the_tsa_step_graph_matches_its_general_graph(decoders):
-    sess = _session(decoders / "tsa.onnx")
+    sess = _session(decoders["tsa.onnx"])
     feeds = _feeds(sess, 3, 1, 12)
     names = [o.name for o in sess.get_outputs()]
-    _same(sess.run(None, feeds), _session(decoders / "tsa-general.onnx").run(None, feeds), names)
+    _same(sess.run(None, feeds), _session(decoders["tsa-general.onnx"]).run(None, feeds), names)
 
 
 def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     from adaptex.exporter.metadata import read_onnx_metadata
 
-    meta = read_onnx_metadata(decoders / "eldec.onnx")
+    meta = read_onnx_metadata(decoders["eldec.onnx"])
     assert meta["decode_step"]["new_tokens_input"] == "input_ids"
     assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
-    assert "decode_step" not in read_onnx_metadata(decoders / "eldec-general.onnx")
+    assert "decode_step" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}
-    assert "short_call" not in read_onnx_metadata(decoders / "eldec-general.onnx")
-    proto = onnx.load(str(decoders / "eldec.onnx"))
+    assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
+    proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     branches = {a.name: a.g for a in proto.graph.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]
@@ -237,7 +232,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {"", dispatch.STEP_OVERLOAD}
     fused = [n for n in step.node if n.op_type == "SkipLayerNormalization"]
     assert fused and not any(n.op_type == "SkipLayerNormalization" for n in general.node)
-    single = onnx.load(str(decoders / "eldec-general.onnx"))
+    single = onnx.load(str(decoders["eldec-general.onnx"]))
     params = {i.name for i in single.graph.initializer
               if i.name.startswith("model.") and np.prod(i.dims) > dispatch.COPIED_UP_TO}
     assert params and params <= {i.name for i in proto.graph.initializer}  # the weights, stored once
@@ -287,7 +282,7 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
     from adaptex.exporter.metadata import read_onnx_metadata, validate
     from adaptex.graphs.errors import AdaptexError
 
-    meta = read_onnx_metadata(decoders / "eldec.onnx")
+    meta = read_onnx_metadata(decoders["eldec.onnx"])
     good = meta["short_call"]
     for bad in ({**good, "max_keys": "10"}, {**good, "max_keys": 0}, {**good, "max_keys": True},
                 {**good, "keys_input": "nope"}, {"max_keys": 10}, "10"):

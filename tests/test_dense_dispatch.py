@@ -212,16 +212,17 @@ def test_a_checkpoint_records_its_threshold_and_off_or_another_variant_leaves_it
 
     ck = _with_export_default(family_checkpoints, tmp_path, {"onnx": {"dense_rows": 8}})
     model, info = checkpoint.load(ck)
-    for name, options, want in (("default", {}, 8), ("off", {"dense_rows": "off"}, None),
-                                ("given", {"dense_rows": 3}, 3), ("dense", {"variant": "dense"}, None)):
+    for name, options, want in (("off", {"dense_rows": "off"}, None), ("given", {"dense_rows": 3}, 3),
+                                ("dense", {"variant": "dense"}, None)):
         zoo.export(model, info, tmp_path / f"{name}.onnx", **options)
         meta = read_onnx_metadata(tmp_path / f"{name}.onnx")
         assert (meta.get("dispatch") or {}).get("dense_rows") == want, name
     r = subprocess.run([sys.executable, "-m", "adaptex", "export", ck, "--target", "onnx", "-o",
-                        str(tmp_path / "cli.onnx")], capture_output=True, text=True)
+                        str(tmp_path / "cli.onnx")], capture_output=True, text=True)  # the default
     assert r.returncode == 0, r.stderr
     assert "records --dense-rows 8 for onnx exports (--dense-rows off leaves it out)" in r.stderr, r.stderr
     assert "calls of at most 8 token rows run the dense lowering" in r.stderr, r.stderr
+    assert read_onnx_metadata(tmp_path / "cli.onnx")["dispatch"]["dense_rows"] == 8
 
 
 @pytest.mark.parametrize("export, error, match", [
