@@ -35,12 +35,23 @@ def test_package_passes_parity_by_mil_reference_evaluation(packages, tiny_checkp
     assert "not the Core ML runtime" in report.note and "MIL reference" in report.runtime
 
 
-def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path):
-    from coremltools.converters.mil.mil import types
+@pytest.mark.parametrize("history", ["fresh", "after other programs"])
+def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path, monkeypatch, history):
+    """"after other programs": coremltools numbers generated op names per process; a process that built
+    other MIL programs first (the MIL evaluator's tests did) once got a head Linear named past the
+    one the fp16 op selector keeps, and an fp16 head."""
+    from collections import defaultdict
 
+    from coremltools.converters.mil.mil import Builder, types
+
+    if history != "fresh":
+        before = defaultdict(int, {"linear": 3, "gelu": 2, "layer_norm": 5, "reduce_max": 1, "sigmoid": 4})
+        monkeypatch.setattr(Builder, "name_count", before)
     model, info = checkpoint.load(tiny_checkpoint)
     path = tmp_path / "m16.mlpackage"
     meta = zoo.export(model, info, path, "coreml", precision="fp16")  # audited: passes for this model
+    if history != "fresh":  # the process's own count goes on where it was
+        assert Builder.name_count == {"linear": 3, "gelu": 2, "layer_norm": 5, "reduce_max": 1, "sigmoid": 4}
     assert meta["precision"] == "fp16" and meta["routing_precision"] == "fp32"
     ops = _ops(path)
     dtype = {op.name: types.builtin_to_string(op.outputs[0].dtype) for op in ops}
@@ -51,7 +62,8 @@ def test_fp16_package_keeps_routing_in_fp32(tiny_checkpoint, tmp_path):
     # the classifier tail (final norm, max-pool, head MLP) is fp32: the last ops before the outputs
     tail = [op for op in ops if op.op_type in ("layer_norm", "reduce_max", "linear", "gelu")][-5:]
     assert [op.op_type for op in tail] == ["layer_norm", "reduce_max", "linear", "gelu", "linear"]
-    assert {dtype[op.name] for op in tail} == {"fp32"} and meta["head_precision"] == "fp32"
+    assert {dtype[op.name] for op in tail} == {"fp32"} and meta["head_precision"] == "fp32", [
+        (op.name, [v.name for v in op.outputs], dtype[op.name]) for op in tail]
     # every float output is fp32 in the saved interface: an fp16 output would round s and the logits
     import coremltools as ct
 

@@ -29,11 +29,11 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
             keep = keep_fp32 | {n + "_0" for n in keep_fp32 if not n.rsplit("_", 1)[-1].isdigit()}
 
             def kept(op) -> bool:
-                # the prefix also by output name: translations such as aten.linear's name the result
-                # after the FX node while the op keeps a counter name (linear_4)
+                # by output name too: translations such as aten.linear's name the result after the FX
+                # node while the op takes a counter name from coremltools (linear_4; _fresh_op_names)
                 return (op.name in keep or op.op_type in precision.FP32_OP_TYPES
                         or op.name.startswith(precision.FP32_PREFIXES)
-                        or any(v.name.startswith(precision.FP32_PREFIXES) for v in op.outputs))
+                        or any(v.name in keep or v.name.startswith(precision.FP32_PREFIXES) for v in op.outputs))
 
             def between(op) -> bool:
                 ins = [v.op for v in op.inputs.values() if not isinstance(v, (list, tuple))
@@ -45,10 +45,33 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
                 op_selector=lambda op: not kept(op) and not (keep_between and between(op)))
         else:
             compute = ct.precision.FLOAT32
-        return ct.convert(ep, convert_to="mlprogram", inputs=package.input_types(inputs, max_sequence),
-                          minimum_deployment_target=getattr(ct.target, min_target), compute_precision=compute,
-                          outputs=[ct.TensorType(name=s["coreml_name"], dtype=precision.output_dtype(s["dtype"]))
-                                   for s in outputs.values()])
+        with _fresh_op_names():
+            return ct.convert(ep, convert_to="mlprogram", inputs=package.input_types(inputs, max_sequence),
+                              minimum_deployment_target=getattr(ct.target, min_target), compute_precision=compute,
+                              outputs=[ct.TensorType(name=s["coreml_name"], dtype=precision.output_dtype(s["dtype"]))
+                                       for s in outputs.values()])
+
+
+@contextlib.contextmanager
+def _fresh_op_names():
+    """Number coremltools' generated op names from zero for one conversion, as in a new process.
+    coremltools counts them per op type for the whole process (mil.Builder.name_count): after other
+    MIL programs were built (another conversion, the MIL evaluator's tests), a head Linear was named
+    linear_14 where the FP16 op selector keeps linear_13, and went fp16 (the package's op names, and
+    so its fp32 ops, depended on what the process had done before)."""
+    from coremltools.converters.mil.mil import Builder
+
+    counts = getattr(Builder, "name_count", None)
+    if counts is None:  # another coremltools: nothing to reset
+        yield
+        return
+    saved = dict(counts)
+    counts.clear()
+    try:
+        yield
+    finally:
+        counts.clear()
+        counts.update(saved)
 
 
 @contextlib.contextmanager
