@@ -180,6 +180,7 @@ def family_checkpoints(tmp_path_factory):
     from adaptex.graphs import checkpoint
 
     def build(d: Path) -> None:
+        shutil.rmtree(d, ignore_errors=True)  # what a worker that failed half-way left
         d.mkdir()
         zoo.save_tiny(d / "bf")
         checkpoint.save(d / "tsa", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder",
