@@ -148,11 +148,7 @@ def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
 def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders, tmp_path):
     proto = onnx.load(str(decoders["eldec.onnx"]))
     weights = {i.name for i in proto.graph.initializer if np.prod(i.dims) > 1}
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
-    ort.InferenceSession(str(decoders["eldec.onnx"]), so, providers=["CPUExecutionProvider"])
-    loaded = onnx.load(str(tmp_path / "loaded.onnx"))
+    loaded = zoo.ort_loaded(decoders["eldec.onnx"], tmp_path / "loaded.onnx")
     assert not [i.name for i in loaded.graph.initializer if np.prod(i.dims) > 1]  # no weight in the main graph
 
     def branches(g):

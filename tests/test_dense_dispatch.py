@@ -145,11 +145,7 @@ def test_each_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(merged, t
     for g in branch.values():
         direct = {i for n in g.node if ".fold." not in n.name for i in n.input} & weights
         assert not direct, sorted(direct)[:3]
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
-    ort.InferenceSession(str(merged[family]), so, providers=["CPUExecutionProvider"])
-    loaded = onnx.load(str(tmp_path / "loaded.onnx"))
+    loaded = zoo.ort_loaded(merged[family], tmp_path / "loaded.onnx")
     left = [i.name for i in loaded.graph.initializer if np.prod(i.dims) > 1]
     assert not left, left[:3]  # the main graph keeps no weight: each branch has its own
     if_node = next(n for n in loaded.graph.node if n.op_type == "If")
@@ -163,11 +159,7 @@ def _loaded_ops(path, tmp_path) -> dict:
     "then" and "else" for a top-level If's branches)."""
     import collections
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(tmp_path / f"{path.stem}.loaded.onnx")
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    g = onnx.load(so.optimized_model_filepath).graph
+    g = zoo.ort_loaded(path, tmp_path / f"{path.stem}.loaded.onnx").graph
     out = {"main": collections.Counter(n.op_type for n in g.node)}
     for n in g.node:
         if n.op_type == "If" and n.name == f"{dispatch.RESERVED}If":

@@ -114,3 +114,16 @@ def export(model, info: dict | None, path, target: str = "onnx", **kw) -> dict:
     if info is not None:
         model.adaptex_source = {**info, "name": info.get("name") or info.get("path")}
     return adaptex.export(model, None, path, target=target, **kw)
+
+
+def ort_loaded(path, out):
+    """The model ONNX Runtime runs after loading the artifact at `path` (extended optimisations: its
+    fusions and constant folding), saved to the file `out` and read back."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(out)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return onnx.load(str(out))

@@ -87,12 +87,10 @@ def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     _rename_reads(nodes, local)
     flat = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{RESERVED}{tag}.one_axis")
     inits, fold = [flat], []
-    for w in [w for w in weights if int(np.prod(w.dims)) <= COPIED_UP_TO]:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(w)
-        copy.name = local[w.name]
-        inits.append(copy)
-    for w in [w for w in weights if int(np.prod(w.dims)) > COPIED_UP_TO]:
+    for w in weights:
+        if int(np.prod(w.dims)) <= COPIED_UP_TO:
+            inits.append(_renamed(w, local[w.name]))
+            continue
         shape = numpy_helper.from_array(np.array(w.dims, dtype=np.int64), f"{RESERVED}{tag}.shape.{w.name}")
         inits.append(shape)
         fold += [helper.make_node("Reshape", [w.name, flat.name], [f"{local[w.name]}.flat"],
@@ -151,14 +149,15 @@ def _renamed_shapes(value_info, rename: dict) -> list[onnx.ValueInfoProto]:
     fusions that check a shape (GatherSliceToSplitFusion: the Slices of a split projection into one
     Split) do not fire in a branch that carries none: tsa-charlm's dense branch kept 13 Slices where
     its graph alone runs 6 Splits."""
-    out = []
-    for vi in value_info:
-        if vi.name in rename:
-            copy = onnx.ValueInfoProto()
-            copy.CopyFrom(vi)
-            copy.name = rename[vi.name]
-            out.append(copy)
-    return out
+    return [_renamed(vi, rename[vi.name]) for vi in value_info if vi.name in rename]
+
+
+def _renamed(proto, name: str):
+    """A copy of a named proto (an initializer, a value's type) under `name`."""
+    copy = type(proto)()
+    copy.CopyFrom(proto)
+    copy.name = name
+    return copy
 
 
 def _rename_outputs(nodes, rename: dict) -> None:
@@ -187,10 +186,7 @@ def _digest(inits) -> dict:
 
 def _content(t: onnx.TensorProto) -> str:
     """A digest of a tensor's type, shape and values, whatever its name."""
-    copy = onnx.TensorProto()
-    copy.CopyFrom(t)
-    copy.name = ""
-    return hashlib.sha256(copy.SerializeToString()).hexdigest()
+    return hashlib.sha256(_renamed(t, "").SerializeToString()).hexdigest()
 
 
 def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
@@ -287,10 +283,9 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
         if same is not None:
             rename[t.name] = same
             continue
-        copy = onnx.TensorProto()
-        copy.CopyFrom(t)
         if t.name in names:
-            copy.name = rename[t.name] = f"{RESERVED}{tag}.c.{t.name}"
+            rename[t.name] = f"{RESERVED}{tag}.c.{t.name}"
+        copy = _renamed(t, rename.get(t.name, t.name))
         inits.append(copy)
         names.add(copy.name)
     _rename_reads(graph.node, rename)
