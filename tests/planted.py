@@ -233,18 +233,19 @@ def decode_ignores_head_modes(proto: onnx.ModelProto) -> onnx.ModelProto:
 RANK = {"Gemm": 2, "Softmax": 4, "MatMul": 3}
 
 
-def _lift(nodes, op_type: str, elem_type: int, rank: int, tag: str) -> list[str]:
-    """The outputs of every `op_type` node of a body, made values of the body's own scope: a node in
-    an If branch has its output added to the branch's outputs, with an empty tensor of the same rank
-    in the other branch (so after a run, an empty probe is a branch that did not run)."""
+def _lift(nodes, op_type: str, elem_type: int, rank: int, tag: str, port: int | None = None) -> list[str]:
+    """The outputs of every `op_type` node of a body (with `port`, its input of that index), made
+    values of the body's own scope: a node in an If branch has the value added to the branch's
+    outputs, with an empty tensor of the same rank in the other branch (so after a run, an empty
+    probe is a branch that did not run)."""
     names = []
     for n in list(nodes):
         if n.op_type == op_type:
-            names.append(n.output[0])
+            names.append(n.output[0] if port is None else n.input[port])
         if n.op_type != "If":
             continue
         branches = {a.name: a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH}
-        inner = {k: _lift(g.node, op_type, elem_type, rank, f"{tag}.{k}") for k, g in branches.items()}
+        inner = {k: _lift(g.node, op_type, elem_type, rank, f"{tag}.{k}", port) for k, g in branches.items()}
         slots = [(k, v) for k in sorted(inner) for v in inner[k]]
         for j, (owner, value) in enumerate(slots):
             for k, g in branches.items():
@@ -273,22 +274,24 @@ def expose_branches(proto: onnx.ModelProto, op_type: str, elem_type: int = Tenso
 
 
 def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = TensorProto.FLOAT,
-           rank: int | None = None) -> list[list[str]]:
-    """Make the outputs of every `op_type` node of function `fname` (in its If branches too) outputs of
-    the function and of the graph; returns, per call of the function (in graph order), the names they
-    are given. A probe of a branch that did not run comes back empty (size 0); `rank` is the rank of
-    those outputs (default: the op type's usual one in the bodies, RANK)."""
+           rank: int | None = None, port: int | None = None) -> list[list[str]]:
+    """Make the outputs of every `op_type` node of function `fname` (in its If branches too; with
+    `port`, the nodes' input of that index) outputs of the function and of the graph; returns, per
+    call of the function (in graph order), the names they are given. A probe of a branch that did
+    not run comes back empty (size 0); `rank` is the rank of those values (default: the op type's
+    usual one in the bodies, RANK). One proto can be exposed once per (op_type, port)."""
     f = function(proto, fname)
-    inner = _lift(f.node, op_type, elem_type, rank or RANK.get(op_type, 1), f"{fname}.lift")
+    tag = fname if port is None else f"{fname}.in{port}"
+    inner = _lift(f.node, op_type, elem_type, rank or RANK.get(op_type, 1), f"{tag}.lift", port)
     assert inner, f"{fname} has no {op_type}"
     for j, v in enumerate(inner):
-        f.node.append(helper.make_node("Identity", [v], [f"{fname}.probe{j}"]))
-        f.output.append(f"{fname}.probe{j}")
+        f.node.append(helper.make_node("Identity", [v], [f"{tag}.probe{j}"]))
+        f.output.append(f"{tag}.probe{j}")
     names = []
     for c, node in enumerate(calls(proto, fname)):
         # a call names outputs up to its last used one: pad with empty names to the function's arity
         node.output.extend([""] * (len(f.output) - len(inner) - len(node.output)))
-        mine = [f"probe.{fname}.{c}.{j}" for j in range(len(inner))]
+        mine = [f"probe.{tag}.{c}.{j}" for j in range(len(inner))]
         node.output.extend(mine)
         proto.graph.output.extend(helper.make_tensor_value_info(m, elem_type, None) for m in mine)
         names.append(mine)

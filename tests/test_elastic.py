@@ -95,6 +95,21 @@ def test_onnx_bodies_match_the_reference_for_any_mix_of_modes(variant, masked_up
 
 
 @pytest.mark.parametrize("sink,window", [(2, 6), (0, 3), (4, 64), (3, 1)])
+def test_onnx_encoder_body_matches_the_reference(sink, window):
+    """ONNX Runtime's encoder body (fused kernel for FA and SA pairs) against the reference, for
+    any mix of modes, padded keys, calls shorter than a block and a last block cut short."""
+    proto = _function_model("sparse", sink, window, False, fused=True)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for B, H, T, S in CASES + [(2, 3, 1, 1), (1, 2, 65, 65)]:
+        q, k, v, sa, km = _inputs(B, H, T, S, seed=3)
+        for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, sink, window, False)
+            got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
+                                  "key_mask": km.numpy()})[0]
+            assert np.abs((got - ref.numpy()) * _real_rows(km, T, S).numpy()).max() < 1e-5, (B, H, T, S, modes)
+
+
+@pytest.mark.parametrize("sink,window", [(2, 6), (0, 3), (4, 64), (3, 1)])
 def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     """A decode step (T = 1, causal) takes the sparse body's step branch: the same output as the
     reference for caches shorter and longer than sink + window, with padded keys, and its SA pairs'
@@ -208,29 +223,42 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
             assert (ran != [(B, H, T, T)]) == gathers, (up_to, ran)
 
 
-def test_onnx_encoder_fa_pairs_run_ort_fused_attention_where_unpadded(artifacts):
-    """ONNX Runtime's encoder body sends the FA pairs of a call with no padded key to ONNX Runtime's
-    fused kernel (com.microsoft.MultiHeadAttention), the plain body otherwise; both give the
-    reference's output. Only encoder bodies on ONNX Runtime hold the kernel: decoders (their dense
-    yardstick has no fused attention) and TensorRT-bound bodies never do."""
+def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
+    """ONNX Runtime's encoder body runs attention in ONNX Runtime's fused kernel
+    (com.microsoft.MultiHeadAttention): the FA pairs of a call with no padded key over every key
+    (the plain body where a key is padded), and the SA pairs, padded or not, block by block: one
+    sequence of the kernel per (pair, block), its Bq = min(window, T) queries against its sinks and
+    its run of Bq + window keys. Both give the reference's output. Only encoder bodies on ONNX
+    Runtime hold the kernel: decoders (their dense yardstick has no fused attention) and
+    TensorRT-bound bodies never do."""
     from tests import planted
 
-    proto = _function_model("sparse", 2, 6, False, fused=True)
-    kernel, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3)
+    sink, window = 2, 6
+    proto = _function_model("sparse", sink, window, False, fused=True)
+    outs, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3)
+    keys, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3, port=1)
     B, H, T = 2, 3, 20
+    Bq, width = window, sink + window + 2 * (window // 2)
+    blocks = -(-T // Bq)
     for padded in (False, True):
         q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
         if not padded:
             km[:] = True
-        for modes in (sa, torch.zeros_like(sa)):
-            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, 2, 6, False)
+        for modes in (sa, torch.zeros_like(sa), torch.ones_like(sa)):
+            ref = ea.elastic_attention_dense_reference(q, k, v, modes, km, sink, window, False)
             out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
                                       "key_mask": km.numpy()})
             assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, (padded, modes)
-            ran = planted.ran(out, kernel)
-            assert ran if not padded else not ran, (padded, [out[p].shape for p in kernel])
-            if not padded:  # the kernel ran on exactly the FA pairs
-                assert sum(r.shape[0] for r in ran) == B * H - int(modes.sum())
+            runs = [(out[o].shape, out[kk].shape) for o, kk in zip(outs, keys) if out[o].size]
+            fa = [r for r in runs if r[0][1] == T]
+            sa_runs = [r for r in runs if r[0][1] == Bq]
+            assert len(fa) + len(sa_runs) == len(runs), runs
+            n_sa = int(modes.sum())
+            # FA pairs over all T keys, unpadded calls only; SA pairs as blocks of `width` keys
+            assert sum(o[0] for o, _ in fa) == (0 if padded else B * H - n_sa), (padded, runs)
+            assert all(kk[1] == T for _, kk in fa), runs
+            assert sum(o[0] for o, _ in sa_runs) == n_sa * blocks, (padded, runs)
+            assert all(kk[1] == width for _, kk in sa_runs), runs
 
     def has_kernel(body) -> bool:
         return any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))

@@ -158,8 +158,9 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
                                                    monkeypatch):
     """Sparse: FA pairs score (N_fa, T, S), SA pairs (N_sa, blocks, Bq, sinks + L) with sinks + L < S,
     each count the decisions' own; dense: every head (B, H, T, S). An encoder's ONNX Runtime body
-    sends unpadded FA pairs to ONNX Runtime's fused kernel instead: its (N_fa, T, dh) output counts
-    them. (ONNX Runtime bodies mask the SA pairs of a call this small instead of gathering them:
+    runs them in ONNX Runtime's fused kernel instead (FA pairs where no key is padded): its output
+    and keys, (N_fa, T, dh) and (N_fa, S, dh) or (N_sa blocks, Bq, dh) and (N_sa blocks, sinks + L,
+    dh), count them. (ONNX Runtime bodies mask the SA pairs of a call this small instead of gathering them:
     exported here with that threshold at 0, so the tiny models' prefills take the sparse paths.)"""
     from adaptex.exporter.targets.onnx import functions as fx
     from adaptex.graphs import checkpoint
@@ -187,20 +188,26 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
         fused = any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))
         probes = planted.expose(proto, "ElasticAttention", "Softmax")
         out = planted.run(proto, feeds)
-        kernel_runs = [[]] * len(probes)  # per call, the fused kernel's outputs that ran
-        if fused:  # the same run with the kernel's outputs exposed (one op type a copy)
+        kernel_runs = [[]] * len(probes)  # per call, the fused kernel's (output, keys) that ran
+        if fused:  # the same run with the kernel's outputs and keys exposed (one op type a copy)
             kproto = planted.load(export(variant))
             kernels = planted.expose(kproto, "ElasticAttention", "MultiHeadAttention", rank=3)
+            keys = planted.expose(kproto, "ElasticAttention", "MultiHeadAttention", rank=3, port=1)
             kout = planted.run(kproto, feeds)
-            kernel_runs = [planted.ran(kout, names) for names in kernels]
+            kernel_runs = [[(kout[o].shape, kout[kk].shape) for o, kk in zip(os_, ks_) if kout[o].size]
+                           for os_, ks_ in zip(kernels, keys)]
         sa = _layers(out, "sa")
         assert any(m.any() for m in sa) and any((~m).any() for m in sa), "both modes should occur"
         for names, kernel, modes in zip(probes, kernel_runs, sa):
             # the probes that ran: a prefill never takes the decoder's one-token step branch, and
             # a layer with no FA (SA) pair leaves that Softmax empty
             shapes = [x.shape for x in planted.ran(out, names)]
-            for o in kernel:  # the fused kernel's FA pairs, as their score shape
-                shapes.append((o.shape[0], o.shape[1], T))
+            for o, kk in kernel:  # the fused kernel's runs, as their score shapes
+                if o[1] == kk[1] == T:  # FA pairs over every key
+                    shapes.append((o[0], T, T))
+                else:  # SA pairs: one sequence of the kernel per (pair, block)
+                    blocks = -(-T // o[1])
+                    shapes.append((o[0] // blocks, blocks, o[1], kk[1]))
             if variant == "dense":
                 assert shapes == [(1, cfg.num_heads, T, T)]
                 continue
