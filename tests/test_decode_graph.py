@@ -21,9 +21,9 @@ import pytest
 
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx.functions import MIXED_STEP_MASKED_UP_TO
+from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
 from adaptex.graphs import checkpoint
-from tests import zoo
+from tests import planted, zoo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -226,6 +226,14 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     calls = [n for n in step.node if n.domain == "adaptex"]
     assert calls and all(n.overload == dispatch.STEP_OVERLOAD for n in calls)
     assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {"", dispatch.STEP_OVERLOAD}
+    # what every layer's step body reads alike (the positions an SA query reads, the padding biases)
+    # is computed once in the step graph and read by every call: the body computes no position
+    shared = {tuple(n.input[len(EA_INPUTS):]) for n in calls}
+    assert len(calls) > 1 and len(shared) == 1 and len(next(iter(shared))) == len(STEP_SHARED)
+    assert sum(n.op_type == "Range" for n in step.node) == 3  # the sinks, the window, every position
+    body, = (f for f in proto.functions if f.name == "ElasticAttention" and f.overload == dispatch.STEP_OVERLOAD)
+    key_mask = body.input[EA_INPUTS.index("key_mask")]
+    assert not any(n.op_type == "Range" or key_mask in n.input for _, n in planted.walk(body.node))
     fused = [n for n in step.node if n.op_type == "SkipLayerNormalization"]
     assert fused and not any(n.op_type == "SkipLayerNormalization" for n in general.node)
     single = onnx.load(str(decoders["eldec-general.onnx"]))

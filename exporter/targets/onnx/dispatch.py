@@ -9,8 +9,8 @@ same weights. Two uses:
   those calls, and the general graph, which runs every other. The If costs what ONNX Runtime does
   not share inside a branch: its common-subexpression elimination does not merge the Constant
   nodes that each inlined op body makes (nor what they feed) in a subgraph, as it does in the main
-  graph, so what every layer's body computes alike (the positions a step's SA pairs read) is
-  computed per layer there (docs/benchmarking.md#decode-steps).
+  graph, so what every layer's body would compute alike (the positions a step's SA pairs read) is
+  computed in the step graph instead, once (fx.STEP_SHARED; docs/benchmarking.md#decode-steps).
 
 Dense dispatch in detail:
 

@@ -818,29 +818,30 @@ MIXED_CALL_MASKED_UP_TO = 1 << 17
 MIXED_STEP_MASKED_UP_TO = 1 << 17
 
 
+# What a decode step's body reads besides EA_INPUTS, the same for every layer (they depend on the key
+# mask and the attributes alone): the key positions an SA query reads (sinks, then the window), the
+# padding bias (B, 1, 1, S) and at those positions (B, 1, 1, L), and the positions outside them (S,).
+# The call's translation computes them in the graph (lowerings.elastic_step_node), where the
+# exporter's common-subexpression elimination leaves one copy for every layer.
+STEP_SHARED = ["keys", "bias", "bias_sa", "outside"]
+
+
 def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
     """adaptex.ElasticAttention for a call the exporter traced as a decode step (ONNX Runtime): one
     causal query per pair (T = 1) after a non-empty cache (docs/ops.md). A layer whose pairs are
     all FA attends every key; all SA, only the sinks and the window of the cache (a Gather of those
-    positions, L <= sink + window); a mix, see MIXED_STEP_MASKED_UP_TO. What depends on the key
-    mask and the attributes alone (the positions an SA query reads, the padding bias) reads no
-    per-layer value: in a main graph ONNX Runtime's common-subexpression elimination computes it once
-    for every layer; inside the decode-step If branch it does not (exporter/targets/onnx/dispatch.py),
-    a few small kernels a layer. It serves the decode-step program only: the general body takes every other
-    call (exporter/targets/onnx/dispatch.py). head_dim: the calls' dh where tracing fixed it, so
-    the score scale is a constant (else read from q's shape: four kernels a layer)."""
+    positions, L <= sink + window); a mix, see MIXED_STEP_MASKED_UP_TO. The inputs after EA_INPUTS
+    (STEP_SHARED) come from the graph, once for every layer: computed in the body, they ran once per
+    layer, since ONNX Runtime's common-subexpression elimination does not run inside the decode-step
+    If branch (exporter/targets/onnx/dispatch.py). It serves the decode-step program only: the general
+    body takes every other call (exporter/targets/onnx/dispatch.py). head_dim: the calls' dh where
+    tracing fixed it, so the score scale is a constant (else read from q's shape: four kernels a
+    layer)."""
     b = _Body("eas_")
-    q, k, v, sa, key_mask = EA_INPUTS
-    sink, window = b.attr_int("sink"), b.attr_int("window")
-    c0, c1 = b.const(0), b.const(1)
+    q, k, v, sa, _ = EA_INPUTS
+    keys, bias, bias_sa, outside = STEP_SHARED
+    c0 = b.const(0)
     neg, zero = b.const(NEG, np.float32), b.const(0.0, np.float32)
-    # shared by every layer: the key positions an SA query reads (sinks, then the window) and the bias
-    S = b("Squeeze", b("Shape", key_mask, start=1, end=2), b.const([0]))
-    ns = b("Min", sink, S)
-    ws = b("Max", b("Sub", S, window), ns)  # the window starts after the sinks
-    keys = b("Concat", b("Range", c0, ns, c1), b("Range", ws, S, c1), axis=0)  # (L,)
-    bias = _pad_bias(b, key_mask)  # (B, 1, 1, S)
-    bias_sa = b("Gather", bias, keys, axis=3)  # (B, 1, 1, L)
     if head_dim:
         scale = b.const(1.0 / np.sqrt(head_dim), np.float32)
     else:
@@ -856,8 +857,6 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
         return attend(qs, b("Gather", k, keys, axis=2), b("Gather", v, keys, axis=2), bias_sa)
 
     def masked() -> str:  # every pair over every key, an SA pair's keys outside sinks and window hidden
-        j = b("Range", c0, S, c1)
-        outside = b("Not", b("Or", b("Less", j, ns), b("GreaterOrEqual", j, ws)))  # (S,)
         hide = b("And", b("Unsqueeze", sa, b.const([2, 3])), outside)  # (B, H, 1, S)
         return attend(qs, k, v, b("Add", bias, b("Where", hide, neg, zero)))
 
@@ -888,7 +887,7 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
                 lambda: b.if_(b("Equal", n_sa, c0), lambda: attend(qs, k, v, bias), mixed))
     b.nodes.append(helper.make_node("Identity", [out], ["o"]))
     return _private(helper.make_function(
-        DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
+        DOMAIN, "ElasticAttention", EA_INPUTS + STEP_SHARED, ["o"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
         attributes=["sink", "window", "causal"],
         doc_string="adaptex::elastic_attention, sparse lowering of a decode step (see docs/ops.md)",
@@ -955,8 +954,11 @@ def _ea_schema(FP):
     return (defs.OpSchema(
         "ElasticAttention", DOMAIN, OPSET_VERSION,
         doc="Every head of a layer, each full or streaming (sinks + local window); see docs/ops.md.",
-        inputs=[FP(n, "B" if n in ("sa", "key_mask") else "T") for n in EA_INPUTS],
+        inputs=[FP(n, "B" if n in ("sa", "key_mask") else "T") for n in EA_INPUTS]
+        + [FP(n, {"keys": "I", "outside": "B"}.get(n, "F"), "a decode step's (STEP_SHARED)",
+              param_option=defs.OpSchema.FormalParameterOption.Optional) for n in STEP_SHARED],
         outputs=[FP("o", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"), ("B", ["tensor(bool)"], "")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"), ("B", ["tensor(bool)"], ""),
+                          ("I", ["tensor(int64)"], ""), ("F", ["tensor(float)"], "the padding bias stays fp32")],
         attributes=[defs.OpSchema.Attribute(n, defs.OpSchema.AttrType.INT, n) for n in ("sink", "window", "causal")],
     ))

@@ -56,6 +56,28 @@ def elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal
     return _opset().ElasticAttention(q, k, v, sa, key_mask, sink=sink, window=window, causal=int(causal))
 
 
+def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
+    """A decode-step call (fx.elastic_step_function): what every layer's body reads alike, computed
+    here in the graph from the key mask and the attributes (fx.STEP_SHARED), where the exporter's
+    common-subexpression elimination keeps one copy for all the layers."""
+    from onnxscript import opset20 as op
+
+    ints = lambda *v: op.Constant(value_ints=list(v))  # noqa: E731
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    S1 = op.Shape(key_mask, start=1, end=2)
+    ns1 = op.Min(S1, ints(sink))
+    ws1 = op.Max(op.Sub(S1, ints(window)), ns1)  # the window starts after the sinks
+    S, ns, ws = (op.Squeeze(t, ints(0)) for t in (S1, ns1, ws1))
+    keys = op.Concat(op.Range(zero, ns, one), op.Range(ws, S, one), axis=0)  # (L,) sinks, then the window
+    bias = op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
+                        ints(1, 2))  # (B, 1, 1, S)
+    bias_sa = op.Gather(bias, keys, axis=3)  # (B, 1, 1, L)
+    j = op.Range(zero, S, one)
+    outside = op.Not(op.Or(op.Less(j, ns), op.GreaterOrEqual(j, ws)))  # (S,)
+    return _opset().ElasticAttention(q, k, v, sa, key_mask, keys, bias, bias_sa, outside, sink=sink,
+                                     window=window, causal=int(causal))
+
+
 def num_heads_of(node) -> int | None:
     """The node's num_heads (its last argument) when tracing left it a constant."""
     h = node.kwargs.get("num_heads", node.args[8] if len(node.args) > 8 else None) if node is not None else None
@@ -141,7 +163,7 @@ def elastic_attention_onnx_sparse(ctx, node):
     sinks: O(T (sink + window))); ScatterND puts both groups back. In a decode-step program (ONNX
     Runtime) the step's own body: an SA pair reads its sinks and window, a FA pair every key."""
     if ctx.step and ctx.target == "onnx":
-        return OnnxLowering(elastic_attention_node, [fx.elastic_step_function(head_dim_of(node))])
+        return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node))])
     ort = ctx.target == "onnx"
     return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
         "sparse", causal_flag(node), dispatch=ort, decode_step=ort and not ctx.decode_graph, fused=ort,
