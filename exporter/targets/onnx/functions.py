@@ -813,9 +813,11 @@ MIXED_CALL_MASKED_UP_TO = 1 << 17
 # A decode step's mixed layer (some pairs FA, some SA) attends every pair over every key, the SA
 # pairs' keys outside their sinks and window masked, while its cache holds at most this many floats
 # (B*H*S*dh); past it, the pairs are gathered by mode and each reads only its own keys. Measured on
-# elastic-charlm, B1 steps (docs/benchmarking.md): masking ran 0.92 of gathering after 511 cached
-# tokens (65,536 floats) and 0.97 after 2047.
-MIXED_STEP_MASKED_UP_TO = 1 << 17
+# elastic-charlm (docs/benchmarking.md#decode-steps): masking ran 0.92 of gathering after 511 cached
+# tokens at B1 (65,536 floats); with the step's shared positions computed once (2026-12-04), 0.965
+# after 2047 (2^18 floats), 0.971 at B2 after 2047 and 0.986 at B8 after 511 (2^19), about even at
+# 2^21 (B8 after 2047 1.00, B16 after 1023 1.02) and 2^22 (B64 after 511 1.00).
+MIXED_STEP_MASKED_UP_TO = 1 << 20
 
 
 # What a decode step's body reads besides EA_INPUTS, the same for every layer (they depend on the key
