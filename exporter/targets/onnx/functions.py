@@ -637,25 +637,35 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
             out = b("ScatterND", out, idx, fn(*(b("Gather", t, rows, axis=0) for t in (qf, kf, vf, mf))))
         return b("Reshape", out, b("Shape", q))
 
+    def block_runs(before: str, extra: str):
+        """Blocks of Bq = min(window, T) queries, block i's starting at position a0[i] = S - T + i Bq,
+        and each block's run of L = Bq + extra keys, starting `before` keys ahead of it: (Bq, nb, L,
+        a0 (nb,), j (nb, L) the run's key positions, some outside 0..S-1)."""
+        Bq = b("Max", b("Min", window, T), c1)
+        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
+        L = b("Add", Bq, extra)
+        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
+        j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
+              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
+        return Bq, nb, L, a0, j
+
+    def padded_queries(qs: str, nb: str, Bq: str) -> str:  # (Ns, T, dh) -> (Ns, nb Bq, dh), zero rows after T
+        pad = b("Sub", b("Mul", nb, Bq), T)
+        return b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
+
     def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
         if fused:
             return block_local_fused(qs, ks, vs, ms)
         dh1 = b("Shape", q, start=3, end=4)
         cm1 = b.const([-1])
         half = b("Div", window, b.const(2))
-        Bq = b("Max", b("Min", window, T), c1)
-        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
         # query a sees a - window + 1 .. a (causal) or a - half .. a + half: `before` keys ahead of
         # it, and a block's run is Bq plus `extra` keys long
         spans = causal_or(lambda: (b("Sub", window, c1),) * 2, lambda: (half, b("Mul", half, b.const(2))))
         if causal_known is None:
             (cb, ce), (nb_, ne) = spans
             spans = (b("Where", is_causal, cb, nb_), b("Where", is_causal, ce, ne))
-        before, extra = spans
-        L = b("Add", Bq, extra)
-        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
-        j = b("Add", b("Unsqueeze", b("Sub", a0, before), b.const([1])),
-              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
+        Bq, nb, L, a0, j = block_runs(*spans)
         a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
         d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
         inwin = causal_or(lambda: b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
@@ -666,10 +676,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
                   b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
         jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
-        pad = b("Sub", b("Mul", nb, Bq), T)
-        qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
-        qb = b("Reshape", qb, b("Concat", cm1, b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", Bq, b.const([0])),
-                                dh1, axis=0))  # (Ns, nb, Bq, dh)
+        qb = b("Reshape", padded_queries(qs, nb, Bq), b("Concat", cm1, b("Unsqueeze", nb, b.const([0])),
+                                                         b("Unsqueeze", Bq, b.const([0])), dh1, axis=0))  # (Ns, nb, Bq, dh)
         kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
         s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
         vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
@@ -705,15 +713,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         dh1 = b("Shape", q, start=3, end=4)
         cm1 = b.const([-1])
         half = b("Div", window, b.const(2))
-        Bq = b("Max", b("Min", window, T), c1)
-        nb = b("Div", b("Sub", b("Add", T, Bq), c1), Bq)  # ceil(T / Bq)
-        L = b("Add", Bq, b("Mul", half, b.const(2)))
+        Bq, nb, L, _, j = block_runs(half, b("Mul", half, b.const(2)))  # a query sees half a window each way
         ns = b("Min", sink, S)
         nb1, ns1 = b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", ns, b.const([0]))
-        # block i's queries start at a0 = S - T + i Bq; its run of keys at a0 - half
-        a0 = b("Add", b("Sub", S, T), b("Mul", b("Range", c0, nb, c1), Bq))  # (nb,)
-        j = b("Add", b("Unsqueeze", b("Sub", a0, half), b.const([1])),
-              b("Unsqueeze", b("Range", c0, L, c1), b.const([0])))  # (nb, L)
         sinks = b("Expand", b("Unsqueeze", b("Range", c0, ns, c1), b.const([0])), b("Concat", nb1, ns1, axis=0))
         keys = b("Concat", sinks, b("Clip", j, c0, b("Sub", S, c1)), axis=1)  # (nb, ns + L)
         ok = b("Concat", b("Expand", b.const([[True]], np.bool_), b("Concat", nb1, ns1, axis=0)),
@@ -733,9 +735,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         band = b("Concat", b("ConstantOfShape", b("Concat", Bq1, ns1, axis=0),
                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])), band, axis=1)
         band = b("Unsqueeze", band, b.const([0, 1]))  # (1, 1, Bq, ns + L)
-        pad = b("Sub", b("Mul", nb, Bq), T)
-        qb = b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
-        qb = b("Reshape", qb, b("Concat", cm1, Bq1, dh1, axis=0))  # (Ns nb, Bq, dh)
+        qb = b("Reshape", padded_queries(qs, nb, Bq), b("Concat", cm1, Bq1, dh1, axis=0))  # (Ns nb, Bq, dh)
         kb, vb = (b("Reshape", b("Gather", x, keys, axis=1), b("Concat", cm1, width, dh1, axis=0))
                   for x in (ks, vs))  # (Ns nb, ns + L, dh)
         o = b("MultiHeadAttention", qb, kb, vb, "", key_ok, band, domain=MS_DOMAIN, num_heads=1,
