@@ -138,8 +138,8 @@ def queries_of_skipped_tokens(proto: onnx.ModelProto, fname: str = "ConditionalA
         attr = next(a for a in topk[0].attribute if a.name == "largest")
         attr.i = 0
         return proto
-    keep = f.input[2]
-    slot = [n for _, n in walk(f.node) if n.op_type == "Where" and n.input[0] == keep]
+    keep, gate = f.input[2], f.input[3]
+    slot = [n for _, n in walk(f.node) if n.op_type == "Where" and n.input[0] == keep and n.input[1] != gate]
     assert len(slot) == 1, "the CumSum partition picks a slot per token by keep once"
     slot[0].input[1], slot[0].input[2] = slot[0].input[2], slot[0].input[1]
     return proto
