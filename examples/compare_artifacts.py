@@ -10,6 +10,10 @@ cache is the baseline artifact's own prefill of the preceding text, fed to every
 runs every artifact once in a shuffled order; the ratio is the median over the rounds against the
 baseline's, with [min, max] over the two halves of the rounds (odd and even), and the largest output
 difference from the baseline is printed beside it (a change of speed that changes values is a bug).
+Differences of 1 to 3% need a control: pass a byte-identical copy of the baseline first, then the
+baseline, then the new artifact, and read the new one against the baseline. On 2026-12-04 the
+first artifact of a run ran 1 to 3% slower than an identical copy in some runs and not in others
+(cause not found).
 Against the fastest dense graph, use `adaptex bench`; this script compares adaptive graphs only.
 """
 from __future__ import annotations
