@@ -370,8 +370,6 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     head_split = b("Concat", c0, c0, H1, dh1, axis=0)  # [0, 0, H, dh]
     head_merge = b("Concat", c0, c0, d1, axis=0)  # [0, 0, d]
 
-    def masked_gate() -> str:  # (B, T): zero for the skipped tokens
-        return _masked_gate(b, gate, keep)
     counts = {}  # the per-sample kept counts and their largest, where the dispatch computed them first
 
     def kept_counts() -> tuple[str, str, str]:  # keep as int64 (B, T), its (B, 1) counts, max(1, the largest)
@@ -417,14 +415,14 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         hq = b("Gather", b("Reshape", hn, rows_d), rows, axis=0)  # (B, n, d)
         bias_flat = b("Reshape", bias, b("Concat", cm1, b("Shape", bias, start=3, end=4), axis=0))  # (B*T, S)
         upd = attend(hq, b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1))  # (B, n, d)
-        gs = b("Unsqueeze", b("Gather", b("Reshape", masked_gate(), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
+        gs = b("Unsqueeze", b("Gather", b("Reshape", _masked_gate(b, gate, keep), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
         return b("Reshape", y, b("Shape", x))
 
     def every(masked: bool) -> str:  # every query row (the update masked unless all are kept)
         upd = attend(hn, bias)  # (B, T, d)
-        return b("Add", x, b("Mul", upd, b("Unsqueeze", masked_gate() if masked else gate, b.const([2]))))
+        return b("Add", x, b("Mul", upd, b("Unsqueeze", _masked_gate(b, gate, keep) if masked else gate, b.const([2]))))
 
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs no query side at all (a decode

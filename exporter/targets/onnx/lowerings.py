@@ -70,7 +70,7 @@ def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: boo
     S, ns, ws = (op.Squeeze(t, ints(0)) for t in (S1, ns1, ws1))
     keys = op.Concat(op.Range(zero, ns, one), op.Range(ws, S, one), axis=0)  # (L,) sinks, then the window
     bias = op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
-                        ints(1, 2))  # (B, 1, 1, S)
+                        ints(1, 2))  # (B, 1, 1, S): fx._pad_bias, in the graph
     bias_sa = op.Gather(bias, keys, axis=3)  # (B, 1, 1, L)
     j = op.Range(zero, S, one)
     outside = op.Not(op.Or(op.Less(j, ns), op.GreaterOrEqual(j, ws)))  # (S,)
