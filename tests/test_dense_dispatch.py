@@ -130,8 +130,46 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     big = {i.name for i in single.graph.initializer if np.prod(i.dims) > dispatch.COPIED_UP_TO}
     assert big and {i.name for i in proto.graph.initializer} == big | {f"{dispatch.RESERVED}dense_rows"}
     assert dispatch.dense_rows_of(single) is None
-    overloads = {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"}
-    assert ("ConditionalFFN", "") in overloads and ("ConditionalFFN", "dense") in overloads
+    # the functions are the sparse lowering's; the dense branch holds its bodies inlined
+    assert {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"} == {
+        ("ConditionalAttention", ""), ("ConditionalFFN", "")}
+    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    assert not [n for n in then.node if n.domain == "adaptex"]
+
+
+def _repeats(nodes) -> list[str]:
+    """The nodes that compute what an earlier one of `nodes` computes: the same op, inputs and
+    attributes (a Constant's by its value, whatever the tensor's name)."""
+    def attr(a):
+        v = onnx.helper.get_attribute_value(a)
+        if isinstance(v, onnx.TensorProto):
+            v = onnx.numpy_helper.to_array(v)
+            return (a.name, str(v.dtype), v.shape, v.tobytes())
+        return (a.name, repr(v))
+
+    seen, out = set(), []
+    for n in nodes:
+        key = (n.domain, n.op_type, tuple(n.input), tuple(attr(a) for a in n.attribute))
+        if key in seen:
+            out.append(n.name or n.op_type)
+        seen.add(key)
+    return out
+
+
+def test_the_dense_branch_computes_each_value_once(merged, artifacts):
+    """ONNX Runtime merges the common subexpressions of a main graph's inlined calls at load but not
+    inside an If branch: the export merges the dense branch's (a TSA layer's attention and FFN bodies
+    both mask the router's gate; docs/benchmarking.md#never-slower-than-dense)."""
+    import onnx.inliner
+
+    alone = onnx.inliner.inline_local_functions(onnx.load(str(artifacts("tsa", "onnx", "dense"))))
+    assert _repeats(alone.graph.node)  # what there is to merge
+    proto = onnx.load(str(merged["tsa"]))
+    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    assert not _repeats(then.node), _repeats(then.node)[:5]
+    gates = [n for n in then.node if n.op_type == "Where"]
+    wheres = [n for n in alone.graph.node if n.op_type == "Where"]
+    assert 0 < len(gates) < len(wheres), (len(gates), len(wheres))
 
 
 @pytest.mark.parametrize("family", ["tsa", "eldec"])

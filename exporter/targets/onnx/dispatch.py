@@ -36,8 +36,9 @@ of the weights per branch (tsa-charlm: 71 MB peak RSS against the sparse artifac
 holds one.
 
 Both branches compute the same outputs, decisions included, to the parity tolerance of the two
-variants (each is checked against the eager reference by `adaptex check`). The dense branch's op
-calls point at the `dense` overload of each adaptex function.
+variants (each is checked against the eager reference by `adaptex check`). The dense branch holds
+its op calls inlined and its common subexpressions merged (passes.shared_subexpressions: ONNX
+Runtime does neither inside a branch), so the artifact's functions are the sparse lowering's.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx.passes import reads, subgraphs
+from adaptex.exporter.targets.onnx.passes import reads, shared_subexpressions, subgraphs
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
@@ -255,8 +256,9 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
         helper.make_node("ReduceProd", [shape], [rows], name=f"{RESERVED}ReduceProd", keepdims=0),
         helper.make_node("LessOrEqual", [rows, limit.name], [small], name=f"{RESERVED}LessOrEqual"),
     ]
-    return _if_model(dense, sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD, cond_nodes=cond_nodes,
-                     cond=small, initializers=list(gs.initializer) + [limit],
+    # the dense branch's calls inlined and their common work merged (passes.shared_subexpressions)
+    return _if_model(shared_subexpressions(dense), sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD,
+                     cond_nodes=cond_nodes, cond=small, initializers=list(gs.initializer) + [limit],
                      then_initializers=gs.initializer, domain=domain)
 
 

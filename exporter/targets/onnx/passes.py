@@ -19,6 +19,15 @@ kernel count is what costs: each residual Add (and the bias Add of the projectio
 the LayerNormalization it feeds become one com.microsoft.SkipLayerNormalization, whose fourth
 output is the residual sum the next block reads, as ONNX Runtime's transformer optimizer does for
 the dense yardstick graph (`dense+ortopt`). Only where both summands have the same shape.
+
+shared_subexpressions: for a graph that will run as an If branch. At load, ONNX Runtime inlines a
+main graph's function calls and then merges the nodes that compute the same value from the same
+inputs (its common-subexpression elimination), but inside an If branch it does neither merge: each
+call's body computes again what another call's already did. The pass inlines the calls and merges
+them at export instead (onnx.inliner, onnx_ir's CommonSubexpressionEliminationPass): in
+tsa-charlm's dense branch, the masked gate that a layer's attention and FFN bodies both make from
+the router's keep and gate (a Where and an Unsqueeze each) is made once, 10 kernels fewer a call
+(docs/benchmarking.md#never-slower-than-dense).
 """
 from __future__ import annotations
 
@@ -95,6 +104,19 @@ def layernorm_rows(proto: onnx.ModelProto) -> int:
 
 
 MS_DOMAIN = "com.microsoft"
+
+
+def shared_subexpressions(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` with its local functions inlined and its graph's common subexpressions merged (see the
+    module docstring): the same values, fewer nodes."""
+    import onnx.inliner
+    from onnxscript import ir
+    from onnxscript.ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass
+
+    model = ir.serde.deserialize_model(onnx.inliner.inline_local_functions(proto))
+    CommonSubexpressionEliminationPass()(model)
+    RemoveUnusedNodesPass()(model)
+    return ir.serde.serialize_model(model)
 
 
 def _shapes(proto: onnx.ModelProto) -> dict[str, tuple]:
