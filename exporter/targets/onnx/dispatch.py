@@ -103,7 +103,7 @@ def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
 
 def _overload(tag: str | None, current: str) -> str:
     """A call's overload in a branch tagged `tag`: the tag, before the one it had (a body
-    specialised to its head count in the dense branch is `dense_heads8`)."""
+    specialised to its head count, `heads8`, is `step_heads8` in the branch tagged step)."""
     return current if tag is None else (f"{tag}_{current}" if current else tag)
 
 
