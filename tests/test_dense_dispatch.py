@@ -114,6 +114,11 @@ def test_parity_passes_on_prefill_and_decode_steps(merged, family_checkpoints, f
     assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
 
 
+def _dense_branch(proto: onnx.ModelProto) -> onnx.GraphProto:
+    """The then branch of the merged graph's If (its last node): the dense lowering's graph."""
+    return next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+
+
 def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, artifacts):
     from adaptex.exporter.metadata import read_onnx_metadata
 
@@ -133,7 +138,7 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     # the functions are the sparse lowering's; the dense branch holds its bodies inlined
     assert {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"} == {
         ("ConditionalAttention", ""), ("ConditionalFFN", "")}
-    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    then = _dense_branch(proto)
     assert not [n for n in then.node if n.domain == "adaptex"]
 
 
@@ -165,7 +170,7 @@ def test_the_dense_branch_computes_each_value_once(merged, artifacts):
     alone = onnx.inliner.inline_local_functions(onnx.load(str(artifacts("tsa", "onnx", "dense"))))
     assert _repeats(alone.graph.node)  # what there is to merge
     proto = onnx.load(str(merged["tsa"]))
-    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    then = _dense_branch(proto)
     assert not _repeats(then.node), _repeats(then.node)[:5]
     gates = [n for n in then.node if n.op_type == "Where"]
     wheres = [n for n in alone.graph.node if n.op_type == "Where"]
@@ -213,7 +218,7 @@ def test_each_branch_carries_its_shapes_and_loads_as_its_graph_alone(merged, art
     decode step of tsa-charlm, docs/benchmarking.md)."""
     proto = onnx.load(str(merged["tsa"]))
     dense = onnx.load(str(artifacts("tsa", "onnx", "dense")))
-    then = next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+    then = _dense_branch(proto)
     shapes = {v.name: v.type for v in then.value_info}
     made = {o for n in dense.graph.node for o in n.output}
     for vi in [v for v in dense.graph.value_info if v.name in made]:
