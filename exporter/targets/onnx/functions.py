@@ -262,8 +262,9 @@ DENSE_QUERY_SHARE = 0.97
 
 
 def _masked_gate(b: _Body, gate: str, keep: str) -> str:
-    """keep * gate, (B, T), as one Where: the same values as Mul by the cast mask, one kernel fewer
-    (inside an If branch, where ONNX Runtime does not share one Cast between the calls of a block)."""
+    """keep * gate, (B, T), as one Where: the same values as Mul by the cast mask, one kernel fewer.
+    A layer's attention and FFN bodies both make it; in a main graph ONNX Runtime merges the two, in
+    the dense-dispatch branch the export does (passes.shared_subexpressions)."""
     return b("Where", keep, gate, b.const(0.0, np.float32))
 
 
