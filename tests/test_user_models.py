@@ -199,6 +199,18 @@ def test_a_spec_naming_something_not_callable_is_refused_in_one_line(tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("spec, says", [(":", "needs both names"), ("tests.zoo:", "needs both names"),
+                                         (":tiny_model", "needs both names"), (".zoo:f", "cannot import")])
+def test_a_spec_missing_a_name_is_refused_in_one_line(tmp_path, capsys, spec, says):
+    """MODULE:FUNCTION with a name missing or one importlib refuses (':' was a fuzz-found case: a raw
+    ValueError): a usage error, exit 2, no file."""
+    out = tmp_path / "m.onnx"
+    assert main(["export", spec, "--target", "onnx", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "unexpected" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
 def test_check_refuses_a_model_that_is_not_the_source(patch_model, tmp_path):
     import copy
 

@@ -55,9 +55,13 @@ def load_model(spec: str | None):
                          "checkpoint directory or MODULE:FUNCTION, or leave it out for the default model")
     if spec and ":" in spec and not os.path.exists(spec):
         mod_name, _, fn_name = spec.partition(":")
+        if not mod_name.strip() or not fn_name.strip():
+            raise UsageError(f"{spec}: MODULE:FUNCTION needs both names (my_package.models:build), or pass a "
+                             "shipped model or a checkpoint directory")
         try:
             fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError, TypeError) as e:  # ValueError, TypeError: a name
+            # importlib refuses as it stands (".relative" without a package)
             raise UsageError(f"{spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); pass MODULE:FUNCTION "
                              "importable from here (set PYTHONPATH), or a checkpoint") from None
         if not callable(fn):
