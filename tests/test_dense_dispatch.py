@@ -175,6 +175,42 @@ def test_the_dense_branch_computes_each_value_once(merged, artifacts):
     gates = [n for n in then.node if n.op_type == "Where"]
     wheres = [n for n in alone.graph.node if n.op_type == "Where"]
     assert 0 < len(gates) < len(wheres), (len(gates), len(wheres))
+    # the router masks its gate by keep and no body masks it again (passes.masks_once)
+    made = {o: n for n in then.node for o in n.output}
+    again = [n.name for n in gates if made.get(n.input[1]) is not None and made[n.input[1]].op_type == "Where"
+             and made[n.input[1]].input[0] == n.input[0]]
+    assert not again, again
+
+
+def test_masks_once_drops_a_where_that_masks_by_its_own_condition_again(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from adaptex.exporter.targets.onnx.passes import masks_once
+
+    nodes = [helper.make_node("Constant", [], ["zb"], value=numpy_helper.from_array(np.array(0.0, np.float32))),
+             helper.make_node("Where", ["c", "x", "z"], ["m"]),  # the router's masked gate
+             helper.make_node("Where", ["c", "m", "zb"], ["again"]),  # a body masks it again: goes, its zero too
+             helper.make_node("Mul", ["again", "x"], ["y1"]),
+             helper.make_node("Where", ["d", "m", "z"], ["y2"]),  # another condition: stays
+             helper.make_node("Where", ["c", "m", "one"], ["y3"]),  # not a zero: stays
+             helper.make_node("Where", ["c", "m", "z"], ["y4"])]  # a graph output: stays
+    io = [helper.make_tensor_value_info(n, TensorProto.BOOL if n in "cd" else TensorProto.FLOAT, ["B", "T"])
+          for n in ("c", "d", "x", "y1", "y2", "y3", "y4")]
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n) for v, n in ((1.0, "one"), (0.0, "z"))]
+    model = helper.make_model(helper.make_graph(nodes, "g", io[:3], io[3:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    assert masks_once(model) == 1
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.output[0] for n in model.graph.node] == ["m", "y1", "y2", "y3", "y4"]
+    assert [t.name for t in model.graph.initializer] == ["one", "z"]
+    rng = np.random.default_rng(0)
+    feeds = {"c": rng.random((2, 5)) < 0.5, "d": rng.random((2, 5)) < 0.5,
+             "x": rng.standard_normal((2, 5)).astype(np.float32)}
+    runs = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feeds)
+            for m in (before, model.SerializeToString())]
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("family", ["tsa", "eldec"])

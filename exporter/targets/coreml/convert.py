@@ -82,6 +82,17 @@ def _quiet_progress():
         yield
 
 
+def decompositions() -> dict:
+    """What an exported program runs through before conversion: where(c, x, scalar) as where(c, x,
+    tensor) (TSA's router masks its gate so; coremltools translates neither that op nor the
+    prims.where of torch's own decomposition)."""
+    import torch
+
+    def where_scalar_other(cond, x, other):
+        return torch.where(cond, x, torch.full_like(x, other))
+    return {torch.ops.aten.where.ScalarOther: where_scalar_other}
+
+
 def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
                  min_target: str = package.DEFAULT_MIN_TARGET) -> Path:
     """The model's `mode` path (a contract's dense or naive counterpart mode) converted by stock
@@ -94,7 +105,7 @@ def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
     example = tuple(t.float() if t.dtype == torch.bool else t for t in contract.example_inputs(mode))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode)).run_decompositions({})
+        ep = torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode)).run_decompositions(decompositions())
     inputs, outputs = package.coreml_io(*io_specs(ep, contract, mode))
     precision.bool_ops_as_logical(ep)
     keep, between = precision.keep_fp32(ep, contract, adaptive=False)

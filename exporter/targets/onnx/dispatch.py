@@ -38,7 +38,8 @@ holds one.
 Both branches compute the same outputs, decisions included, to the parity tolerance of the two
 variants (each is checked against the eager reference by `adaptex check`). The dense branch holds
 its op calls inlined and its common subexpressions merged (passes.shared_subexpressions: ONNX
-Runtime does neither inside a branch), so the artifact's functions are the sparse lowering's.
+Runtime does neither inside a branch), so the artifact's functions are the sparse lowering's; a
+gate the router has masked already is not masked again there (passes.masks_once).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx.passes import reads, shared_subexpressions, subgraphs
+from adaptex.exporter.targets.onnx.passes import masks_once, reads, rename_reads, shared_subexpressions, subgraphs
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
@@ -63,17 +64,6 @@ RESERVED = "dispatch."  # prefix of the merged graph's own values and of the bra
 COPIED_UP_TO = 64
 
 
-def _rename_reads(nodes, rename: dict) -> None:
-    """Rename the inputs of `nodes` and the outer reads of their subgraphs (a subgraph value of the
-    same name as a renamed one would shadow it; the exporters never reuse a main-graph name there)."""
-    for node in nodes:
-        node.input[:] = [rename.get(n, n) for n in node.input]
-        for g in subgraphs(node):
-            _rename_reads(g.node, rename)
-            for o in g.output:  # a branch may hand an outer value straight through
-                o.name = rename.get(o.name, o.name)
-
-
 def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     """Point the reads of the main graph's `initializers` in `nodes` (subgraphs included) at branch
     values `dispatch.<tag>.w.<name>`, each made by Reshape to one axis and Reshape back: ONNX Runtime
@@ -85,7 +75,7 @@ def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     if not weights:
         return [], []
     local = {w.name: f"{RESERVED}{tag}.w.{w.name}" for w in weights}
-    _rename_reads(nodes, local)
+    rename_reads(nodes, local)
     flat = numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{RESERVED}{tag}.one_axis")
     inits, fold = [flat], []
     for w in weights:
@@ -131,7 +121,7 @@ def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto],
         node.name = f"{RESERVED}{tag}.{node.name or f'{node.op_type}_{i}'}"
         node.output[:] = [rename.get(o, o) for o in node.output]
     _point_calls(nodes, overload, domain)
-    _rename_reads(nodes, rename)
+    rename_reads(nodes, rename)
     outs = []
     for vi in outputs:
         name = rename.get(vi.name)
@@ -256,8 +246,11 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
         helper.make_node("ReduceProd", [shape], [rows], name=f"{RESERVED}ReduceProd", keepdims=0),
         helper.make_node("LessOrEqual", [rows, limit.name], [small], name=f"{RESERVED}LessOrEqual"),
     ]
-    # the dense branch's calls inlined and their common work merged (passes.shared_subexpressions)
-    return _if_model(shared_subexpressions(dense), sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD,
+    # the dense branch's calls inlined, their common work merged and the gate masked once
+    # (passes.shared_subexpressions, passes.masks_once)
+    dense = shared_subexpressions(dense)
+    masks_once(dense)
+    return _if_model(dense, sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD,
                      cond_nodes=cond_nodes, cond=small, initializers=list(gs.initializer) + [limit],
                      then_initializers=gs.initializer, domain=domain)
 
@@ -278,7 +271,7 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
     shadow = {v: f"{RESERVED}{tag}.v.{v}" for v in _produced(graph.node) if v in names and v not in outputs}
     if shadow:
         _rename_outputs(graph.node, shadow)
-        _rename_reads(graph.node, shadow)
+        rename_reads(graph.node, shadow)
     inits, rename = list(other.initializer), {}
     for t in gt.initializer:
         same = by_content.get(_content(t))
@@ -290,7 +283,7 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
         copy = _renamed(t, rename.get(t.name, t.name))
         inits.append(copy)
         names.add(copy.name)
-    _rename_reads(graph.node, rename)
+    rename_reads(graph.node, rename)
     model = onnx.ModelProto()
     model.CopyFrom(then)
     model.graph.CopyFrom(graph)

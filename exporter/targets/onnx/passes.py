@@ -28,6 +28,11 @@ them at export instead (onnx.inliner, onnx_ir's CommonSubexpressionEliminationPa
 tsa-charlm's dense branch, the masked gate that a layer's attention and FFN bodies both make from
 the router's keep and gate (a Where and an Unsqueeze each) is made once, 10 kernels fewer a call
 (docs/benchmarking.md#never-slower-than-dense).
+
+masks_once: Where(c, Where(c, x, 0), 0) is Where(c, x, 0). TSA's router hands each block a gate it
+has already masked by keep (Where(keep, 1 - p, 0)), and each conditional op's dense body masks the
+gate again (the op's contract takes any gate); once the calls are inlined the second Where reads the
+first and goes (tsa-charlm's dense branch: 5 kernels a call).
 """
 from __future__ import annotations
 
@@ -61,6 +66,17 @@ def reads(nodes) -> list[str]:
         for g in subgraphs(n):
             out += reads(g.node) + [o.name for o in g.output]
     return out
+
+
+def rename_reads(nodes, rename: dict) -> None:
+    """Rename the inputs of `nodes` and the outer reads of their subgraphs (a subgraph value of the
+    same name as a renamed one would shadow it; the exporters never reuse a main-graph name there)."""
+    for node in nodes:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+        for g in subgraphs(node):
+            rename_reads(g.node, rename)
+            for o in g.output:  # a branch may hand an outer value straight through
+                o.name = rename.get(o.name, o.name)
 
 
 def layernorm_rows(proto: onnx.ModelProto) -> int:
@@ -117,6 +133,44 @@ def shared_subexpressions(proto: onnx.ModelProto) -> onnx.ModelProto:
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
     return ir.serde.serialize_model(model)
+
+
+def _zero_scalar(name: str, constants: dict) -> bool:
+    t = constants.get(name)
+    return t is not None and t.dims == [] and numpy_helper.to_array(t).item() == 0
+
+
+def masks_once(proto: onnx.ModelProto) -> int:
+    """Drop, in place, each Where(c, m, 0) of the main graph whose m is Where(c, x, 0) (the same
+    condition; each 0 a scalar): its readers read m. Returns how many it dropped."""
+    g = proto.graph
+    constants = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1 and n.attribute[0].name == "value":
+            constants[n.output[0]] = n.attribute[0].t
+    producers = {o: n for n in g.node for o in n.output}
+    outputs = {o.name for o in g.output}
+
+    def masking(node) -> bool:
+        return node is not None and node.op_type == "Where" and node.domain in ("", "ai.onnx") \
+            and _zero_scalar(node.input[2], constants)
+
+    rename, zeros = {}, set()
+    for node in g.node:
+        inner = producers.get(node.input[1]) if masking(node) else None
+        if masking(inner) and inner.input[0] == node.input[0] and node.output[0] not in outputs:
+            rename[node.output[0]] = rename.get(node.input[1], node.input[1])
+            zeros.add(node.input[2])
+    if rename:
+        rename_reads(g.node, rename)
+        still = set(reads([n for n in g.node if n.output[0] not in rename]))
+        gone = set(rename) | (zeros - still)  # the dropped Wheres, and the zeros none reads now
+        for field, name in ((g.node, lambda n: n.output[0]), (g.initializer, lambda t: t.name),
+                            (g.value_info, lambda vi: vi.name)):
+            kept = [x for x in field if name(x) not in gone]
+            del field[:]
+            field.extend(kept)
+    return len(rename)
 
 
 def _shapes(proto: onnx.ModelProto) -> dict[str, tuple]:
