@@ -72,10 +72,11 @@ demo: $(STAMP) web
 	@echo "          node $(NODE)/run.mjs runs the same three tasks in Node"
 
 # two pytest-xdist workers (one per core on the 2-core machines this project runs on), each test
-# file on one worker (its module fixtures made once); TEST_WORKERS=0 runs the suite in one process
+# file on one worker (its module fixtures made once); TEST_WORKERS=0 runs the suite in one process.
+# The 15 slowest tests are listed at the end: the suite's budget is 15 minutes on 2 cores
 TEST_WORKERS ?= 2
 test: $(STAMP) apps-deps
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py

@@ -182,7 +182,7 @@ def test_the_dense_branch_computes_each_value_once(merged, artifacts):
     assert not again, again
 
 
-def test_masks_once_drops_a_where_that_masks_by_its_own_condition_again(tmp_path):
+def test_masks_once_drops_a_where_that_masks_by_its_own_condition_again():
     from onnx import TensorProto, helper, numpy_helper
 
     from adaptex.exporter.targets.onnx.passes import masks_once
