@@ -29,7 +29,11 @@ class TokenRouter(AdaptiveLayer, nn.Module):
         nn.init.constant_(self.net[2].bias, -1.0)
 
     def probability(self, h: Tensor) -> Tensor:
-        return torch.sigmoid(self.net(h.float()).squeeze(-1))  # (B, T) fp32
+        # on the rows of a 2-D view: an exported graph runs each Linear as one Gemm (ONNX Runtime fuses
+        # the first with its ReLU), where a (B, T, d) input ran a MatMul and an Add each: 9 kernels fewer
+        # a call for tsa-charlm (docs/benchmarking.md#never-slower-than-dense); the same values
+        rows = self.net(h.float().reshape(-1, h.shape[-1]))  # (B*T, 1)
+        return torch.sigmoid(rows.view(h.shape[:-1]))  # (B, T) fp32
 
     def forward(self, h: Tensor, *, mode: str | None = None, force_keep: Tensor | None = None,
                 return_p: bool = False):
