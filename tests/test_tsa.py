@@ -116,6 +116,28 @@ def tsa_onnx(artifacts):
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
+def test_the_exported_router_is_two_gemms_and_one_where(tsa_onnx, variant):
+    """Each router Linear runs as a Gemm (on a 2-D view of the hidden states: a (B, T, d) input
+    exports as a MatMul and an Add), and the gate is one Where on the keep mask, not a Cast and a Mul
+    (docs/benchmarking.md#never-slower-than-dense: each kernel counts at a decode step)."""
+    import onnx
+
+    g = onnx.load(str(tsa_onnx[variant])).graph
+    readers = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    weights = [t.name for t in g.initializer if ".routers." in f".{t.name}" and t.name.endswith("weight")]
+    assert len(weights) == 2 * 2 and all(readers.get(w) == ["Gemm"] for w in weights), \
+        {w: readers.get(w) for w in weights}
+    keeps = [o.name for o in g.output if o.name.endswith(".keep")]
+    made = {o: n for n in g.node for o in n.output}
+    gates = [n for n in g.node if n.op_type == "Where" and n.input[0] in keeps]
+    assert len(gates) == len(keeps) == 2 and all(made[n.input[1]].op_type == "Sub" for n in gates)
+    assert not [n for n in g.node if n.op_type == "Cast" and n.input[0] in keeps and "Mul" in readers.get(n.output[0], [])]
+
+
+@pytest.mark.parametrize("variant", ["sparse", "dense"])
 def test_onnx_artifact_passes_parity_on_prefill_and_decode_steps(tsa_onnx, tsa_checkpoint, variant):
     from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
     from adaptex.runtimes.parity import check
