@@ -264,7 +264,8 @@ DENSE_QUERY_SHARE = 0.97
 def _masked_gate(b: _Body, gate: str, keep: str) -> str:
     """keep * gate, (B, T), as one Where: the same values as Mul by the cast mask, one kernel fewer.
     A layer's attention and FFN bodies both make it; in a main graph ONNX Runtime merges the two, in
-    the dense-dispatch branch the export does (passes.shared_subexpressions)."""
+    the dense-dispatch branch the export does (passes.shared_subexpressions), and drops it there
+    where the gate is already masked by the same keep, as TSA's router makes it (passes.masks_once)."""
     return b("Where", keep, gate, b.const(0.0, np.float32))
 
 
