@@ -78,6 +78,8 @@ def test_conditional_ffn_dispatch(case, tmp_path):
         assert ran["Reshape"] == 0, ran  # x as it is
     else:  # any mix: the kept rows only
         assert ffn > 0 and ran["NonZero"] == 1 and ran["ScatterND"] == 1, ran
+    if case != "none":  # MatMul + BiasGelu, as the dense graph's FFN runs, not Gemm + Gelu
+        assert ran["BiasGelu"] == 1 and ran["Gelu"] == ran["Gemm"] == ran["FusedGemm"] == 0, ran
 
 
 @pytest.mark.parametrize("case", ["none", "all", "mixed", "most"])

@@ -305,12 +305,14 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
         return b("Reshape", out, b("Shape", x))
 
     def some(flat: str, gate_flat: str, kflat: str) -> str:  # the kept rows only
+        # the kept rows as (1, K, d), not (K, d): on a 2-D input ONNX Runtime fuses MatMul + bias Add
+        # into a Gemm, which leaves the Gelu unfused and runs slower than MatMul + BiasGelu, the
+        # kernels the dense graph's FFN gets (docs/benchmarking.md#graph-level-findings-that-shape-the-artifacts)
         idx = b("NonZero", kflat)  # (1, K) int64: kept token rows
-        rows_k = b("Squeeze", idx, b.const([0]))  # (K,)
-        xs = b("Gather", flat, rows_k, axis=0)  # (K, d)
-        g = b("Unsqueeze", b("Gather", gate_flat, rows_k, axis=0), b.const([1]))  # (K, 1)
-        new = b("Add", xs, b("Mul", ffn(xs), g))  # (K, d)
-        return b("ScatterND", flat, b("Transpose", idx, perm=[1, 0]), new)  # (B*T, d); indices (K, 1)
+        xs = b("Gather", flat, idx, axis=0)  # (1, K, d)
+        g = b("Unsqueeze", b("Gather", gate_flat, idx, axis=0), b.const([2]))  # (1, K, 1)
+        new = b("Add", xs, b("Mul", ffn(xs), g))  # (1, K, d)
+        return b("ScatterND", flat, b("Unsqueeze", idx, b.const([2])), new)  # (B*T, d); indices (1, K, 1)
 
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
