@@ -7,18 +7,21 @@ lowering is measured (the first artifact is the baseline, 1.000).
 A point is BATCHxNEWxCACHED (1x1x511: a decode step after 511 cached tokens; 8x128x0: a prefill of 128
 tokens at batch 8). The inputs are the ones `adaptex bench` generates for the model; a decode step's
 cache is the baseline artifact's own prefill of the preceding text, fed to every artifact. Each round
-runs every artifact once in a shuffled order; the ratio is the median over the rounds against the
-baseline's, with [min, max] over the two halves of the rounds (odd and even), and the largest output
-difference from the baseline is printed beside it (a change of speed that changes values is a bug).
-Differences of 1 to 3% need a control: pass a byte-identical copy of the baseline first, then the
-baseline, then the new artifact, and read the new one against the baseline. On 2026-12-04 the
-first artifact of a run ran 1 to 3% slower than an identical copy in some runs and not in others
-(cause not found).
+runs every artifact once in a shuffled order, and the rounds fall into one block per artifact. Each
+block creates the ONNX Runtime sessions afresh, in the order of the command line rotated by one place
+a block: a session runs faster the later it was created in a process (four sessions of one graph
+created in a row: the last at 0.92 to 0.94 of the first, a B1 decode step; docs/benchmarking.md), so
+every artifact takes every place once. The ratio is the median over all rounds against the
+baseline's, with [min, max] over the blocks, and the largest output difference from the baseline is
+printed beside it (a change of speed that changes values is a bug). Differences of 1 to 3% need a
+control: pass a byte-identical copy of the baseline too, and read the new artifact against the
+baseline only where the copy's interval holds 1.000.
 Against the fastest dense graph, use `adaptex bench`; this script compares adaptive graphs only.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -37,21 +40,37 @@ def max_diff(a: dict, b: dict) -> float:
     return out
 
 
-def compare(fns: dict, feeds: dict, budget_s: float, rng) -> tuple[int, dict]:
-    """Interleaved rounds within about `budget_s`: (rounds, name -> list of ns)."""
-    names = list(fns)
-    t0 = time.perf_counter()
-    for n in names:  # the first runs allocate; they are not timed
-        fns[n](feeds)
-    one_round = max(time.perf_counter() - t0, 1e-6)
-    rounds = max(10, min(2000, int(budget_s / one_round)))
-    times = {n: [] for n in names}
-    for _ in range(rounds):
-        for i in rng.permutation(len(names)):
-            t = time.perf_counter_ns()
-            fns[names[i]](feeds)
-            times[names[i]].append(time.perf_counter_ns() - t)
-    return rounds, times
+def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng) -> tuple[int, dict, dict]:
+    """Interleaved rounds within about `budget_s`, in one block per artifact whose sessions are
+    created in the order of `paths` rotated by the block's index: (rounds, path -> list of ns,
+    path -> the median ns of each block)."""
+    from adaptex.runtimes.bench import _ort_runner
+
+    k, rounds = len(paths), None
+    times = {p: [] for p in paths}
+    medians = {p: [] for p in paths}
+    for block in range(k):
+        order = paths[block:] + paths[:block]
+        fns = {}
+        t0 = time.perf_counter()
+        for p in order:  # the first run allocates; it is not timed
+            fns[p] = _ort_runner(p, threads)
+            fns[p](feeds)
+        if rounds is None:
+            one_round = max(time.perf_counter() - t0, 1e-6)
+            rounds = max(5, min(2000 // k, int(budget_s / one_round / k)))
+        got = {p: [] for p in paths}
+        for _ in range(rounds):
+            for i in rng.permutation(k):
+                t = time.perf_counter_ns()
+                fns[paths[i]](feeds)
+                got[paths[i]].append(time.perf_counter_ns() - t)
+        for p in paths:
+            times[p] += got[p]
+            medians[p].append(float(np.median(got[p])))
+        del fns
+        gc.collect()  # this block's sessions go before the next block's take their memory
+    return rounds * k, times, medians
 
 
 def main(argv=None) -> int:
@@ -86,8 +105,8 @@ def main(argv=None) -> int:
     base = args.artifacts[0]
     rng = np.random.default_rng(0)
     with Bench(base, model, model.adaptex_source) as bench:
-        fns = {a: _ort_runner(a, args.threads) for a in args.artifacts}
         for batch, seq, past in points:
+            fns = {a: _ort_runner(a, args.threads) for a in args.artifacts}
             try:
                 feeds = bench.inputs(fns[base], batch=batch, seq=seq, past=past)
             except AdaptexError as e:
@@ -95,16 +114,17 @@ def main(argv=None) -> int:
                 return 2
             ref = fns[base](feeds)
             diffs = {a: max_diff(ref, fns[a](feeds)) for a in args.artifacts}
-            rounds, times = compare(fns, feeds, args.budget, rng)
+            del fns
+            gc.collect()
+            rounds, times, medians = compare(args.artifacts, args.threads, feeds, args.budget, rng)
             b50 = np.median(times[base])
             cells = []
             for a in args.artifacts:
-                t = np.asarray(times[a], float)
-                halves = [np.median(t[h::2]) / np.median(np.asarray(times[base], float)[h::2]) for h in (0, 1)]
-                cells.append(f"{Path(a).name} {np.median(t) / 1e6:.3f} ms {np.median(t) / b50:.3f} "
-                             f"[{min(halves):.3f}, {max(halves):.3f}] diff {diffs[a]:.1e}")
-            print(f"B{batch} T{seq} past {past} ({rounds} rounds, {args.threads} thread(s)): " + "; ".join(cells),
-                  flush=True)
+                per_block = [m / mb for m, mb in zip(medians[a], medians[base])]
+                cells.append(f"{Path(a).name} {np.median(times[a]) / 1e6:.3f} ms {np.median(times[a]) / b50:.3f} "
+                             f"[{min(per_block):.3f}, {max(per_block):.3f}] diff {diffs[a]:.1e}")
+            print(f"B{batch} T{seq} past {past} ({rounds} rounds in {len(args.artifacts)} blocks, {args.threads} "
+                  f"thread(s)): " + "; ".join(cells), flush=True)
     return 0
 
 

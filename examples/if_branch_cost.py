@@ -13,6 +13,7 @@ branches of each If are the same graph, so the condition does not matter.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -47,14 +48,25 @@ def wrapped(src: onnx.ModelProto, local: bool) -> onnx.ModelProto:
     return model
 
 
-def interleaved_medians(sessions: dict, feeds: dict, rounds: int, rng) -> dict:
-    """Each session run once a round in a shuffled order; the median seconds of each."""
-    times = {k: [] for k in sessions}
-    for _ in range(rounds):
-        for k in rng.permutation(list(sessions)):
-            t0 = time.perf_counter()
-            sessions[k].run(None, feeds)
-            times[k].append(time.perf_counter() - t0)
+def interleaved_medians(paths: dict, so, feeds: dict, rounds: int, rng) -> dict:
+    """Each graph run once a round in a shuffled order; the median seconds of each. The rounds fall
+    into one block per graph, each with sessions created afresh in the order of `paths` rotated by
+    one place a block: a session runs faster the later it was created in a process
+    (compare_artifacts.py), so every graph takes every place once."""
+    names = list(paths)
+    times = {k: [] for k in names}
+    for block in range(len(names)):
+        sessions = {k: ort.InferenceSession(paths[k], so, providers=["CPUExecutionProvider"])
+                    for k in names[block:] + names[:block]}
+        for s in sessions.values():
+            s.run(None, feeds)  # the first run allocates; it is not timed
+        for _ in range(max(1, rounds // len(names))):
+            for k in rng.permutation(names):
+                t0 = time.perf_counter()
+                sessions[k].run(None, feeds)
+                times[k].append(time.perf_counter() - t0)
+        del sessions
+        gc.collect()
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
@@ -100,9 +112,9 @@ def main() -> int:
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    sessions = {k: ort.InferenceSession(p, so, providers=["CPUExecutionProvider"]) for k, p in paths.items()}
     rng = np.random.default_rng(0)
     for batch, new, past in points:
+        sessions = {k: ort.InferenceSession(p, so, providers=["CPUExecutionProvider"]) for k, p in paths.items()}
         f = feeds(sessions["plain"], batch, new, past, rng)
         want = sessions["plain"].run(None, f)
         for name, s in sessions.items():
@@ -111,9 +123,9 @@ def main() -> int:
                        for a, b in zip(got, want))
             if diff > 1e-4:
                 raise SystemExit(f"{name}: outputs differ from the plain graph's by {diff:.1e}")
-            for _ in range(10):
-                s.run(None, f)
-        med = interleaved_medians(sessions, f, args.rounds, rng)
+        del sessions, s
+        gc.collect()
+        med = interleaved_medians(paths, so, f, args.rounds, rng)
         print(f"B{batch} T{new} past {past} ({args.rounds} rounds, 1 thread): " + "; ".join(
             f"{k} {v * 1e3:.3f} ms ({(v - med['plain']) * 1e6:+.0f} us)" for k, v in med.items()))
     return 0

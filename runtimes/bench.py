@@ -10,6 +10,8 @@ How it times (medians of interleaved runs, because these machines are shared and
 - every graph runs once per round, in an order shuffled each round, so drifting load hits all alike;
 - the rounds fall into independent blocks, and the latency ratio and realisation are computed per
   block: reported as the median over blocks with the min-max interval, never as one figure;
+- each block creates its ONNX Runtime sessions afresh in a rotated order (a session created later
+  in a process runs faster: Bench._fresh_sessions), so no graph keeps the first place;
 - a dense candidate whose warm-up (interleaved too, after one allocating run each) is far behind the
   fastest one is dropped before timing (reported with its warm-up figure), so the time goes to the
   graphs that can be the yardstick;
@@ -247,6 +249,26 @@ class Bench:
             self._fns[key] = _ort_runner(t.path, threads)
         return self._fns[key]
 
+    def _fresh_sessions(self, live: list[Timing], block: int, threads: int, feeds: dict, fns: dict) -> None:
+        """New ONNX Runtime sessions in `fns` for the graphs of block `block`, created in the order of
+        `live` rotated by `block` places, each run once before timing. A session runs faster the later
+        it was created in a process: of four sessions of one dense graph created in a row, the last
+        took 0.92 to 0.94 of the first's time a B1 decode step of tsa-charlm, and the ranking reversed
+        when they were created again in the reverse order (ONNX Runtime 1.32, 1 thread; cause not
+        found; docs/benchmarking.md#how-it-times). Rotating the order from block to block moves every
+        graph through the positions, so the order falls into the interval over blocks instead of into
+        one graph's figure (the adaptive artifact's, created first)."""
+        import gc
+
+        for t in live:
+            self._fns.pop((t.name, threads), None)
+            fns.pop(t.name, None)
+        gc.collect()  # the previous block's sessions go before the new ones take their memory
+        order = live[block % len(live):] + live[:block % len(live)]
+        for t in order:
+            fns[t.name] = self._fn(t, threads)
+            fns[t.name](feeds)
+
     # --- the inputs --------------------------------------------------------------------------------
     def _feeds(self, batch: int, seq: int, past: int, feeds: dict | None, specs: dict) -> tuple[dict, int, int]:
         from adaptex.runtimes.base import limits_of, validate_feeds
@@ -334,6 +356,8 @@ class Bench:
         say(f"timing {n} rounds of {len(live)} graphs in {nblocks} interleaved blocks ...")
         rng = np.random.default_rng(0)
         for b, size in enumerate(sizes):
+            if b and self.kind == "onnx":
+                self._fresh_sessions(live, b, threads, feeds, fns)
             for _ in range(size):
                 for i in rng.permutation(len(live)):
                     t = live[i]

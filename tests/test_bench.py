@@ -343,6 +343,33 @@ def test_bench_object_reuses_its_graphs_across_points(tiny_checkpoint, tiny_onnx
     assert r1["seq"] == 8 and r2["seq"] == 16 and r1["runs"] == r2["runs"] == 5
 
 
+def test_each_block_creates_its_sessions_in_a_rotated_order(tiny_checkpoint, tiny_onnx, monkeypatch):
+    """ONNX Runtime sessions created later in a process run faster (runtimes/bench.py:
+    _fresh_sessions), so no graph keeps the first place: each block makes new sessions, the order
+    rotated by one place a block, and every block is timed."""
+    from adaptex.runtimes import bench as bench_mod
+
+    created = []
+
+    def recording(path, threads):
+        created.append(path)
+        return real(path, threads)
+    real = bench_mod._ort_runner
+    monkeypatch.setattr(bench_mod, "_ort_runner", recording)
+    model, info = checkpoint.load(tiny_checkpoint)
+    with Bench(tiny_onnx["sparse"], model, info) as b:
+        r = b.run(seq=8, runs=15, blocks=3, warmup=1, memory=False)
+    timed = [name for name, st in r["stats"].items() if st]
+    n = len(timed)
+    assert r["blocks"] == 3 and n >= 3 and len(created) == 3 * n, created
+    first, *later = created[:n], created[n:2 * n], created[2 * n:]
+    assert first[0] == str(tiny_onnx["sparse"])  # the adaptive artifact, created first in block 0 ...
+    for k, order in enumerate(later, start=1):
+        assert order == first[k:] + first[:k]  # ... and later in the next blocks
+    assert [o.index(str(tiny_onnx["sparse"])) for o in (first, *later)] == [0, n - 1, n - 2]
+    assert r["latency_ratio_interval"] is not None and r["runs"] == 15  # every block timed
+
+
 def test_profile_counts_kernels_inside_dispatch_branches_as_adaptive(artifacts, tmp_path):
     """TSA's ONNX lowerings put their FFN and query work inside If branches: the profile tags those
     kernels as the adaptive op's and leaves out the If itself (its time is its branch's kernels)."""
