@@ -260,9 +260,9 @@ class Bench:
         one graph's figure (the adaptive artifact's, created first)."""
         import gc
 
-        for t in live:
-            self._fns.pop((t.name, threads), None)
-            fns.pop(t.name, None)
+        for key in [k for k in self._fns if k[1] == threads]:  # the pruned graphs' sessions too
+            del self._fns[key]
+        fns.clear()
         gc.collect()  # the previous block's sessions go before the new ones take their memory
         order = live[block % len(live):] + live[:block % len(live)]
         for t in order:
