@@ -52,11 +52,13 @@ def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng) -
     for block in range(k):
         order = paths[block:] + paths[:block]
         fns = {}
-        t0 = time.perf_counter()
         for p in order:  # the first run allocates; it is not timed
             fns[p] = _ort_runner(p, threads)
             fns[p](feeds)
         if rounds is None:
+            t0 = time.perf_counter()
+            for p in order:
+                fns[p](feeds)
             one_round = max(time.perf_counter() - t0, 1e-6)
             rounds = max(5, min(2000 // k, int(budget_s / one_round / k)))
         got = {p: [] for p in paths}
