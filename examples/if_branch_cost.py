@@ -48,15 +48,15 @@ def wrapped(src: onnx.ModelProto, local: bool) -> onnx.ModelProto:
     return model
 
 
-def interleaved_medians(paths: dict, so, feeds: dict, rounds: int, rng) -> dict:
-    """Each graph run once a round in a shuffled order; the median seconds of each. The rounds fall
-    into one block per graph, each with sessions created afresh in the order of `paths` rotated by
-    one place a block: a session runs faster the later it was created in a process
-    (compare_artifacts.py), so every graph takes every place once."""
-    names = list(paths)
+def interleaved_medians(models: dict, so, feeds: dict, rounds: int, rng) -> dict:
+    """Each graph (a path or a serialized model) run once a round in a shuffled order; the median
+    seconds of each. The rounds fall into one block per graph, each with sessions created afresh in
+    the order of `models` rotated by one place a block: a session runs faster the later it was
+    created in a process (compare_artifacts.py), so every graph takes every place once."""
+    names = list(models)
     times = {k: [] for k in names}
     for block in range(len(names)):
-        sessions = {k: ort.InferenceSession(paths[k], so, providers=["CPUExecutionProvider"])
+        sessions = {k: ort.InferenceSession(models[k], so, providers=["CPUExecutionProvider"])
                     for k in names[block:] + names[:block]}
         for s in sessions.values():
             s.run(None, feeds)  # the first run allocates; it is not timed

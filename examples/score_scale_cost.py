@@ -20,14 +20,18 @@ from if_branch_cost import interleaved_medians  # beside this script
 from onnx import helper
 
 
-def session(alpha: float) -> ort.InferenceSession:
+def scores_model(alpha: float) -> bytes:
     node = helper.make_node("FusedMatMul", ["q", "k"], ["s"], domain="com.microsoft", transB=1, alpha=alpha)
     graph = helper.make_graph([node], "scores", [helper.make_tensor_value_info(n, 1, None) for n in ("q", "k")],
                               [helper.make_tensor_value_info("s", 1, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+def options() -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return so
 
 
 def main() -> int:
@@ -46,13 +50,14 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for b, h, t, s, dh in shapes:
         scale = 1.0 / float(np.sqrt(dh))
-        sessions = {"alpha 1": session(1.0), f"alpha {scale:.4f}": session(scale)}
+        models = {"alpha 1": scores_model(1.0), f"alpha {scale:.4f}": scores_model(scale)}
         feeds = {"q": rng.standard_normal((b, h, t, dh)).astype(np.float32),
                  "k": rng.standard_normal((b, h, s, dh)).astype(np.float32)}
-        plain, scaled = (x.run(None, feeds)[0] for x in sessions.values())
+        plain, scaled = (ort.InferenceSession(m, options(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+                         for m in models.values())
         if not np.allclose(plain * scale, scaled, rtol=1e-4, atol=1e-4):
             raise SystemExit("the two kernels disagree")
-        med = interleaved_medians(sessions, feeds, args.rounds, rng)
+        med = interleaved_medians(models, options(), feeds, args.rounds, rng)
         first, second = med.values()
         print(f"(B={b}, H={h}, T={t}, S={s}, dh={dh}) {args.rounds} rounds: "
               + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()) + f"; ratio {second / first:.2f}")

@@ -519,7 +519,8 @@ def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int 
     """ONNX Runtime's profiler over `runs` runs: kernel time per run by op type, and split between the
     adaptive ops (the nodes of adaptex:: functions) and the rest of the graph. ORT inlines functions
     and keeps a named node's name inside the inlined one, so the profiled copy names every function
-    node `adaptex|<function>|<index>` (the computation is the same)."""
+    node `adaptex|<function>|<index>` (the computation is the same). A fusion that names its node
+    afresh (BiasGelu) loses the tag: its kernel counts with the rest."""
     import onnx
     import onnxruntime as ort
 
