@@ -19,6 +19,7 @@ How it times (medians of interleaved runs, because these machines are shared and
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -258,8 +259,6 @@ class Bench:
         found; docs/benchmarking.md#how-it-times). Rotating the order from block to block moves every
         graph through the positions, so the order falls into the interval over blocks instead of into
         one graph's figure (the adaptive artifact's, created first)."""
-        import gc
-
         for key in [k for k in self._fns if k[1] == threads]:  # the pruned graphs' sessions too
             del self._fns[key]
         fns.clear()

@@ -349,12 +349,11 @@ def test_each_block_creates_its_sessions_in_a_rotated_order(tiny_checkpoint, tin
     rotated by one place a block, and every block is timed."""
     from adaptex.runtimes import bench as bench_mod
 
-    created = []
+    created, real = [], bench_mod._ort_runner
 
     def recording(path, threads):
         created.append(path)
         return real(path, threads)
-    real = bench_mod._ort_runner
     monkeypatch.setattr(bench_mod, "_ort_runner", recording)
     model, info = checkpoint.load(tiny_checkpoint)
     with Bench(tiny_onnx["sparse"], model, info) as b:
