@@ -259,6 +259,7 @@ class Bench:
         found; docs/benchmarking.md#how-it-times). Rotating the order from block to block moves every
         graph through the positions, so the order falls into the interval over blocks instead of into
         one graph's figure (the adaptive artifact's, created first)."""
+        self.say(f"block {block + 1}: new sessions, the order rotated by {block % len(live)} ...")
         for key in [k for k in self._fns if k[1] == threads]:  # the pruned graphs' sessions too
             del self._fns[key]
         fns.clear()
