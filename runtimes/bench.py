@@ -517,28 +517,17 @@ CONTROL_FLOW = ("If", "Loop", "Scan")
 
 def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int = 30) -> dict:
     """ONNX Runtime's profiler over `runs` runs: kernel time per run by op type, and split between the
-    adaptive ops (the nodes of adaptex:: functions) and the rest of the graph. ORT inlines functions
-    and keeps a named node's name inside the inlined one, so the profiled copy names every function
-    node `adaptex|<function>|<index>` (the computation is the same). A fusion that names its node
-    afresh (BiasGelu) loses the tag: its kernel counts with the rest."""
+    adaptive ops (the nodes of adaptex:: functions) and the rest of the graph. The profiled copy names
+    every function node as an op's (passes.name_op_nodes; the computation is the same), and a
+    dense-dispatch branch holds its calls inlined under such names already. A fusion that names its
+    node afresh (BiasGelu, FusedMatMul) loses the mark: its kernel counts with the rest."""
     import onnx
     import onnxruntime as ort
 
+    from adaptex.exporter.targets.onnx.passes import OP_NODE, name_op_nodes
+
     model = onnx.load(path)
-    tagged = False
-
-    def tag(nodes, prefix: str) -> None:  # the If branches' nodes too (TSA's lowerings dispatch)
-        for i, node in enumerate(nodes):
-            node.name = f"{prefix}|{i}"
-            for a in node.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    tag(a.g.node, f"{prefix}|{i}.{a.name}")
-
-    for f in model.functions:
-        if f.domain.startswith("adaptex"):
-            tag(f.node, f"adaptex|{f.name}")
-            tagged = True
-    if tagged:
+    if name_op_nodes(model):
         path = str(Path(workdir) / f"profiled-{Path(path).name}")
         onnx.save(model, path)
     so = session_options(threads)
@@ -567,7 +556,7 @@ def profile_onnx(path: str, feeds: dict, threads: int, workdir: Path, runs: int 
         run = next((i for i, (a, b) in enumerate(spans) if a <= e["ts"] <= b), None)
         if run is None:
             continue  # a warm-up run
-        key = f"{op} (adaptive)" if "adaptex|" in e["name"] else op
+        key = f"{op} (adaptive)" if OP_NODE in e["name"] else op
         per_run[run][key] = per_run[run].get(key, 0.0) + e.get("dur", 0) / 1e3
     keys = {k for r in per_run for k in r}
     by_op = {k: float(np.median([r.get(k, 0.0) for r in per_run])) for k in keys}

@@ -369,3 +369,16 @@ def test_bench_counts_the_flops_of_the_branch_that_ran(merged):
     assert bench.ran_variant(1, 8) == "dense" and bench.ran_variant(2, 5) == "sparse"
     bench.meta = {"variant": "sparse"}
     assert bench.ran_variant(1, 1) == "sparse"
+
+
+def test_the_profile_counts_the_dense_branchs_op_kernels_as_adaptive(merged, tmp_path):
+    """A decode step runs the dense branch, whose op calls the export inlined: their nodes keep names
+    that mark them as the ops' (passes.name_op_nodes), so `adaptex bench --profile` does not count
+    the step's attention and FFN as the rest of the graph."""
+    from adaptex.runtimes.bench import profile_onnx
+
+    feeds = _feeds(_session(merged["tsa"]), batch=1, seq=1, past=7)
+    assert _ran(merged["tsa"], feeds, tmp_path) == {"dense"}
+    ops = profile_onnx(str(merged["tsa"]), feeds, threads=1, workdir=tmp_path, runs=3)["by_op_ms"]
+    assert ops.get("MatMul (adaptive)", 0) > 0, sorted(ops)  # the query side's and the FFN's
+    assert "FusedGemm" in ops and "FusedGemm (adaptive)" not in ops, sorted(ops)  # the routers: no op's

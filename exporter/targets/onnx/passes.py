@@ -122,14 +122,40 @@ def layernorm_rows(proto: onnx.ModelProto) -> int:
 MS_DOMAIN = "com.microsoft"
 
 
+OP_NODE = "adaptex|"  # the name of an adaptex op body's node starts so (name_op_nodes)
+
+
+def name_op_nodes(proto: onnx.ModelProto) -> bool:
+    """Name, in place, every node of `proto`'s adaptex functions, their If branches' too,
+    `adaptex|<function>|<index>[.<branch>|<index>...]`. A name survives inlining (ONNX Runtime's at
+    load keeps it, onnx.inliner's appends a suffix), so a profile can tell the ops' kernels from the
+    rest of the graph (runtimes.bench.profile_onnx); a fusion that makes a node afresh (BiasGelu,
+    FusedMatMul) names it anew. Returns whether `proto` has such a function."""
+    def name(nodes, prefix: str) -> None:
+        for i, node in enumerate(nodes):
+            node.name = f"{prefix}|{i}"
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    name(a.g.node, f"{prefix}|{i}.{a.name}")
+
+    ours = [f for f in proto.functions if f.domain.startswith("adaptex")]
+    for f in ours:
+        name(f.node, f"{OP_NODE}{f.name}")
+    return bool(ours)
+
+
 def shared_subexpressions(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` with its local functions inlined and its graph's common subexpressions merged (see the
-    module docstring): the same values, fewer nodes."""
+    module docstring): the same values, fewer nodes. The inlined nodes keep the names that mark them
+    as an op's (name_op_nodes)."""
     import onnx.inliner
     from onnxscript import ir
     from onnxscript.ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass
 
-    model = ir.serde.deserialize_model(onnx.inliner.inline_local_functions(proto))
+    named = onnx.ModelProto()
+    named.CopyFrom(proto)
+    name_op_nodes(named)
+    model = ir.serde.deserialize_model(onnx.inliner.inline_local_functions(named))
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
     return ir.serde.serialize_model(model)
