@@ -374,3 +374,17 @@ def test_train_cli_refuses_unknown_backbones(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown backbone format" in err and "config.json" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_training_on_the_packaged_minilm_records_no_machine_path(tmp_path, capsys):
+    """The packaged backbone lies where pip put it, which differs per machine: a checkpoint records
+    the package, not this machine's site-packages path (a directory backbone records its path:
+    tests/test_hf.py)."""
+    from adaptex.graphs.recipes.elastic import MINILM_RECORD
+
+    out = tmp_path / "routers"
+    assert main(["train", "elastic", "--backbone", "minilm", "--steps", "1", "--batch-size", "2", "--max-tokens", "16",
+                 "--eval-size", "4", "-o", str(out)]) == 0
+    info = json.loads((out / "config.json").read_text())
+    assert info["training"]["backbone"]["path"] == MINILM_RECORD and info["config"]["backbone_path"] == ""
+    assert info["training"]["backbone"]["sha256"] == info["config"]["backbone_sha256"]

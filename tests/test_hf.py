@@ -145,6 +145,7 @@ def test_elastic_routers_from_a_text_file_export_and_check(dirs, corpus, tmp_pat
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         assert all(k.startswith("routers.") for k in f.keys())  # the backbone stays in its directory
     assert info["config"]["backbone_path"] == str(dirs[layout].absolute())
+    assert info["training"]["backbone"]["path"] == str(dirs[layout].absolute())
     tokenizer_json = (dirs[layout] / "tokenizer.json").read_text()
     for target, suffix in (("onnx", "onnx"), ("coreml", "mlpackage")):
         art = tmp_path / f"{layout}.{suffix}"

