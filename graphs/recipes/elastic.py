@@ -98,7 +98,7 @@ def _run_encoder(opts, say, session):
         "description": opts.description or f"Elastic Attention routers on {name} (frozen)",
         "training": {"task": "file" if files else "stdlib-text", "train_config": tc.__dict__,
                      "seconds": round(time.perf_counter() - t0, 1), **session.record(),
-                     "backbone": {**{k: binfo[k] for k in ("sha256", "layout")}, "path": path or MINILM_RECORD},
+                     "backbone": {"path": path or MINILM_RECORD, "sha256": binfo["sha256"], "layout": binfo["layout"]},
                      **(files.describe() if files else {})},
         "evaluation": {"held_out": held_out}, "calibration": cal, "summary_table": table,
         "tokenizer": _tokenizer_spec(tok.path, tok.pad_id),
