@@ -32,10 +32,6 @@ def test_artifact_structure(tiny_onnx, variant):
         # it is the overload those calls name
         assert model.functions[0].overload == "heads4" and {n.overload for n in nodes} == {"heads4"}
         assert {"If", "ScatterND"} <= ops
-        # one scatter sums every head's update (a ScatterND copies its data input whole: one a head
-        # copied the call's output H times)
-        scatters = [n for _, n in planted.walk(model.functions[0].node) if n.op_type == "ScatterND"]
-        assert len(scatters) == 1, len(scatters)
     else:
         assert "ReduceMax" not in ops and "Gather" not in ops  # static shapes: K = H
 

@@ -178,7 +178,6 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
                 bias = b("Where", key_mask, b.const(0.0, np.float32), b.const(-np.inf, np.float32))  # (B, T)
                 bias = b("Unsqueeze", bias, b.const([1]))  # (B, 1, T)
                 y = b("Add", b("Mul", x, b.const(0.0, np.float32)), b_o)  # (B, T, d)
-                updates, samples = [], []
                 for h in range(grouped_heads):  # an empty group runs its nodes on zero rows
                     hc = b.const(h)
                     rows = b("Squeeze", b("NonZero", b("Gather", chosen, hc, axis=1)), b.const([0]))  # (n,)
@@ -188,12 +187,9 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
                     scores = b("MatMul", b("Mul", q, scale), b("Transpose", kk, perm=[0, 2, 1]))  # (n, T, T)
                     attn = b("Softmax", b("Add", scores, b("Gather", bias, rows, axis=0)), axis=-1)
                     w = b("Unsqueeze", b("Gather", b("Gather", wts, hc, axis=1), rows, axis=0), b.const([1, 2]))
-                    updates.append(b("MatMul", b("Mul", b("MatMul", attn, v), w), b("Gather", wo_h, hc, axis=0)))
-                    samples.append(rows)  # (n, T, d) and (n,)
-                # every head's update summed into its samples by one scatter (duplicate indices add up,
-                # in head order): a ScatterND copies its data input, y, whole, so one a head cost H copies
-                rows = b("Unsqueeze", b("Concat", *samples, axis=0), b.const([1]))  # (sum_b k_b, 1)
-                return b("ScatterND", y, rows, b("Concat", *updates, axis=0), reduction="add")
+                    u = b("MatMul", b("Mul", b("MatMul", attn, v), w), b("Gather", wo_h, hc, axis=0))  # (n, T, d)
+                    y = b("ScatterND", y, b("Unsqueeze", rows, b.const([1])), u, reduction="add")
+                return y
             # group when sum_b k_b < GROUP_BELOW * B * max_b k_b, in integers (num/den = GROUP_BELOW)
             num, den = Fraction(GROUP_BELOW).limit_denominator(1000).as_integer_ratio()
             padded = b("Mul", b("Shape", x, start=0, end=1), b("ReduceMax", k, keepdims=1))  # (1,) B * max k
