@@ -440,3 +440,19 @@ def test_generate_runs_as_a_script_with_one_line_errors(tmp_path):
 def test_usage_errors_are_one_line_not_the_usage_block(capsys, argv, match):
     line = one_line_error(capsys, *argv)
     assert match in line and "--help" in line
+
+
+def test_cli_export_refuses_example_ids_outside_the_models_vocabulary(artifacts, tmp_path, capsys):
+    """--inputs as a checkpoint's example inputs: an id past its embedding table, or a row past its
+    positions, is named on one line before any tracing (the CLI fuzz found the raw IndexError)."""
+    ckpt = artifacts.checkpoints / "tsa"
+    cfg = artifacts.model("tsa").cfg
+    ids = np.full((2, 6), cfg.vocab_size, np.int64)
+    np.savez(tmp_path / "far.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    out = tmp_path / "out.onnx"
+    err = one_line_error(capsys, "export", ckpt, "--target", "onnx", "-o", out, "--inputs", tmp_path / "far.npz")
+    assert f"vocabulary has ids 0 to {cfg.vocab_size - 1}" in err and not out.exists()
+    long = np.ones((2, cfg.max_len + 1), np.int64)
+    np.savez(tmp_path / "long.npz", input_ids=long, attention_mask=long)
+    err = one_line_error(capsys, "export", ckpt, "--target", "onnx", "-o", out, "--inputs", tmp_path / "long.npz")
+    assert f"takes at most {cfg.max_len}" in err and not out.exists()

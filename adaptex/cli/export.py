@@ -57,6 +57,7 @@ def run(args) -> int:
     model, example = load_model(args.model)
     if example is None and args.inputs:
         batches = read_inputs(args.inputs)
+        _ids_fit(model, args.inputs, batches[0])
         example = tuple(torch.from_numpy(a) for a in batches[0].values())
     name = getattr(model, "adaptex_source", {}).get("name") or args.model
     say(f"exporting {name or type(model).__name__} to {args.target} ({args.variant}) ...")
@@ -69,6 +70,23 @@ def run(args) -> int:
         f"lowerings {meta['lowerings']}"
         + (f"; calls of at most {routed} token rows run the dense lowering" if routed else ""))
     return 0
+
+
+def _ids_fit(model, path: str, arrays: dict) -> None:
+    """--inputs for a model whose config names its vocabulary and length: input_ids within both, or a
+    one-line error (an id past the embedding table fails deep in PyTorch otherwise)."""
+    import numpy as np
+
+    cfg, ids = getattr(model, "cfg", None), arrays.get("input_ids")
+    vocab, longest = getattr(cfg, "vocab_size", None), getattr(cfg, "max_len", None)
+    if ids is None or not np.issubdtype(ids.dtype, np.integer) or not ids.size:
+        return  # other dtypes and shapes are the export's to refuse
+    if isinstance(vocab, int) and (ids.min() < 0 or ids.max() >= vocab):
+        raise UsageError(f"--inputs {path}: input_ids holds ids from {ids.min()} to {ids.max()}, and this model's "
+                         f"vocabulary has ids 0 to {vocab - 1}; write ids in that range")
+    if isinstance(longest, int) and ids.ndim == 2 and ids.shape[1] > longest:
+        raise UsageError(f"--inputs {path}: input_ids has {ids.shape[1]} tokens a row, and this model takes at most "
+                         f"{longest}; write shorter rows")
 
 
 def _engine_from_onnx(args) -> int:

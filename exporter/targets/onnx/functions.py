@@ -188,6 +188,8 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
                     attn = b("Softmax", b("Add", scores, b("Gather", bias, rows, axis=0)), axis=-1)
                     w = b("Unsqueeze", b("Gather", b("Gather", wts, hc, axis=1), rows, axis=0), b.const([1, 2]))
                     u = b("MatMul", b("Mul", b("MatMul", attn, v), w), b("Gather", wo_h, hc, axis=0))  # (n, T, d)
+                    # one scatter a head, whose indices never repeat: ONNX Runtime 1.32's ScatterND with
+                    # reduction="add" races on repeated indices at 2 threads or more (docs/benchmarking.md)
                     y = b("ScatterND", y, b("Unsqueeze", rows, b.const([1])), u, reduction="add")
                 return y
             # group when sum_b k_b < GROUP_BELOW * B * max_b k_b, in integers (num/den = GROUP_BELOW)
