@@ -12,8 +12,8 @@ several and times them all (runtimes/bench.py):
   own `transformers` module (plus the model's pooling) by both exporters;
 - `+ortopt`: each of those through `onnxruntime.transformers.optimizer.optimize_model`, kept where it
   fused something (SkipLayerNormalization, BiasGelu, Attention, ...); `+ortopt+rows` the same with its
-  SkipLayerNormalization fusions off and adaptex's rows pass after (fused attention and the faster
-  Add + LayerNormalization together);
+  SkipLayerNormalization fusions off and adaptex's artifact passes after (fused attention and the
+  faster Add + LayerNormalization together; a large batch's attention a sample at a time);
 - `naive`: the model's plain inference path (the decisions taken, everything computed and the
   skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
   it is what adaptex replaces.
@@ -128,7 +128,8 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
     (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces)."""
     name = f"{graph.name}+ortopt" + ("+rows" if rows else "")
     how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}" + \
-        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows pass" if rows else ")")
+        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows and attention_by_sample passes"
+         if rows else ")")
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph to optimise")
     try:
@@ -136,7 +137,7 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
         from onnxruntime.transformers.fusion_options import FusionOptions
         from onnxruntime.transformers.optimizer import optimize_model
 
-        from adaptex.exporter.targets.onnx.passes import layernorm_rows
+        from adaptex.exporter.targets.onnx.passes import artifact_passes
 
         options = FusionOptions(model_type)
         if rows:
@@ -149,8 +150,8 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
             return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
         path = Path(graph.path).with_name(f"{name}.onnx")
         if rows:
-            if not layernorm_rows(opt.model):
-                return Graph(name, None, how, reason="no residual LayerNormalization to rewrite")
+            if not artifact_passes(opt.model):
+                return Graph(name, None, how, reason="no residual LayerNormalization or batched attention to rewrite")
             onnx.save(opt.model, str(path))
         else:
             opt.save_model_to_file(str(path))
@@ -160,19 +161,18 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
 
 
 def _rows(graph: Graph) -> Graph:
-    """`graph` with the pass adaptex's ONNX artifacts get (LayerNormalization on a 2-D view, so ONNX
-    Runtime's CPU session keeps Add + LayerNormalization instead of its slower SkipLayerNormalization):
-    the yardstick gets every trick the artifact gets."""
+    """`graph` with the passes adaptex's ONNX artifacts get (passes.artifact_passes): the yardstick
+    gets every trick the artifact gets."""
     import onnx
 
-    from adaptex.exporter.targets.onnx.passes import layernorm_rows
+    from adaptex.exporter.targets.onnx.passes import artifact_passes
 
-    name, how = f"{graph.name}+rows", f"{graph.how}, then adaptex's layernorm_rows pass"
+    name, how = f"{graph.name}+rows", f"{graph.how}, then adaptex's layernorm_rows and attention_by_sample passes"
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
     proto = onnx.load(graph.path)
-    if not layernorm_rows(proto):
-        return Graph(name, None, how, reason="no residual LayerNormalization to rewrite")
+    if not artifact_passes(proto):
+        return Graph(name, None, how, reason="no residual LayerNormalization or batched attention to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")
     onnx.save(proto, str(path))
     return Graph(name, str(path), how)

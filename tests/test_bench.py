@@ -15,7 +15,7 @@ import torch
 
 from adaptex.cli import main
 from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_candidates
-from adaptex.exporter.targets.onnx.passes import layernorm_rows
+from adaptex.exporter.targets.onnx.passes import by_sample_ifs, layernorm_rows
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.bench import Bench, Timing, _report, prune_slow, warm_up
@@ -150,8 +150,14 @@ def test_onnx_artifacts_get_the_rows_pass(tiny_onnx, tmp_path):
 
 @pytest.fixture(scope="module")
 def candidates(tiny_checkpoint, tmp_path_factory):
+    """The tiny model's candidates, their attention by sample at any size (BY_SAMPLE_FROM = 1), so that
+    the values test below runs the passes' Loop in the `+rows` graphs."""
+    from adaptex.exporter.targets.onnx import functions as fx
+
     model, _ = checkpoint.load(tiny_checkpoint)
-    return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fx, "BY_SAMPLE_FROM", 1)
+        return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"))
 
 
 def test_every_dense_candidate_computes_the_dense_model(candidates):
@@ -166,6 +172,8 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
     for g in rows:
         ops = {n.op_type for n in onnx.load(g.path).graph.node}
         assert "SkipLayerNormalization" not in ops and "LayerNormalization" in ops, (g.name, ops)
+    for g in (g for g in graphs if g.name.endswith("+rows") and g.path):  # the artifact's attention by sample
+        assert by_sample_ifs(onnx.load(g.path).graph.node), g.name
     rng = np.random.default_rng(0)
     ids = rng.integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int64)
     mask = np.ones_like(ids)

@@ -215,6 +215,36 @@ def test_a_block_with_no_kept_token_runs_no_query_side_on_onnx_runtime(artifacts
         flops_per_token(cfg, ctx, [0.0] * (L - 1), [1.0] * (L - 1)) / dense)
 
 
+def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifacts):
+    """A mixed block runs its queries on the batch's largest kept count in every sample, on every row
+    once that count reaches DENSE_QUERY_SHARE of T, and on each sample's own kept rows where the
+    call attends a sample at a time (B > 1 and BY_SAMPLE_FROM scores: test_dispatch.py checks the
+    rows the body runs)."""
+    from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
+
+    model = artifacts.model("tsa")
+    cfg, contract = model.cfg, family_contract(model)
+    L, T = cfg.num_layers, 512
+    rng = np.random.default_rng(0)
+
+    def executed(keep):
+        out = {f"decisions.layer{i}.keep": keep for i in range(1, L)}
+        dense = flops_per_token(cfg, (T + 1) / 2, None)
+        return contract.flops(out, "sparse", T)["executed_flop_ratio"] * dense
+
+    def with_queries(keep, share):
+        return flops_per_token(cfg, (T + 1) / 2, [keep.mean()] * (L - 1), [share] * (L - 1))
+
+    for B in (1, 64):
+        keep = rng.random((B, T)) < rng.uniform(0.5, 0.8, (B, 1))  # the samples keep different counts
+        n = keep.sum(1).max()
+        large = B > 1 and B * cfg.num_heads * n * T >= BY_SAMPLE_FROM
+        assert large == (B == 64) and n < DENSE_QUERY_SHARE * T
+        assert executed(keep) == pytest.approx(with_queries(keep, keep.mean() if large else n / T))
+        keep[0, :] = True  # one sample keeps every token: every row of every sample, masked
+        assert executed(keep) == pytest.approx(with_queries(keep, 1.0))
+
+
 @pytest.mark.parametrize("family", ["el", "eldec"])
 def test_elastic_executed_ratio_is_one_dense_and_the_decisions_sparse(artifacts, family):
     model = artifacts.model(family)

@@ -34,14 +34,18 @@ def _model(function, node, inputs, weights) -> bytes:
     return model.SerializeToString()
 
 
-def _run(model: bytes, feeds: dict, tmp_path) -> tuple[np.ndarray, Counter]:
+def _run(model: bytes, feeds: dict, tmp_path, shapes_of: str | None = None):
+    """(y, kernels run by op type), and with shapes_of an op type, the output shapes of its kernels."""
     so = ort.SessionOptions()
     so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
     sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     y = sess.run(None, feeds)[0]
-    events = json.loads(open(sess.end_profiling()).read())
-    ran = Counter(e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
-    return y, ran
+    events = [e for e in json.loads(open(sess.end_profiling()).read())
+              if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    ran = Counter(e["args"]["op_name"] for e in events)
+    if shapes_of is None:
+        return y, ran
+    return y, ran, [list(e["args"]["output_type_shape"][0].values())[0] for e in events if e["args"]["op_name"] == shapes_of]
 
 
 def _keeps(seed=0):
@@ -82,9 +86,15 @@ def test_conditional_ffn_dispatch(case, tmp_path):
         assert ran["BiasGelu"] == 1 and ran["Gelu"] == ran["Gemm"] == ran["FusedGemm"] == 0, ran
 
 
+@pytest.mark.parametrize("by_sample", [False, True])
 @pytest.mark.parametrize("case", ["none", "all", "mixed", "most"])
-def test_conditional_attention_dispatch(case, tmp_path):
+def test_conditional_attention_dispatch(case, by_sample, tmp_path, monkeypatch):
+    """by_sample: every call counts as large (BY_SAMPLE_FROM = 1), so attention runs a sample at a
+    time in a Loop; a mixed call attends each sample's own kept rows and pads the rest with zeros."""
     from adaptex.graphs.tsa import attention_mask_4d
+
+    if by_sample:
+        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
 
     g = torch.Generator().manual_seed(2)
     w = {"wq": 0.3 * torch.randn(d, d, generator=g), "bq": 0.1 * torch.randn(d, generator=g),
@@ -101,10 +111,15 @@ def test_conditional_attention_dispatch(case, tmp_path):
     feeds = {n: t.numpy() for n, t in dict(x=x, hn=hn, keep=keep, gate=gate, k=k, v=v, bias=bias).items()}
     model = _model(fx.conditional_attention_function("sparse", dispatch=True), node,
                    [(n, TensorProto.BOOL if n == "keep" else TensorProto.FLOAT, a.ndim) for n, a in feeds.items()], w)
-    y, ran = _run(model, feeds, tmp_path)
+    y, ran, softmax = _run(model, feeds, tmp_path, shapes_of="Softmax")
     ref = ca.conditional_attention_dense_reference(x, hn, keep, gate, k, v, bias, *w.values(), H)
     np.testing.assert_allclose(y, ref.numpy(), atol=1e-5)
     query_side = ran["MatMul"] + ran["FusedMatMul"] + ran["Softmax"] + ran["Gemm"]
+    assert ran["Loop"] == (by_sample and case != "none"), ran
+    if by_sample and case == "mixed":  # one softmax a sample, over its own kept rows only
+        assert sorted(s[2] for s in softmax) == sorted(keep.sum(1).tolist()), softmax
+    elif by_sample and case != "none":  # every row of each sample
+        assert [s[2] for s in softmax] == [T] * B, softmax
     if case == "none":
         assert query_side == 0, ran  # no projection, no scores, no softmax
         np.testing.assert_array_equal(y, x.numpy())

@@ -80,7 +80,7 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     if target == "onnx" and step:  # a few rows a call: fewer kernels (passes.skip_layernorm)
         passes.skip_layernorm(proto)
     elif target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
-        passes.layernorm_rows(proto)
+        passes.artifact_passes(proto)
     proto.functions.extend(functions.values())
     _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):

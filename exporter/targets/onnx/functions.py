@@ -15,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
+from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
 
 DOMAIN = "adaptex"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
@@ -71,6 +72,25 @@ class _Body:
                                               [helper.make_tensor_value_info(result, elem_type, None)]))
             self.nodes = saved
         return self("If", cond, then_branch=branches[0], else_branch=branches[1])
+
+    def loop_(self, trips: str, body_fn, elem_type: int = TensorProto.FLOAT) -> str:
+        """A Loop node run `trips` (int64 scalar) times, with no carried value: body_fn(i) adds the
+        nodes of one iteration (i: the iteration's int64 scalar) and returns the value it contributes,
+        all of one shape; the Loop stacks them along a new first axis."""
+        self.n += 1
+        i, c = f"{self.prefix}iter_{self.n}", f"{self.prefix}cond_{self.n}"
+        saved, self.nodes = self.nodes, []
+        result = body_fn(i)
+        c_out = self("Identity", c)
+        body = helper.make_graph(self.nodes, f"{self.prefix}loop_{self.n}",
+                                 [helper.make_tensor_value_info(i, TensorProto.INT64, []),
+                                  helper.make_tensor_value_info(c, TensorProto.BOOL, [])],
+                                 [helper.make_tensor_value_info(c_out, TensorProto.BOOL, []),
+                                  helper.make_tensor_value_info(result, elem_type, None)])
+        self.nodes = saved
+        # an explicit true condition, not an empty input: rewriting tools drop a trailing empty input,
+        # and a Loop needs two
+        return self("Loop", trips, self.const(True, np.bool_), body=body)
 
     def attr_int(self, attr: str) -> str:
         """A scalar int64 tensor holding the function's attribute `attr` (resolved at the call site)."""
@@ -255,14 +275,6 @@ def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare, dense=N
     return b.if_(every_kept, every, not_every)
 
 
-# A mixed ConditionalAttention call runs every query row, masked, instead of gathering the kept ones
-# when the batch's largest kept count reaches this share of T: its query side runs that many rows of
-# every sample, so the gathered rows are then nearly all of them, plus the gathers of their rows of
-# hn, x and the (T, S) bias. Measured on tsa-charlm (docs/benchmarking.md): blocks at 0.98 of T ran
-# faster masked at B8 and B64, T = 128, and blocks at 0.92 to 0.95 of T did not at B8, T = 512.
-DENSE_QUERY_SHARE = 0.97
-
-
 def _masked_gate(b: _Body, gate: str, keep: str) -> str:
     """keep * gate, (B, T), as one Where: the same values as Mul by the cast mask, one kernel fewer.
     A layer's attention and FFN bodies both make it; in a main graph ONNX Runtime merges the two, in
@@ -338,6 +350,46 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
     ))
 
 
+def _attention(b: _Body, q: str, k: str, v: str, bias: str) -> str:
+    """softmax(q k^T + bias) v over (B, H, n, dh) queries and (B, H, S, dh) keys and values."""
+    scores = b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2]))  # (B, H, n, S)
+    return b("MatMul", b("Softmax", b("Add", scores, bias), axis=-1), v)  # (B, H, n, dh)
+
+
+def large_batch(b: _Body, q: str, k: str, key_axis: int = 2) -> str:
+    """True where attention of q (B, H, n, dh) over keys k should run by sample (BY_SAMPLE_FROM);
+    k's axis key_axis holds the S keys."""
+    qs = b("Shape", q)
+    B = b("Slice", qs, b.const([0]), b.const([1]))  # (1,)
+    scores = b("Mul", b("ReduceProd", b("Slice", qs, b.const([0]), b.const([3])), keepdims=1),
+               b("Shape", k, start=key_axis, end=key_axis + 1))  # (1,): B H n S
+    return b("Squeeze", b("And", b("Greater", B, b.const([1])), b("GreaterOrEqual", scores, b.const([BY_SAMPLE_FROM]))),
+             b.const([0]))
+
+
+def _by_sample(b: _Body, q: str, k: str, v: str, bias_rows, bias_of, counts: str | None, n1: str | None) -> str:
+    """_attention of q (B, H, n, dh) over k, v (B, H, S, dh), batched or, for a large call, a sample
+    at a time (BY_SAMPLE_FROM). With counts (B,), sample i attends its first counts[i] query rows
+    only and its rows after them are zero (n1: n as a (1,) tensor); bias_rows() and bias_of(i1, j1,
+    c) make the batch's and sample i's bias (see conditional_attention_function)."""
+    c0, c1 = b.const([0]), b.const([1])
+
+    def one(i: str) -> str:  # sample i: (H, n, dh)
+        i1 = b("Unsqueeze", i, c0)  # (1,)
+        j1 = b("Add", i1, c1)
+        if counts is None:
+            qi, c = b("Slice", q, i1, j1, c0), None  # (1, H, n, dh)
+        else:
+            c = b("Gather", counts, i1, axis=0)  # (1,)
+            qi = b("Slice", q, b("Concat", i1, c0, axis=0), b("Concat", j1, c, axis=0), b.const([0, 2]))  # (1, H, c, dh)
+        o = _attention(b, qi, b("Slice", k, i1, j1, c0), b("Slice", v, i1, j1, c0), bias_of(i1, j1, c))
+        if counts is not None:  # zero rows after the sample's own: every sample hands back (1, H, n, dh)
+            o = b("Pad", o, b("Concat", b.const([0, 0, 0, 0, 0, 0]), b("Sub", n1, c), c0, axis=0))
+        return b("Squeeze", o, c0)
+    return b.if_(large_batch(b, q, k), lambda: b.loop_(b("Squeeze", b("Shape", q, start=0, end=1), c0), one),
+                 lambda: _attention(b, q, k, v, bias_rows()))
+
+
 CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"]
 
 
@@ -385,12 +437,15 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
             counts.update(ki=ki, cnt=cnt, n=b("Max", b("ReduceMax", cnt, keepdims=0), one))
         return counts["ki"], counts["cnt"], counts["n"]
 
-    def attend(hq: str, bias_rows: str) -> str:  # (B, n, d), (B, 1, n, S) -> (B, n, d)
+    def attend(hq: str, bias_rows, bias_of, counts: str | None = None, n1: str | None = None) -> str:
+        """(B, n, d) query rows -> (B, n, d) updates. bias_rows() makes the (B, 1, n, S) bias, and
+        bias_of(i1, j1, c) sample i's (1, 1, c, S) bias rows, for a large call run a sample at a time
+        (_by_sample; counts (B,): each sample's own rows, n1 (1,) the batch's largest, or None: n)."""
         q = b("Add", b("MatMul", hq, W["q"]), bq_s)  # (B, n, d)
         q = b("Transpose", b("Reshape", q, head_split), perm=[0, 2, 1, 3])  # (B, H, n, dh)
-        scores = b("MatMul", q, b("Transpose", k, perm=[0, 1, 3, 2]))  # (B, H, n, S)
-        att = b("Softmax", b("Add", scores, bias_rows), axis=-1)
-        o = b("Transpose", b("MatMul", att, v), perm=[0, 2, 1, 3])  # (B, n, H, dh)
+        o = _by_sample(b, q, k, v, bias_rows, bias_of, counts, n1) if dispatch else \
+            _attention(b, q, k, v, bias_rows())  # (B, H, n, dh)
+        o = b("Transpose", o, perm=[0, 2, 1, 3])  # (B, n, H, dh)
         return b("Add", b("MatMul", b("Reshape", o, head_merge), W["o"]), bo)  # (B, n, d)
 
     def some() -> str:  # the kept query rows only
@@ -420,14 +475,17 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         flat = b("Reshape", x, rows_d)  # (B*T, d)
         hq = b("Gather", b("Reshape", hn, rows_d), rows, axis=0)  # (B, n, d)
         bias_flat = b("Reshape", bias, b("Concat", cm1, b("Shape", bias, start=3, end=4), axis=0))  # (B*T, S)
-        upd = attend(hq, b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1))  # (B, n, d)
+        upd = attend(hq, lambda: b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1),
+                     lambda i1, j1, c: b("Unsqueeze", b("Gather", bias_flat, b("Slice", rows, b("Concat", i1, c0, axis=0),
+                                                                                  b("Concat", j1, c, axis=0), b.const([0, 1])), axis=0), c1),
+                     b("Reshape", cnt, cm1), n1)  # (B, n, d)
         gs = b("Unsqueeze", b("Gather", b("Reshape", _masked_gate(b, gate, keep), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
         return b("Reshape", y, b("Shape", x))
 
     def every(masked: bool) -> str:  # every query row (the update masked unless all are kept)
-        upd = attend(hn, bias)  # (B, T, d)
+        upd = attend(hn, lambda: bias, lambda i1, j1, c: b("Slice", bias, i1, j1, c0))  # (B, T, d)
         return b("Add", x, b("Mul", upd, b("Unsqueeze", _masked_gate(b, gate, keep) if masked else gate, b.const([2]))))
 
     if variant == "sparse" and dispatch:

@@ -29,6 +29,12 @@ tsa-charlm's dense branch, the masked gate that a layer's attention and FFN bodi
 the router's keep and gate (a Where and an Unsqueeze each) is made once, 10 kernels fewer a call
 (docs/benchmarking.md#never-slower-than-dense).
 
+attention_by_sample: a large batch's attention (softmax(q k^T + bias) v over (B, H, T, S) scores
+of at least BY_SAMPLE_FROM floats (graphs/ops/conditional_attention.py), B > 1) runs a sample at a time in a Loop, behind an If
+on the call's size: each sample's scores stay in cache between the kernels that read them (0.85 to
+0.90 of the batched kernels from 2^22 floats; docs/benchmarking.md). The ONNX artifacts' bodies do
+the same (functions._by_sample); the dense candidates get the pass too, so it is no adaptive win.
+
 masks_once: Where(c, Where(c, x, 0), 0) is Where(c, x, 0). TSA's router hands each block a gate it
 has already masked by keep (Where(keep, 1 - p, 0)), and each conditional op's dense body masks the
 gate again (the op's contract takes any gate); once the calls are inlined the second Where reads the
@@ -262,3 +268,150 @@ def skip_layernorm(proto: onnx.ModelProto) -> int:
     if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return count
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
+
+
+def attention_by_sample(proto: onnx.ModelProto) -> int:
+    """Rewrite, in place, each main-graph attention MatMul(q, k^T) -> [Add, Sub, Mul or Div with
+    another operand]... -> Softmax(last axis) -> MatMul(., v) over 4-D tensors, each value read only
+    by the next, into If(functions.large_batch) -> a Loop over axis 0 (a sample a time) | the nodes as
+    they were. A Transpose that makes k^T and is read only by the MatMul goes with them (so ONNX
+    Runtime still fuses it into the MatMul). A 4-D operand whose first axis may be 1 (a mask shared by
+    the batch) is broadcast. Returns how many it rewrote."""
+    from adaptex.exporter.targets.onnx.functions import _Body, _name_output, large_batch
+
+    g = proto.graph
+    shapes = _shapes(proto)
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, int] = {}
+    for v in reads(g.node) + [o.name for o in g.output]:
+        readers[v] = readers.get(v, 0) + 1
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def rank4(v: str) -> bool:
+        return len(shapes.get(v) or ()) == 4
+
+    def only(v: str):  # the node that alone reads v, or None
+        c = consumers.get(v, [])
+        return c[0] if readers.get(v) == 1 and len(c) == 1 else None
+
+    def chain_of(sm):  # (the chain's nodes in order, q, the keys value and its key axis) or None
+        m2 = only(sm.output[0])
+        if not (m2 is not None and m2.op_type == "MatMul" and m2.input[0] == sm.output[0] and rank4(m2.input[1])):
+            return None
+        nodes, cur = [sm, m2], sm.input[0]
+        for _ in range(4):
+            p = producers.get(cur)
+            if p is None or only(cur) is not nodes[0] or p.domain not in ("", "ai.onnx"):
+                return None
+            nodes.insert(0, p)
+            if p.op_type == "MatMul":
+                break
+            if p.op_type not in _ELEMENTWISE:
+                return None
+            ins = [i for i in p.input if producers.get(i) is not None and readers.get(i) == 1
+                   and producers[i].op_type in ("MatMul",) + _ELEMENTWISE]
+            if not ins:
+                return None
+            cur = next((i for i in ins if producers[i].op_type == "MatMul"), ins[0])  # the scores, not a mask
+        else:
+            return None
+        m1 = nodes[0]
+        if m1.op_type != "MatMul" or not (rank4(m1.input[0]) and rank4(m1.input[1])):
+            return None
+        keys, axis = m1.input[1], 3
+        t = producers.get(keys)
+        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None) if t is not None else None
+        if t is not None and t.op_type == "Transpose" and only(keys) is m1 and perm and perm[0] == 0 and rank4(t.input[0]):
+            nodes.insert(0, t)
+            keys, axis = t.input[0], perm[3]
+        return nodes, m1.input[0], keys, axis
+
+    taken = {o for n in g.node for o in n.output} | {i.name for i in g.initializer} | {i.name for i in g.input}
+    infos = {vi.name: vi for vi in g.value_info}
+    rewritten, drop, count = {}, set(), 0
+    for sm in list(g.node):
+        if sm.op_type != "Softmax" or sm.domain not in ("", "ai.onnx") or not rank4(sm.output[0]) or _axis(sm) not in (-1, 3):
+            continue
+        found = chain_of(sm)
+        if found is None or any(id(n) in drop for n in found[0]):
+            continue
+        nodes, q, keys, axis = found
+        count += 1
+        stem = f"by_sample{count}_"
+        while any(n.startswith(stem) for n in taken):
+            stem = "_" + stem
+        made = {o for n in nodes for o in n.output}
+        operands = list(dict.fromkeys(i for n in nodes for i in n.input if i and i not in made))
+        out = nodes[-1].output[0]
+        b = _Body(stem)
+
+        def one(i: str) -> str:  # sample i of every 4-D operand (the first axis of a mask may be 1)
+            i1 = b("Unsqueeze", i, b.const([0]))
+            rename = {}
+            for v in operands:
+                if not rank4(v):
+                    continue
+                s0, q0 = (shapes.get(v) or (None,))[0], shapes[q][0]
+                at = i1 if s0 is not None and s0 == q0 and s0 != 1 else \
+                    b("Min", i1, b("Sub", b("Shape", v, start=0, end=1), b.const([1])))
+                rename[v] = b("Slice", v, at, b("Add", at, b.const([1])), b.const([0]))
+            for n in nodes:
+                c = onnx.NodeProto()
+                c.CopyFrom(n)
+                c.name = f"{stem}{n.name}" if n.name else ""
+                c.input[:] = [rename.get(x, x) for x in n.input]
+                for k, o in enumerate(n.output):
+                    rename[o] = c.output[k] = f"{stem}{o}"
+                b.nodes.append(c)
+            return b("Squeeze", rename[out], b.const([0]))
+
+        def batched() -> str:
+            b.nodes.extend(nodes[:-1])
+            last = onnx.NodeProto()
+            last.CopyFrom(nodes[-1])
+            last.output[0] = f"{stem}batched"
+            b.nodes.append(last)
+            return last.output[0]
+
+        result = b.if_(large_batch(b, q, keys, axis), lambda: b.loop_(b("Squeeze", b("Shape", q, start=0, end=1),
+                                                                        b.const([0])), one), batched)
+        _name_output(b, result, out)
+        inner = [infos[v] for v in made - {out} if v in infos]
+        b.nodes[-1].attribute[1 if b.nodes[-1].attribute[1].name == "else_branch" else 0].g.value_info.extend(inner)
+        drop |= {id(n) for n in nodes}
+        rewritten[id(nodes[-1])] = b.nodes
+        taken |= {o for n in b.nodes for o in n.output}
+    if not count:
+        return 0
+    new = []
+    for n in g.node:
+        if id(n) in rewritten:
+            new += rewritten[id(n)]
+        elif id(n) not in drop:
+            new.append(n)
+    moved = {o for n in g.node if id(n) in drop for o in n.output}
+    kept_info = [vi for vi in g.value_info if vi.name not in moved or vi.name in {n.output[0] for n in g.node if id(n) in rewritten}]
+    del g.node[:]
+    g.node.extend(new)
+    del g.value_info[:]
+    g.value_info.extend(kept_info)
+    return count
+
+
+def by_sample_ifs(nodes) -> int:
+    """How many of `nodes` are attention_by_sample's Ifs (a Loop over the samples in the then branch)."""
+    return sum(n.op_type == "If" and any(a.name == "then_branch" and a.g.node and a.g.node[-1].op_type == "Loop"
+                                         for a in n.attribute) for n in nodes)
+
+
+def artifact_passes(proto: onnx.ModelProto) -> int:
+    """The main-graph passes every ONNX Runtime artifact gets (not a decode-step graph's), in place,
+    and the `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows and
+    attention_by_sample. Returns how many rewrites they made."""
+    return layernorm_rows(proto) + attention_by_sample(proto)

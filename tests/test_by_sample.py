@@ -1,0 +1,100 @@
+"""passes.attention_by_sample: a large batch's attention runs a sample at a time in a Loop, behind an
+If on the call's size, with the values of the batched kernels. The dense candidates get the pass
+too (exporter/counterparts.py), so the yardstick has what the artifact has."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx.passes import attention_by_sample, by_sample_ifs
+
+B, H, T, dh = 3, 2, 6, 4
+
+
+def _attention(mask_batch: str | int, probabilities_out: bool = False) -> onnx.ModelProto:
+    """q k^T / 2 + mask -> Softmax -> . v, the way the stock exporters write it (k transposed by its
+    own node); the mask's first axis is the batch or 1 (shared)."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Div", ["s", "two"], ["s2"]),
+             helper.make_node("Add", ["s2", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", H, "t", dh]) for n in ("q", "k", "v")]
+    io.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, [mask_batch, 1, "t", "t"]))
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", H, "t", dh])]
+    if probabilities_out:
+        outs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "attention", io, outs, [numpy_helper.from_array(np.float32(2.0), "two")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", fx.ONNX_OPSET)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict, tmp_path) -> tuple[np.ndarray, Counter]:
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    y = sess.run(["y"], feeds)[0]
+    events = json.loads(open(sess.end_profiling()).read())
+    return y, Counter(e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+
+
+@pytest.mark.parametrize("mask_batch", ["b", 1])
+def test_a_large_batchs_attention_runs_by_sample_with_the_same_values(mask_batch, tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    before = _attention(mask_batch)
+    after = _attention(mask_batch)
+    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)  # this batch is large, one sample is not
+    assert attention_by_sample(after) == 1
+    onnx.checker.check_model(after, full_check=True)
+    for batch in (B, 1):
+        feeds = {n: rng.standard_normal((batch, H, T, dh)).astype(np.float32) for n in "qkv"}
+        mask = np.where(rng.random((batch if mask_batch == "b" else 1, 1, T, T)) < 0.3, -1e9, 0).astype(np.float32)
+        feeds["mask"] = mask
+        ref, _ = _run(before, feeds, tmp_path)
+        y, ran = _run(after, feeds, tmp_path)
+        np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+        assert ran["Loop"] == (batch > 1), ran
+        assert ran["Softmax"] == batch, ran  # one a sample, or the batch's one
+
+
+def test_attention_whose_probabilities_are_read_again_is_left_alone():
+    model = _attention("b", probabilities_out=True)
+    before = model.SerializeToString()
+    assert attention_by_sample(model) == 0 and model.SerializeToString() == before
+
+
+def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_path, monkeypatch):
+    """Every call counted large (BY_SAMPLE_FROM = 1): the first block's attention (main graph, the
+    pass) and the gated blocks' (the op bodies) run a sample at a time, with the outputs of the
+    artifact exported as shipped."""
+    from adaptex.graphs import checkpoint
+    from tests import zoo
+
+    checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    model, info = checkpoint.load(tmp_path / "ck")
+    zoo.export(model, info, tmp_path / "batched.onnx")
+    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
+    zoo.export(model, info, tmp_path / "by_sample.onnx")
+    assert by_sample_ifs(onnx.load(tmp_path / "by_sample.onnx").graph.node) == 1  # the first block's
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, model.cfg.vocab_size, size=(3, 12)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[2, 9:] = 0
+    sess = {p: ort.InferenceSession(str(tmp_path / f"{p}.onnx"), providers=["CPUExecutionProvider"])
+            for p in ("batched", "by_sample")}
+    feeds = {i.name: np.zeros([len(ids), *i.shape[1:2], 0, *i.shape[3:]], np.float32)  # an empty cache
+             for i in sess["batched"].get_inputs() if i.name.startswith("past_key_values")}
+    feeds.update(input_ids=ids, attention_mask=mask)
+    want = sess["batched"].run(None, feeds)
+    got = sess["by_sample"].run(None, feeds)
+    keeps = [w for o, w in zip(sess["batched"].get_outputs(), want) if o.name.endswith(".keep")]
+    assert any(0 < k.mean() < 1 for k in keeps)  # mixed blocks: the loop attends each sample's own rows
+    for o, a, b in zip(sess["batched"].get_outputs(), want, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=o.name)
