@@ -100,3 +100,16 @@ def test_score_scale_cost_times_both_kernels_and_refuses_a_bad_shape():
     bad = subprocess.run([sys.executable, script, "--shapes", "2x2x1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxHEADS" in bad.stderr
+
+
+def test_by_sample_cost_times_both_graphs_and_refuses_a_bad_shape():
+    script = str(ROOT / "examples" / "by_sample_cost.py")
+    r = subprocess.run([sys.executable, script, "--shapes", "2x2x16x8", "--rounds", "4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line, = r.stdout.strip().splitlines()
+    assert line.startswith("(B=2, H=2, T=16, dh=8; 1024 scores) 4 rounds: batched ") and "by sample " in line, line
+    assert float(line.rsplit("ratio ", 1)[1]) > 0, line
+    bad = subprocess.run([sys.executable, script, "--shapes", "2x2x16"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxHEADS" in bad.stderr
