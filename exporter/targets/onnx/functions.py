@@ -406,7 +406,8 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     non-empty (a decode step whose token skips attends one ungated row). dense: every query row
     attended, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
     nodes on the keep mask pick nothing, every row, or the gathered rows at run time, and a mix
-    whose largest kept count is at least DENSE_QUERY_SHARE of T every row, masked (see _dispatch)."""
+    whose largest kept count is at least DENSE_QUERY_SHARE of T every row, masked (see _dispatch);
+    a large batch attends a sample at a time, each sample its own kept rows (_by_sample)."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
     b = _Body("ca_")
@@ -475,10 +476,12 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         flat = b("Reshape", x, rows_d)  # (B*T, d)
         hq = b("Gather", b("Reshape", hn, rows_d), rows, axis=0)  # (B, n, d)
         bias_flat = b("Reshape", bias, b("Concat", cm1, b("Shape", bias, start=3, end=4), axis=0))  # (B*T, S)
-        upd = attend(hq, lambda: b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1),
-                     lambda i1, j1, c: b("Unsqueeze", b("Gather", bias_flat, b("Slice", rows, b("Concat", i1, c0, axis=0),
-                                                                                  b("Concat", j1, c, axis=0), b.const([0, 1])), axis=0), c1),
-                     b("Reshape", cnt, cm1), n1)  # (B, n, d)
+
+        def sample_bias(i1: str, j1: str, c: str) -> str:  # sample i's own c rows of the bias: (1, 1, c, S)
+            own = b("Slice", rows, b("Concat", i1, c0, axis=0), b("Concat", j1, c, axis=0), b.const([0, 1]))  # (1, c)
+            return b("Unsqueeze", b("Gather", bias_flat, own, axis=0), c1)
+        upd = attend(hq, lambda: b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1), sample_bias,
+                     b("Reshape", cnt, cm1) if dispatch else None, n1)  # (B, n, d)
         gs = b("Unsqueeze", b("Gather", b("Reshape", _masked_gate(b, gate, keep), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)

@@ -334,7 +334,7 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
 
     taken = {o for n in g.node for o in n.output} | {i.name for i in g.initializer} | {i.name for i in g.input}
     infos = {vi.name: vi for vi in g.value_info}
-    rewritten, drop, count = {}, set(), 0
+    rewritten, drop, inner, count = {}, set(), set(), 0
     for sm in list(g.node):
         if sm.op_type != "Softmax" or sm.domain not in ("", "ai.onnx") or not rank4(sm.output[0]) or _axis(sm) not in (-1, 3):
             continue
@@ -357,8 +357,8 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
             for v in operands:
                 if not rank4(v):
                     continue
-                s0, q0 = (shapes.get(v) or (None,))[0], shapes[q][0]
-                at = i1 if s0 is not None and s0 == q0 and s0 != 1 else \
+                s0 = shapes[v][0]
+                at = i1 if s0 is not None and s0 == shapes[q][0] and s0 != 1 else \
                     b("Min", i1, b("Sub", b("Shape", v, start=0, end=1), b.const([1])))
                 rename[v] = b("Slice", v, at, b("Add", at, b.const([1])), b.const([0]))
             for n in nodes:
@@ -382,8 +382,10 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
         result = b.if_(large_batch(b, q, keys, axis), lambda: b.loop_(b("Squeeze", b("Shape", q, start=0, end=1),
                                                                         b.const([0])), one), batched)
         _name_output(b, result, out)
-        inner = [infos[v] for v in made - {out} if v in infos]
-        b.nodes[-1].attribute[1 if b.nodes[-1].attribute[1].name == "else_branch" else 0].g.value_info.extend(inner)
+        # the moved values' shapes go with them (ONNX Runtime's fusions check shapes in a branch too)
+        next(a.g for a in b.nodes[-1].attribute if a.name == "else_branch").value_info.extend(
+            infos[o] for n in nodes for o in n.output if o != out and o in infos)
+        inner |= made - {out}
         drop |= {id(n) for n in nodes}
         rewritten[id(nodes[-1])] = b.nodes
         taken |= {o for n in b.nodes for o in n.output}
@@ -395,8 +397,7 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
             new += rewritten[id(n)]
         elif id(n) not in drop:
             new.append(n)
-    moved = {o for n in g.node if id(n) in drop for o in n.output}
-    kept_info = [vi for vi in g.value_info if vi.name not in moved or vi.name in {n.output[0] for n in g.node if id(n) in rewritten}]
+    kept_info = [vi for vi in g.value_info if vi.name not in inner]
     del g.node[:]
     g.node.extend(new)
     del g.value_info[:]
