@@ -98,3 +98,21 @@ def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_p
     assert any(0 < k.mean() < 1 for k in keeps)  # mixed blocks: the loop attends each sample's own rows
     for o, a, b in zip(sess["batched"].get_outputs(), want, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=o.name)
+
+
+def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, monkeypatch):
+    """--dense-rows N: the dense branch runs calls of at most N token rows, whose scores are at most
+    N x heads x the longest sequence; below the threshold its If would only cost (a decode step)."""
+    from adaptex.graphs import checkpoint
+    from tests import zoo
+
+    checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
+    model, info = checkpoint.load(tmp_path / "ck")
+    cfg = model.cfg
+    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
+    for rows, dense_ifs in ((8, 0), (9, 1)):
+        zoo.export(model, info, tmp_path / f"merged{rows}.onnx", dense_rows=rows)
+        branches = {a.name: a.g for a in onnx.load(tmp_path / f"merged{rows}.onnx").graph.node[-1].attribute}
+        dense, sparse = sorted(branches.values(), key=lambda g: any(n.domain == fx.DOMAIN for n in g.node))
+        assert not any(n.domain == fx.DOMAIN for n in dense.node) and any(n.domain == fx.DOMAIN for n in sparse.node)
+        assert (by_sample_ifs(dense.node), by_sample_ifs(sparse.node)) == (dense_ifs, 1), rows

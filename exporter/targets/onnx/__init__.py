@@ -43,13 +43,15 @@ def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx", ep=None, step: bool = False, short: bool = False,
-          decode_graph: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          decode_graph: bool = False, by_sample: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
     bodies where they have one (its inputs and outputs are the general graph's, at one new token);
     short: the short-call program (no adaptex call: dense attention and the routers);
-    decode_graph: the general program of an artifact that holds the step program too."""
+    decode_graph: the general program of an artifact that holds the step program too. by_sample:
+    False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
+    graph whose calls are known to stay below its threshold."""
     ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
@@ -80,7 +82,7 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     if target == "onnx" and step:  # a few rows a call: fewer kernels (passes.skip_layernorm)
         passes.skip_layernorm(proto)
     elif target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
-        passes.artifact_passes(proto)
+        passes.artifact_passes(proto, by_sample=by_sample)
     proto.functions.extend(functions.values())
     _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
@@ -200,6 +202,13 @@ def describe(meta: dict, what: str = "") -> str:
             "decisions.*; the full metadata is the JSON under the 'adaptex' key")
 
 
+def _may_run_by_sample(contract, rows: int) -> bool:
+    """Whether a call of at most `rows` token rows may reach attention_by_sample's threshold: its
+    scores (B H T S) are at most rows x heads x the model's longest sequence. Unknown sizes: True."""
+    heads, longest = getattr(contract.cfg, "num_heads", None), contract.max_sequence
+    return not (heads and longest) or rows * heads * longest >= fx.BY_SAMPLE_FROM
+
+
 def dense_rows_option(value) -> int | None:
     """The dense_rows option as a whole number >= 1 (the CLI passes text), or None when not given or
     "off"."""
@@ -282,7 +291,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     routed, stepped, within = None, None, None
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
-        dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep)
+        dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
+                                               by_sample=_may_run_by_sample(contract, rows))
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}

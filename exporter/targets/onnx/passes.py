@@ -411,8 +411,9 @@ def by_sample_ifs(nodes) -> int:
                                          for a in n.attribute) for n in nodes)
 
 
-def artifact_passes(proto: onnx.ModelProto) -> int:
+def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True) -> int:
     """The main-graph passes every ONNX Runtime artifact gets (not a decode-step graph's), in place,
-    and the `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows and
-    attention_by_sample. Returns how many rewrites they made."""
-    return layernorm_rows(proto) + attention_by_sample(proto)
+    and the `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows and, unless
+    by_sample is False (a graph whose calls never reach its threshold, where its If would only
+    cost), attention_by_sample. Returns how many rewrites they made."""
+    return layernorm_rows(proto) + (attention_by_sample(proto) if by_sample else 0)
