@@ -303,6 +303,23 @@ def ran(out: dict, probes: list[str]) -> list[np.ndarray]:
     return [out[p] for p in probes if out[p].size]
 
 
+def profile(model, feeds: dict, workdir, outputs=None) -> tuple[list, list[dict]]:
+    """Run `model` (serialized bytes or a ModelProto) once under ONNX Runtime's profiler: (the
+    outputs, the args of every kernel it ran: op_name, output_type_shape, ...), so a test asks the
+    runtime which kernels ran, and on what shapes."""
+    import json
+
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(Path(workdir) / "profile")
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    out = sess.run(outputs, feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    return out, [e["args"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+
+
 def run(proto: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
     """Run a (modified) model in ONNX Runtime, CPU, with every graph optimisation on."""
     import onnxruntime as ort

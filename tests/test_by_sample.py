@@ -3,7 +3,6 @@ If on the call's size, with the values of the batched kernels. The dense candida
 too (exporter/counterparts.py), so the yardstick has what the artifact has."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import numpy as np
@@ -14,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx.passes import attention_by_sample, by_sample_ifs
+from tests import planted
 
 B, H, T, dh = 3, 2, 6, 4
 
@@ -37,12 +37,8 @@ def _attention(mask_batch: str | int, probabilities_out: bool = False) -> onnx.M
 
 
 def _run(model: onnx.ModelProto, feeds: dict, tmp_path) -> tuple[np.ndarray, Counter]:
-    so = ort.SessionOptions()
-    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    y = sess.run(["y"], feeds)[0]
-    events = json.loads(open(sess.end_profiling()).read())
-    return y, Counter(e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    (y,), kernels = planted.profile(model, feeds, tmp_path, ["y"])
+    return y, Counter(k["op_name"] for k in kernels)
 
 
 @pytest.mark.parametrize("mask_batch", ["b", 1])

@@ -5,12 +5,10 @@ largest kept count is most of T. Each branch is checked against the dense refere
 profiler shows which kernels ran: the skipped work is not in the trace."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -18,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.graphs.ops import conditional_attention as ca
 from adaptex.graphs.ops import conditional_ffn as cf
+from tests import planted
 
 B, T, P, d, f, H = 2, 5, 3, 16, 32, 4
 
@@ -36,16 +35,11 @@ def _model(function, node, inputs, weights) -> bytes:
 
 def _run(model: bytes, feeds: dict, tmp_path, shapes_of: str | None = None):
     """(y, kernels run by op type), and with shapes_of an op type, the output shapes of its kernels."""
-    so = ort.SessionOptions()
-    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "p")
-    sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-    y = sess.run(None, feeds)[0]
-    events = [e for e in json.loads(open(sess.end_profiling()).read())
-              if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    ran = Counter(e["args"]["op_name"] for e in events)
+    (y,), kernels = planted.profile(model, feeds, tmp_path)
+    ran = Counter(k["op_name"] for k in kernels)
     if shapes_of is None:
         return y, ran
-    return y, ran, [list(e["args"]["output_type_shape"][0].values())[0] for e in events if e["args"]["op_name"] == shapes_of]
+    return y, ran, [list(k["output_type_shape"][0].values())[0] for k in kernels if k["op_name"] == shapes_of]
 
 
 def _keeps(seed=0):
