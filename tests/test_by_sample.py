@@ -112,3 +112,27 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
         dense, sparse = sorted(branches.values(), key=lambda g: any(n.domain == fx.DOMAIN for n in g.node))
         assert not any(n.domain == fx.DOMAIN for n in dense.node) and any(n.domain == fx.DOMAIN for n in sparse.node)
         assert (by_sample_ifs(dense.node), by_sample_ifs(sparse.node)) == (dense_ifs, 1), rows
+
+
+@pytest.mark.parametrize("modes", ["mixed", "fa"])
+def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs(modes, tmp_path, monkeypatch):
+    """ElasticAttention's FA paths (every pair as it is; the gathered FA pairs of a mixed call) run a
+    sample (a pair) at a time where the call is large; forced here (BY_SAMPLE_FROM = 1, no masked
+    short-call path), against the same export batched."""
+    from adaptex.graphs import checkpoint
+    from tests import zoo
+    from tests.test_decode_graph import _feeds
+
+    checkpoint.save(tmp_path / "ck", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
+    model, info = checkpoint.load(tmp_path / "ck")
+    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    zoo.export(model, info, tmp_path / "batched.onnx")
+    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
+    zoo.export(model, info, tmp_path / "by_sample.onnx")
+    sess = ort.InferenceSession(str(tmp_path / "batched.onnx"), providers=["CPUExecutionProvider"])
+    feeds = _feeds(sess, 3, 24, 0, modes, pad=2)
+    want = sess.run(None, feeds)
+    got, kernels = planted.profile(onnx.load(tmp_path / "by_sample.onnx"), feeds, tmp_path)
+    assert sum(k["op_name"] == "Loop" for k in kernels) >= 1
+    for o, a, b in zip(sess.get_outputs(), want, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=o.name)

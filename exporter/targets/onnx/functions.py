@@ -357,37 +357,38 @@ def _attention(b: _Body, q: str, k: str, v: str, bias: str) -> str:
 
 
 def large_batch(b: _Body, q: str, k: str, key_axis: int = 2) -> str:
-    """True where attention of q (B, H, n, dh) over keys k should run by sample (BY_SAMPLE_FROM);
+    """True where attention of q (B, ..., n, dh) over keys k should run by sample (BY_SAMPLE_FROM);
     k's axis key_axis holds the S keys."""
     qs = b("Shape", q)
     B = b("Slice", qs, b.const([0]), b.const([1]))  # (1,)
-    scores = b("Mul", b("ReduceProd", b("Slice", qs, b.const([0]), b.const([3])), keepdims=1),
-               b("Shape", k, start=key_axis, end=key_axis + 1))  # (1,): B H n S
+    scores = b("Mul", b("ReduceProd", b("Slice", qs, b.const([0]), b.const([-1])), keepdims=1),
+               b("Shape", k, start=key_axis, end=key_axis + 1))  # (1,): B ... n S
     return b("Squeeze", b("And", b("Greater", B, b.const([1])), b("GreaterOrEqual", scores, b.const([BY_SAMPLE_FROM]))),
              b.const([0]))
 
 
-def _by_sample(b: _Body, q: str, k: str, v: str, bias_rows, bias_of, counts: str | None, n1: str | None) -> str:
-    """_attention of q (B, H, n, dh) over k, v (B, H, S, dh), batched or, for a large call, a sample
-    at a time (BY_SAMPLE_FROM). With counts (B,), sample i attends its first counts[i] query rows
-    only and its rows after them are zero (n1: n as a (1,) tensor); bias_rows() and bias_of(i1, j1,
-    c) make the batch's and sample i's bias (see conditional_attention_function)."""
+def _by_sample(b: _Body, q: str, k: str, v: str, batched, attend_one, counts: str | None = None,
+               n1: str | None = None, key_axis: int = 2) -> str:
+    """Attention of q (B, ..., n, dh) over k, v: batched() for the whole batch or, for a large call
+    (BY_SAMPLE_FROM), a sample at a time in a Loop: attend_one(qi, ki, vi, i1, j1, c) for sample i's
+    slices (i1 = [i], j1 = [i + 1]). With counts (B,), q is (B, H, n, dh) and sample i attends its
+    first c = counts[i] query rows only, its rows after them zero (n1: n as a (1,) tensor)."""
     c0, c1 = b.const([0]), b.const([1])
 
-    def one(i: str) -> str:  # sample i: (H, n, dh)
+    def one(i: str) -> str:  # sample i, its leading axis dropped
         i1 = b("Unsqueeze", i, c0)  # (1,)
         j1 = b("Add", i1, c1)
         if counts is None:
-            qi, c = b("Slice", q, i1, j1, c0), None  # (1, H, n, dh)
+            qi, c = b("Slice", q, i1, j1, c0), None
         else:
             c = b("Gather", counts, i1, axis=0)  # (1,)
             qi = b("Slice", q, b("Concat", i1, c0, axis=0), b("Concat", j1, c, axis=0), b.const([0, 2]))  # (1, H, c, dh)
-        o = _attention(b, qi, b("Slice", k, i1, j1, c0), b("Slice", v, i1, j1, c0), bias_of(i1, j1, c))
+        o = attend_one(qi, b("Slice", k, i1, j1, c0), b("Slice", v, i1, j1, c0), i1, j1, c)
         if counts is not None:  # zero rows after the sample's own: every sample hands back (1, H, n, dh)
             o = b("Pad", o, b("Concat", b.const([0, 0, 0, 0, 0, 0]), b("Sub", n1, c), c0, axis=0))
         return b("Squeeze", o, c0)
-    return b.if_(large_batch(b, q, k), lambda: b.loop_(b("Squeeze", b("Shape", q, start=0, end=1), c0), one),
-                 lambda: _attention(b, q, k, v, bias_rows()))
+    return b.if_(large_batch(b, q, k, key_axis), lambda: b.loop_(b("Squeeze", b("Shape", q, start=0, end=1), c0), one),
+                 batched)
 
 
 CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"]
@@ -444,8 +445,9 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         (_by_sample; counts (B,): each sample's own rows, n1 (1,) the batch's largest, or None: n)."""
         q = b("Add", b("MatMul", hq, W["q"]), bq_s)  # (B, n, d)
         q = b("Transpose", b("Reshape", q, head_split), perm=[0, 2, 1, 3])  # (B, H, n, dh)
-        o = _by_sample(b, q, k, v, bias_rows, bias_of, counts, n1) if dispatch else \
-            _attention(b, q, k, v, bias_rows())  # (B, H, n, dh)
+        o = _by_sample(b, q, k, v, lambda: _attention(b, q, k, v, bias_rows()),
+                       lambda qi, ki, vi, i1, j1, c: _attention(b, qi, ki, vi, bias_of(i1, j1, c)), counts, n1) \
+            if dispatch else _attention(b, q, k, v, bias_rows())  # (B, H, n, dh)
         o = b("Transpose", o, perm=[0, 2, 1, 3])  # (B, n, H, dh)
         return b("Add", b("MatMul", b("Reshape", o, head_merge), W["o"]), bo)  # (B, n, d)
 
@@ -628,8 +630,14 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         return plain_fa()
 
     def plain_fa() -> str:
-        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), pad_bias())
-        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
+        def attend(qx: str, kx: str, vx: str, bias: str) -> str:  # (B, H, T, dh) over (B, H, S, dh)
+            scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 1, 3, 2])), bias)
+            return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
+        if not dispatch:
+            return attend(q, k, v, pad_bias())
+        bias = pad_bias()  # (B, 1, 1, S)
+        return _by_sample(b, q, k, v, lambda: attend(q, k, v, bias),
+                          lambda qi, ki, vi, i1, j1, c: attend(qi, ki, vi, b("Slice", bias, i1, j1, b.const([0]))))
 
     def flat(*xs: str) -> list[str]:  # (B, H, L, dh) -> (B*H, L, dh)
         dh1 = b("Shape", q, start=3, end=4)
@@ -641,9 +649,15 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
                  b("Concat", b.const([-1]), S1, axis=0))
 
     def pairs_attend(qx: str, kx: str, vx: str, mx: str) -> str:  # (N, T, dh) pairs over every visible key
-        bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
-        scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
-        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
+        def attend(qx: str, kx: str, vx: str, mx: str) -> str:
+            bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
+            scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
+            return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
+        if not dispatch:
+            return attend(qx, kx, vx, mx)
+        return _by_sample(b, qx, kx, vx, lambda: attend(qx, kx, vx, mx),  # a pair at a time, for a large call
+                          lambda qi, ki, vi, i1, j1, c: attend(qi, ki, vi, b("Slice", mx, i1, j1, b.const([0]))),
+                          key_axis=1)
 
     def sees_all() -> str:  # every key within an SA query's reach: SA sees what FA sees
         return causal_or(lambda: b("LessOrEqual", S, b("Add", sink, window)),
