@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import onnxruntime as ort
 from if_branch_cost import interleaved_medians  # beside this script
+from score_scale_cost import options  # one thread
 from onnx import TensorProto, helper
 
 from adaptex.exporter.targets.onnx import functions as fx
@@ -43,12 +44,6 @@ def attention_model(batch: int, heads: int, tokens: int, dh: int, by_sample: boo
         finally:
             fx.BY_SAMPLE_FROM = threshold
     return model.SerializeToString()
-
-
-def options() -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return so
 
 
 def main() -> int:
