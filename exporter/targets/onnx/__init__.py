@@ -286,8 +286,11 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
     ep = trace_for(model, contract, decode_graph=step)  # one trace, lowered once per variant
+    # a decoder's main graph serves its decode steps too, where an attention-by-sample If per layer
+    # costs more than a one-token call has (charlm-dense's B1 step: 1.16x): only the sparse branch of
+    # --dense-rows, which sees calls of more than N rows alone, gets it there
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
-                                          decode_graph=step)
+                                          decode_graph=step, by_sample=not contract.decoder or rows is not None)
     routed, stepped, within = None, None, None
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
@@ -300,7 +303,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         keys = contract.short_call_keys()
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
-                                     decode_graph=step)
+                                     decode_graph=step, by_sample=False)  # short calls: its If would only cost
         keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
         proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                           max_keys=keys, domain=fx.DOMAIN)
