@@ -32,8 +32,10 @@ the router's keep and gate (a Where and an Unsqueeze each) is made once, 10 kern
 attention_by_sample: a large batch's attention (softmax(q k^T + bias) v over (B, H, T, S) scores
 of at least BY_SAMPLE_FROM floats (graphs/ops/conditional_attention.py), B > 1) runs a sample at a time in a Loop, behind an If
 on the call's size: each sample's scores stay in cache between the kernels that read them (0.85 to
-0.90 of the batched kernels from 2^22 floats; docs/benchmarking.md). The ONNX artifacts' bodies do
-the same (functions._by_sample); the dense candidates get the pass too, so it is no adaptive win.
+0.85 to 0.92 of the batched kernels from 2^22 floats; examples/by_sample_cost.py). The ONNX
+artifacts' bodies do the same (functions._by_sample); the dense candidates get the pass too, so it is
+no adaptive win. The If costs a call that stays batched about 18 us, so an artifact leaves the pass
+out where its calls are small (a decoder's main graph, which serves decode steps; see export()).
 
 masks_once: Where(c, Where(c, x, 0), 0) is Where(c, x, 0). TSA's router hands each block a gate it
 has already masked by keep (Where(keep, 1 - p, 0)), and each conditional op's dense body masks the
