@@ -89,27 +89,27 @@ def test_if_branch_cost_times_a_graph_as_it_is_and_as_an_ifs_branch(tiny_tsa_cha
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr
 
 
-def test_score_scale_cost_times_both_kernels_and_refuses_a_bad_shape():
-    script = str(ROOT / "examples" / "score_scale_cost.py")
-    r = subprocess.run([sys.executable, script, "--shapes", "2x2x1x16x8", "--rounds", "3"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+def _one_line_and_a_refusal(name: str, good: list[str], bad: list[str], hint: str) -> str:
+    """Run examples/<name> with `good` arguments: its one line of output. With `bad`: exit 2 and one
+    line of error naming `hint` (the format it wants)."""
+    script = str(ROOT / "examples" / name)
+    r = subprocess.run([sys.executable, script, *good], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line, = r.stdout.strip().splitlines()
+    refused = subprocess.run([sys.executable, script, *bad], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1 and hint in refused.stderr
+    return line
+
+
+def test_score_scale_cost_times_both_kernels_and_refuses_a_bad_shape():
+    line = _one_line_and_a_refusal("score_scale_cost.py", ["--shapes", "2x2x1x16x8", "--rounds", "3"],
+                                   ["--shapes", "2x2x1"], "BATCHxHEADS")
     assert line.startswith("(B=2, H=2, T=1, S=16, dh=8) 3 rounds: alpha 1 ") and "alpha 0.3536 " in line, line
     assert float(line.rsplit("ratio ", 1)[1]) > 0, line
-    bad = subprocess.run([sys.executable, script, "--shapes", "2x2x1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxHEADS" in bad.stderr
 
 
 def test_by_sample_cost_times_both_graphs_and_refuses_a_bad_shape():
-    script = str(ROOT / "examples" / "by_sample_cost.py")
-    r = subprocess.run([sys.executable, script, "--shapes", "2x2x16x8", "--rounds", "4"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line, = r.stdout.strip().splitlines()
+    line = _one_line_and_a_refusal("by_sample_cost.py", ["--shapes", "2x2x16x8", "--rounds", "4"],
+                                   ["--shapes", "2x2x16"], "BATCHxHEADS")
     assert line.startswith("(B=2, H=2, T=16, dh=8; 1024 scores) 4 rounds: batched ") and "by sample " in line, line
     assert float(line.rsplit("ratio ", 1)[1]) > 0, line
-    bad = subprocess.run([sys.executable, script, "--shapes", "2x2x16"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxHEADS" in bad.stderr
