@@ -76,6 +76,15 @@ def reads(nodes) -> list[str]:
     return out
 
 
+def _producers_readers(g: onnx.GraphProto) -> tuple[dict, dict[str, int]]:
+    """The node making each value of `g`, and how many times each value is read (subgraphs' reads of
+    outer values and the graph's outputs included)."""
+    readers: dict[str, int] = {}
+    for v in reads(g.node) + [o.name for o in g.output]:
+        readers[v] = readers.get(v, 0) + 1
+    return {o: n for n in g.node for o in n.output}, readers
+
+
 def rename_reads(nodes, rename: dict) -> None:
     """Rename the inputs of `nodes` and the outer reads of their subgraphs (a subgraph value of the
     same name as a renamed one would shadow it; the exporters never reuse a main-graph name there)."""
@@ -91,10 +100,7 @@ def layernorm_rows(proto: onnx.ModelProto) -> int:
     """Rewrite, in place, every LayerNormalization over the last axis whose input is an Add that it
     alone reads (ONNX Runtime's fusion pattern) and whose scale is a 1-D initializer; returns how many."""
     g = proto.graph
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, int] = {}
-    for v in reads(g.node) + [o.name for o in g.output]:
-        readers[v] = readers.get(v, 0) + 1
+    producers, readers = _producers_readers(g)
     scales = {i.name: list(i.dims) for i in g.initializer}
     taken = {o for n in g.node for o in n.output} | {i.name for i in g.initializer} | {i.name for i in g.input}
     out, count = [], 0
@@ -225,10 +231,7 @@ def skip_layernorm(proto: onnx.ModelProto) -> int:
     the fused node too. The sum stays available to the Add's other readers (output 3). Returns how
     many it fused."""
     g = proto.graph
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, int] = {}
-    for v in reads(g.node) + [o.name for o in g.output]:
-        readers[v] = readers.get(v, 0) + 1
+    producers, readers = _producers_readers(g)
     inits = {i.name: list(i.dims) for i in g.initializer}
     shapes = _shapes(proto)
 
@@ -286,10 +289,7 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
 
     g = proto.graph
     shapes = _shapes(proto)
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, int] = {}
-    for v in reads(g.node) + [o.name for o in g.output]:
-        readers[v] = readers.get(v, 0) + 1
+    producers, readers = _producers_readers(g)
     consumers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
