@@ -44,7 +44,7 @@ from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, short_call_traced
-from adaptex.graphs.ops.elastic_attention import NEG
+from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -507,5 +507,6 @@ class ElasticDecoderFamily(DecoderContract):
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if variant == "dense" else ratio,
+        every_key = variant == "dense" or (target == "onnx" and runs_masked(sa.shape[-1], seq, past + seq))
+        return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

@@ -246,14 +246,25 @@ def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifac
 
 
 @pytest.mark.parametrize("family", ["el", "eldec"])
-def test_elastic_executed_ratio_is_one_dense_and_the_decisions_sparse(artifacts, family):
+def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse(artifacts, family, monkeypatch):
+    """Every key executed by the dense variant, and on ONNX Runtime by a call of at most
+    MIXED_CALL_MASKED_UP_TO scores a sample (the general body masks; test_elastic checks it runs so);
+    the decisions' FLOPs by a larger one, and by a TensorRT-bound graph (no masked path)."""
+    from adaptex.graphs.ops import elastic_attention
+
     model = artifacts.model(family)
     contract = family_contract(model)
-    feeds = contract.bench_feeds(None, 2, 40)
+    T = 40
+    feeds = contract.bench_feeds(None, 2, T)
     out = planted.run(planted.load(artifacts(family)), feeds)
-    assert contract.flops(out, "dense", 40)["executed_flop_ratio"] == 1.0
-    r = contract.flops(out, "sparse", 40)
-    assert r["executed_flop_ratio"] == r["flop_ratio"] < 1.0
+    pairs = np.asarray(out["decisions.layer0.sa"]).shape[-1]
+    assert contract.flops(out, "dense", T)["executed_flop_ratio"] == 1.0
+    assert elastic_attention.runs_masked(pairs, T, T)  # 2 samples, but per sample
+    r = contract.flops(out, "sparse", T)
+    assert r["executed_flop_ratio"] == 1.0 and r["flop_ratio"] < 1.0
+    assert contract.flops(out, "sparse", T, target="tensorrt")["executed_flop_ratio"] == r["flop_ratio"]
+    monkeypatch.setattr(elastic_attention, "MIXED_CALL_MASKED_UP_TO", pairs * T * T - 1)
+    assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == r["flop_ratio"]
 
 
 # --- the counterparts ---------------------------------------------------------------------------------

@@ -202,14 +202,15 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
-    """A call with SA pairs and at most MIXED_CALL_MASKED_UP_TO scores attends every pair over every
-    key as it is, the SA pairs' keys outside their reach masked (one (B, H, T, S) softmax, no
-    gather): the reference's output, all SA or mixed; past the threshold it gathers again."""
+    """A call with SA pairs and at most MIXED_CALL_MASKED_UP_TO scores a sample (H T S, whatever the
+    batch) attends every pair over every key as it is, the SA pairs' keys outside their reach masked
+    (one (B, H, T, S) softmax, no gather): the reference's output, all SA or mixed; past the
+    threshold it gathers again."""
     from tests import planted
 
     sink, window = 2, 6
     B, H, T = 2, 3, 20
-    for up_to, gathers in ((B * H * T * T, False), (B * H * T * T - 1, True)):
+    for up_to, gathers in ((H * T * T, False), (H * T * T - 1, True)):
         proto = _function_model("sparse", sink, window, causal, decode_step=False, masked_up_to=up_to)
         probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
         q, k, v, sa, km = _inputs(B, H, T, T, seed=5)

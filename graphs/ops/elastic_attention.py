@@ -32,6 +32,23 @@ from torch import Tensor
 OP_NAME = "adaptex::elastic_attention"
 NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, never NaN)
 
+# ONNX Runtime's general body (exporter/targets/onnx/functions.py) attends every pair of a call with SA
+# pairs over every visible key, the SA pairs' keys outside their sinks and window masked, while the
+# call has at most this many scores a sample (H*T*S, whatever the batch): there gathering the pairs by
+# mode and attending block-local costs more kernels than the scores it skips. Here, not in the
+# exporter, because the families' executed-FLOP models read it too. Measured at B1, 1 thread, masked
+# against block-local (docs/benchmarking.md#short-calls): elastic-charlm 0.856 at T = 128 (65,536
+# scores), 1.072 at T = 256 (262,144); elastic-minilm 0.852 at T = 32, 0.906 at T = 64 (49,152), 0.990
+# at T = 128 (196,608), 1.073 at T = 256. Per sample, not per call: at B8 and B64, T = 128
+# (elastic-charlm) masking ran 0.873 of gathering, and 1.05 at B8, T = 256 (2026-12-04).
+MIXED_CALL_MASKED_UP_TO = 1 << 17
+
+
+def runs_masked(pairs: int, T: int, S: int) -> bool:
+    """Whether ONNX Runtime's general body attends a call of T > 1 new tokens over S keys, `pairs` (B, H)
+    pairs a sample, every pair over every key (SA keys masked): what it then executes is full attention."""
+    return T > 1 and pairs * T * S <= MIXED_CALL_MASKED_UP_TO
+
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:
     """Block-local SA layout: the T new queries in blocks of Bq = min(window, T) consecutive ones;

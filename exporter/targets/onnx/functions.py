@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
 from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
+from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO
 
 DOMAIN = "adaptex"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
@@ -244,35 +245,34 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
     return f
 
 
-def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare, dense=None) -> str:
-    """Run-time dispatch on the keep mask (ONNX Runtime): every token kept runs `every()` (all rows,
-    no gather or scatter: a decode step's kept block, one If), none kept returns `unchanged` (a decode
-    step's skipped block, two Ifs), a mix runs `some()` (the gathered rows), two Ifs deep. `dense`,
-    a pair (condition, masked), makes a mix whose condition holds run `masked()` instead (every row,
-    the update masked: where gathering the kept rows costs more than computing the rest), three deep.
+def _dispatch(b: _Body, keep: str, every, unchanged: str, some, prepare, share: float) -> str:
+    """Run-time dispatch on the keep mask (ONNX Runtime): a call where some sample keeps at least
+    `share` of its tokens (every token kept included: a decode step's kept block) runs `every()`
+    (every row, the update masked: where gathering the kept rows costs more than computing the
+    rest), one If deep; none kept returns `unchanged` (a decode step's skipped block) and a smaller
+    mix runs `some()` (the gathered rows), both two Ifs deep. Each If a call passes through costs
+    ONNX Runtime about 13 us at tsa-charlm's B1, T = 128, so the common prefill path goes through two
+    (docs/benchmarking.md#graph-level-findings-that-shape-the-artifacts).
 
     ONNX Runtime (1.32, CPU) pre-packs a MatMul's constant weights when they are initializers of the
     graph the MatMul is in or of its parent, not of a graph further out (measured: ten 32x128x128
     MatMuls, 107 us one If deep, 129 us two deep, the same as with the weights fed as inputs). So
     `prepare()` runs in the branch that holds the mixed case and makes there the copies of the
-    weights that `some()` and `masked()` read (transposes of initializers, which fold to initializers
-    of that branch at load): their MatMuls stay pre-packed, and a decode step keeps its single If.
+    weights that `some()` reads (transposes of initializers, which fold to initializers of that
+    branch at load): its MatMuls stay pre-packed, and a decode step keeps its single If.
 
-    The conditions are reductions of the float mask, the fewest kernels a kept step runs before its
-    If (min = 1: every token kept; max = 0: none; an empty mask counts as every token kept)."""
-    kf = b("Cast", keep, to=TensorProto.FLOAT)
-    every_kept = b("Cast", b("ReduceMin", kf, keepdims=0), to=TensorProto.BOOL)
+    The condition is the largest of the samples' kept shares, reduced from the float mask: the
+    fewest kernels a step runs before its If."""
+    largest = b("ReduceMax", b("ReduceMean", b("Cast", keep, to=TensorProto.FLOAT), b.const([1]), keepdims=0),
+                keepdims=0)
 
     def mixed() -> str:
         prepare()
-        if dense is None:
-            return some()
-        cond, masked = dense
-        return b.if_(cond(), masked, some)
+        return some()
 
-    def not_every() -> str:
-        return b.if_(b("Equal", b("ReduceMax", kf, keepdims=0), b.const(0.0, np.float32)), lambda: unchanged, mixed)
-    return b.if_(every_kept, every, not_every)
+    def not_most() -> str:
+        return b.if_(b("Equal", largest, b.const(0.0, np.float32)), lambda: unchanged, mixed)
+    return b.if_(b("GreaterOrEqual", largest, b.const(share, np.float32)), every, not_most)
 
 
 def _masked_gate(b: _Body, gate: str, keep: str) -> str:
@@ -283,26 +283,32 @@ def _masked_gate(b: _Body, gate: str, keep: str) -> str:
     return b("Where", keep, gate, b.const(0.0, np.float32))
 
 
+def _as_x(b: _Body, y: str, x: str) -> str:
+    """y (the (B*T, d) rows, or already (B, T, d)) in x's shape. After a dispatch If, not inside its
+    branch: an ONNX Runtime If copies a branch output that is a view of another value (a Reshape),
+    where it hands a computed one (the ScatterND) out as it is. In a toy chain of ten Ifs over
+    (1, T, 128), 8.8 us an If at T = 512 against 0.6
+    (docs/benchmarking.md#graph-level-findings-that-shape-the-artifacts)."""
+    return b("Reshape", y, b("Shape", x))
+
+
 CFFN_INPUTS = ["x", "keep", "gate", "ln_w", "ln_b", "w1", "b1", "w2", "b2"]
 
 
-def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.FunctionProto:
+def conditional_ffn_function(variant: str) -> onnx.FunctionProto:
     """The body of adaptex.ConditionalFFN: y = x + keep * gate * FFN(LayerNorm(x)).
 
     sparse: NonZero over the flattened keep mask, Gather of the kept tokens, LayerNormalization and
-    two MatMuls on them only, ScatterND (no reduction) of the updated rows back. dense: every token
-    transformed, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
-    nodes on the keep mask pick nothing, every row (on x as it is, no reshape), or the gathered rows
-    at run time (see _dispatch)."""
+    two MatMuls on them only (none where no token is kept: the kernels run on zero rows), ScatterND
+    (no reduction) of the updated rows back. dense: every token transformed, the update multiplied
+    by keep * gate (static shapes). Every target takes the same sparse body: an If on the keep mask
+    (nothing where none is kept, every row as it is where all are) cost ONNX Runtime more than it
+    saved (docs/benchmarking.md#graph-level-findings-that-shape-the-artifacts)."""
     b = _Body("cf_")
     x, keep, gate, ln_w, ln_b, w1, b1, w2, b2 = CFFN_INPUTS
-    # (in, out) weights, transposed outside any If: they fold to initializers at load, and MatMul +
-    # Add is the pattern ONNX Runtime's fusions know (MatMul+Add, bias+Gelu)
-    W = {}  # the (in, out) weights the FFN's MatMuls read (made again one If deeper by `transposed`)
-
-    def transposed() -> None:
-        W["w1"], W["w2"] = b("Transpose", w1, perm=[1, 0]), b("Transpose", w2, perm=[1, 0])
-    transposed()
+    # (in, out) weights: they fold to initializers at load, and MatMul + Add is the pattern ONNX
+    # Runtime's fusions know (MatMul+Add, bias+Gelu)
+    W = {"w1": b("Transpose", w1, perm=[1, 0]), "w2": b("Transpose", w2, perm=[1, 0])}
 
     def ffn(h_in: str) -> str:  # (..., d) -> (..., d)
         node = helper.make_node("LayerNormalization", [h_in, ln_w, ln_b], [f"cf_ln_{b.n + 1}"], axis=-1)
@@ -313,12 +319,9 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
         u = b("Gelu", b("Add", b("MatMul", node.output[0], W["w1"]), b1))  # (..., f)
         return b("Add", b("MatMul", u, W["w2"]), b2)  # (..., d)
 
-    def rows(body) -> str:  # body(flat rows, flat gate, flat keep) on the (B*T, d) rows, back to x's shape
+    def some() -> str:  # the kept rows only, as the (B*T, d) rows
         flat = b("Reshape", x, b("Concat", b.const([-1]), b("Shape", ln_w), axis=0))  # (B*T, d); folds at load
-        out = body(flat, b("Reshape", gate, b.const([-1])), b("Reshape", keep, b.const([-1])))
-        return b("Reshape", out, b("Shape", x))
-
-    def some(flat: str, gate_flat: str, kflat: str) -> str:  # the kept rows only
+        gate_flat, kflat = b("Reshape", gate, b.const([-1])), b("Reshape", keep, b.const([-1]))
         # the kept rows as (1, K, d), not (K, d): on a 2-D input ONNX Runtime fuses MatMul + bias Add
         # into a Gemm, which leaves the Gelu unfused and runs slower than MatMul + BiasGelu, the
         # kernels the dense graph's FFN gets (docs/benchmarking.md#graph-level-findings-that-shape-the-artifacts)
@@ -328,19 +331,10 @@ def conditional_ffn_function(variant: str, dispatch: bool = False) -> onnx.Funct
         new = b("Add", xs, b("Mul", ffn(xs), g))  # (1, K, d)
         return b("ScatterND", flat, b("Unsqueeze", idx, b.const([2])), new)  # (B*T, d); indices (1, K, 1)
 
-    if variant == "sparse" and dispatch:
-        # run-time dispatch on the decisions: no kept token runs nothing (a decode step's skipped
-        # block); every token kept runs the FFN on x as it is (no reshape, gather or scatter); a
-        # mix the gathered rows, at any share kept (a kept row costs 16 d^2 FLOPs and its gather
-        # and scatter 2 d floats moved, so gathering wins until nearly every row is kept)
-        def every() -> str:
-            return b("Add", x, b("Mul", ffn(x), b("Unsqueeze", gate, b.const([2]))))  # (B, T, d)
-
-        y = _dispatch(b, keep, every, x, lambda: rows(some), transposed)
-    elif variant == "dense":  # on x as it is: no reshape to rows, LayerNorm and MatMuls take (B, T, d)
+    if variant == "dense":  # on x as it is: no reshape to rows, LayerNorm and MatMuls take (B, T, d)
         y = b("Add", x, b("Mul", ffn(x), b("Unsqueeze", _masked_gate(b, gate, keep), b.const([2]))))  # (B, T, d)
     else:
-        y = rows(some)
+        y = _as_x(b, some(), x)
     _name_output(b, y, "y")
     return _private(helper.make_function(
         DOMAIN, "ConditionalFFN", CFFN_INPUTS, ["y"], b.nodes,
@@ -430,15 +424,6 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     head_split = b("Concat", c0, c0, H1, dh1, axis=0)  # [0, 0, H, dh]
     head_merge = b("Concat", c0, c0, d1, axis=0)  # [0, 0, d]
 
-    counts = {}  # the per-sample kept counts and their largest, where the dispatch computed them first
-
-    def kept_counts() -> tuple[str, str, str]:  # keep as int64 (B, T), its (B, 1) counts, max(1, the largest)
-        if not counts:
-            ki = b("Cast", keep, to=TensorProto.INT64)
-            cnt = b("ReduceSum", ki, c1, keepdims=1)
-            counts.update(ki=ki, cnt=cnt, n=b("Max", b("ReduceMax", cnt, keepdims=0), one))
-        return counts["ki"], counts["cnt"], counts["n"]
-
     def attend(hq: str, bias_rows, bias_of, counts: str | None = None, n1: str | None = None) -> str:
         """(B, n, d) query rows -> (B, n, d) updates. bias_rows() makes the (B, 1, n, S) bias, and
         bias_of(i1, j1, c) sample i's (1, 1, c, S) bias rows, for a large call run a sample at a time
@@ -451,9 +436,11 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         o = b("Transpose", o, perm=[0, 2, 1, 3])  # (B, n, H, dh)
         return b("Add", b("MatMul", b("Reshape", o, head_merge), W["o"]), bo)  # (B, n, d)
 
-    def some() -> str:  # the kept query rows only
+    def some() -> str:  # the kept query rows only, as the (B*T, d) rows
         T = b("Squeeze", b("Shape", x, start=1, end=2), c0)  # scalar
-        ki, cnt, n = kept_counts()  # (B, T), (B, 1), scalar: max(1, the largest kept count)
+        ki = b("Cast", keep, to=TensorProto.INT64)  # (B, T)
+        cnt = b("ReduceSum", ki, c1, keepdims=1)  # (B, 1): each sample's kept count
+        n = b("Max", b("ReduceMax", cnt, keepdims=0), one)  # scalar: max(1, the largest kept count)
         n1 = b("Unsqueeze", n, c0)  # (1,)
         if partition == "topk":
             _, order = b("TopK", b("Cast", keep, to=TensorProto.FLOAT), n1, axis=1, largest=1, sorted=1,
@@ -486,26 +473,20 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
                      b("Reshape", cnt, cm1) if dispatch else None, n1)  # (B, n, d)
         gs = b("Unsqueeze", b("Gather", b("Reshape", _masked_gate(b, gate, keep), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
-        y = b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
-        return b("Reshape", y, b("Shape", x))
+        return b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
 
-    def every(masked: bool) -> str:  # every query row (the update masked unless all are kept)
+    def every() -> str:  # every query row, the update masked
         upd = attend(hn, lambda: bias, lambda i1, j1, c: b("Slice", bias, i1, j1, c0))  # (B, T, d)
-        return b("Add", x, b("Mul", upd, b("Unsqueeze", _masked_gate(b, gate, keep) if masked else gate, b.const([2]))))
+        return b("Add", x, b("Mul", upd, b("Unsqueeze", _masked_gate(b, gate, keep), b.const([2]))))
 
     if variant == "sparse" and dispatch:
         # run-time dispatch on the decisions: no kept token runs no query side at all (a decode
-        # step's skipped block), every token kept runs it on all rows without gather and scatter,
-        # and so does a mix whose largest kept count is most of T (the gathered rows would be nearly
-        # every row, plus the gathers of their rows of hn, x and the (T, S) bias)
-        def most_rows() -> str:
-            T = b("Cast", b("Shape", x, start=1, end=2), to=TensorProto.FLOAT)  # (1,)
-            n = kept_counts()[2]
-            return b("GreaterOrEqual", b("Cast", n, to=TensorProto.FLOAT),
-                     b("Squeeze", b("Mul", T, b.const([DENSE_QUERY_SHARE], np.float32)), c0))
-        y = _dispatch(b, keep, lambda: every(False), x, some, projections, dense=(most_rows, lambda: every(True)))
+        # step's skipped block); a call where some sample keeps most of its tokens (every token
+        # kept included) runs it on all rows without gather and scatter (the gathered rows would be
+        # nearly every row, plus the gathers of their rows of hn, x and the (T, S) bias)
+        y = _as_x(b, _dispatch(b, keep, every, x, some, projections, share=DENSE_QUERY_SHARE), x)
     else:
-        y = some() if variant == "sparse" else every(True)
+        y = _as_x(b, some(), x) if variant == "sparse" else every()
     _name_output(b, y, "y")
     return _private(helper.make_function(
         DOMAIN, "ConditionalAttention", CA_INPUTS, ["y"], b.nodes,
@@ -558,8 +539,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     dispatch (ONNX Runtime): If nodes take a shorter path where one applies: a call whose pairs are
     all FA, or whose keys all lie within an SA query's sinks and window, attends every (B, H) pair
     over every visible key as it is (no reshape, gather or scatter); all SA, every pair
-    block-local; only a mix gathers; and a call with SA pairs and at most `masked_up_to` scores
-    (B*H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
+    block-local; only a mix gathers; and a call with SA pairs and at most `masked_up_to` scores a
+    sample (H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
     pairs' keys outside their reach masked. dense: the full score matrix for every head, SA heads through a
     band mask (static shapes). Padding masks by addition (a bias per key), causality by one Trilu of
     NEG above the diagonal (no T x S comparisons). causal_known (the call's causal flag where
@@ -678,13 +659,14 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     up_to = MIXED_CALL_MASKED_UP_TO if masked_up_to is None else masked_up_to
 
     def by_modes() -> str:
-        """Any call: one of at most `up_to` scores (B H T S) every pair as it is, SA keys masked
+        """Any call: one of at most `up_to` scores a sample (H T S) every pair as it is, SA keys masked
         (one If deep, whatever its modes: an ONNX Runtime If costs more than a few small kernels);
         a larger one by its modes (one_mode_or_mixed)."""
         by_mode = lambda: one_mode_or_mixed(every_sa, every_fa, mixed)  # noqa: E731
         if up_to <= 0:
             return by_mode()
-        few = b("LessOrEqual", b("Mul", b("Mul", b("Size", sa), T), S), b.const(up_to))
+        H = b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
+        few = b("LessOrEqual", b("Mul", b("Mul", H, T), S), b.const(up_to))
         return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
@@ -695,10 +677,15 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         if causal_known is None:
             reach = _pick(b, is_causal, *reach)
         outside = b("Not", b("Or", b("Less", j, sink), reach))  # (T, S)
-        hide = b("Where", b("And", b("Unsqueeze", sa, b.const([2, 3])), outside),
-                 b.const(NEG, np.float32), b.const(0.0, np.float32))  # (B, H, T, S)
-        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), b("Add", pad_bias(), hide))
-        return b("MatMul", b("Softmax", with_causality(scores), axis=-1), v)
+        # one bias a pair: padding and causality, (B, 1, T, S) at most, plus the keys outside its reach
+        # where the pair is SA (its mode as 0 or 1 times the (T, S) reach bias): three passes over the
+        # (B, H, T, S) scores where And, Where and three Adds took five (0.966 of that at B1, T = 128)
+        fa_bias = with_causality(pad_bias())
+        hide = b("Where", outside, b.const(NEG, np.float32), b.const(0.0, np.float32))  # (T, S)
+        sa_f = b("Cast", b("Unsqueeze", sa, b.const([2, 3])), to=TensorProto.FLOAT)  # (B, H, 1, 1)
+        bias = b("Add", b("Mul", sa_f, hide), fa_bias)  # (B, H, T, S)
+        scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), bias)
+        return b("MatMul", b("Softmax", scores, axis=-1), v)
 
     def every_sa() -> str:
         qf, kf, vf = flat(q, k, v)
@@ -885,14 +872,6 @@ def _ea_function(b: _Body, variant: str, fused: bool) -> onnx.FunctionProto:
         doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
     ))
 
-
-# A call with SA pairs attends every pair over every visible key, the SA pairs' keys outside their
-# sinks and window masked, while it has at most this many scores (B*H*T*S): there gathering the
-# pairs by mode and attending block-local costs more kernels than the scores it skips. Measured at
-# B1, 1 thread, masked against block-local (docs/benchmarking.md#short-calls): elastic-charlm 0.856
-# at T = 128 (65,536 scores), 1.072 at T = 256 (262,144); elastic-minilm 0.852 at T = 32, 0.906 at
-# T = 64 (49,152), 0.990 at T = 128 (196,608), 1.073 at T = 256.
-MIXED_CALL_MASKED_UP_TO = 1 << 17
 
 # A decode step's mixed layer (some pairs FA, some SA) attends every pair over every key, the SA
 # pairs' keys outside their sinks and window masked, while its cache holds at most this many floats

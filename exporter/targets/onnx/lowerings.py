@@ -104,11 +104,10 @@ def budgeted_attention_onnx_dense(ctx, node):
 @lowering("adaptex::conditional_ffn", target=BOTH, variant="sparse")
 def conditional_ffn_onnx_sparse(ctx, node):
     """NonZero over the keep mask (a data-dependent shape, internal to a TensorRT engine), Gather of
-    the kept tokens, LayerNorm + FFN (two Gemms) on them only, ScatterND back without a reduction
-    attribute (TensorRT <= 10.8 refuses even 'none'): skipped tokens cost nothing. On ONNX Runtime,
-    If nodes on the kept count run nothing when no token is kept and every row without the gather
-    when all are (a decode step at batch 1 is one or the other)."""
-    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("sparse", dispatch=ctx.target == "onnx")])
+    the kept tokens, LayerNorm + FFN (two MatMuls) on them only, ScatterND back without a reduction
+    attribute (TensorRT <= 10.8 refuses even 'none'): skipped tokens cost nothing. The same body on
+    ONNX Runtime: If nodes on the kept count cost more than the gather they skipped."""
+    return OnnxLowering(conditional_ffn_node, [fx.conditional_ffn_function("sparse")])
 
 
 @lowering("adaptex::conditional_ffn", target=BOTH, variant="dense")
