@@ -33,9 +33,12 @@ import numpy as np
 from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
-from adaptex.runtimes.onnxruntime import session_options
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
 
 PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
+# The artifact run as one session (an artifact with programs: runtimes/onnxruntime.py): what an app
+# that loads the file in ONNX Runtime itself gets, timed beside the runner's way
+ONE_SESSION = "adaptive-one-session"
 
 
 @dataclass
@@ -81,9 +84,16 @@ def _size_mb(path: str) -> float:
     return p.stat().st_size / 2**20
 
 
-def _ort_runner(path: str, threads: int):
+def _ort_runner(path: str, threads: int, programs: bool = False):
+    """A callable from feeds to outputs by name: one session of the file, or with programs=True the
+    adaptex runner's way (runtimes.onnxruntime.Programs: a session per program of a dispatching
+    artifact)."""
     import onnxruntime as ort
 
+    if programs:
+        runner = OnnxRuntimeRunner(path, threads).activate()
+        names, takes = runner.output_names(), set(runner.input_metadata())
+        return lambda feeds: dict(zip(names, runner.run_raw({k: v for k, v in feeds.items() if k in takes})))
     sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     takes = {i.name for i in sess.get_inputs()}  # a dense graph takes no decisions (head_modes)
@@ -177,6 +187,10 @@ class Bench:
             cands = cached_onnx_candidates(self.model, self.contract, self.tmp, self.say, cache=self.cache)
             self.graphs = [adaptive] + [Timing(g.name, g.path, how=g.how, dense=g.dense, reason=g.reason)
                                         for g in cands]
+            if has_programs(self.meta):  # what an app that loads the file in ONNX Runtime itself runs
+                self.graphs.append(Timing(ONE_SESSION, self.artifact, dense=False,
+                                          how="the artifact in one ONNX Runtime session, its top-level Ifs choosing "
+                                              "the program"))
             self.runtime = f"onnxruntime {ort.__version__} (CPU)"
 
     def _coreml_graphs(self) -> list[Timing]:
@@ -247,8 +261,23 @@ class Bench:
             return self._fns.get((t.name, None))
         key = (t.name, threads)
         if key not in self._fns:
-            self._fns[key] = _ort_runner(t.path, threads)
+            self._fns[key] = _ort_runner(t.path, threads, programs=t.name == "adaptive")
         return self._fns[key]
+
+    def _ran(self, t: Timing, feeds: dict) -> str:
+        """The file of the graph `t` ran at these feeds: for an artifact with programs, the program
+        the call took (written once to the work directory), which the runner runs as its session."""
+        if t.name != "adaptive" or self.kind != "onnx" or not has_programs(self.meta):
+            return t.path
+        from adaptex.runtimes.onnxruntime import Programs
+
+        programs = Programs(Path(t.path), self.meta, None)
+        path = self.tmp / f"program-{'-'.join('then' if x else 'else' for x in programs.taken(feeds))}.onnx"
+        if not path.exists():
+            import onnx
+
+            onnx.save(programs.model(feeds), str(path))
+        return str(path)
 
     def _fresh_sessions(self, live: list[Timing], block: int, threads: int, feeds: dict, fns: dict) -> None:
         """New ONNX Runtime sessions in `fns` for the graphs of block `block`, created in the order of
@@ -372,7 +401,7 @@ class Bench:
                 raise AdaptexError("--profile reads ONNX Runtime's profiler: it applies to .onnx artifacts")
             say("profiling the adaptive graph and the fastest dense graph ...")
             fastest = _fastest(graphs)
-            profiles = {t.name: profile_onnx(t.path, feeds, threads, self.tmp)
+            profiles = {t.name: profile_onnx(self._ran(t, feeds), feeds, threads, self.tmp)
                         for t in graphs if t.name == "adaptive" or (fastest and t.name == fastest.name)}
         if memory:
             say("measuring peak memory in separate processes ...")
@@ -382,7 +411,7 @@ class Bench:
             for t in live:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
-                    t.peak_rss_mb = _peak_rss(t.path, str(npz), threads, self.compute_units)
+                    t.peak_rss_mb = _peak_rss(self._ran(t, feeds), str(npz), threads, self.compute_units)
         flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(batch, seq),
                                seq, past, target=self.meta.get("target", "onnx")) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
@@ -450,6 +479,8 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     naive_ratio = None
     if naive is not None and naive.times_ms and fastest:
         naive_ratio = float(np.median([a / f for a, f in zip(naive.block_medians(), fastest.block_medians())]))
+    one = next((t for t in graphs if t.name == ONE_SESSION and t.times_ms), None)
+    one_ratio = float(np.median([a / b for a, b in zip(one.block_medians(), ad.block_medians())])) if one else None
     warnings = []
     if ad.times_ms and len(ad.times_ms) < 100:
         warnings.append(f"{len(ad.times_ms)} runs per graph: p99 is close to the maximum; time more runs "
@@ -491,7 +522,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
         "flop_ratio": flop_ratio, "executed_flop_ratio": executed_ratio,
         "latency_ratio": lat_ratio, "latency_ratio_interval": iv,
         "realisation": realisation, "realisation_interval": _interval(realisations),
-        "naive_latency_ratio": naive_ratio,
+        "naive_latency_ratio": naive_ratio, "one_session_ratio": one_ratio,
         "candidates": candidates, "stats": stats,
         "size_mb": {t.name: t.size_mb for t in graphs if t.size_mb is not None},
         "peak_rss_mb": {t.name: t.peak_rss_mb for t in graphs if t.peak_rss_mb is not None},

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.bench import ONE_SESSION
 
 # --- printing ----------------------------------------------------------------------------------------
 
@@ -68,6 +69,9 @@ def format_bench(r: dict) -> str:
                  f"{_iv(r['realisation'], r['realisation_interval'])}")
     if r.get("naive_latency_ratio") is not None:
         lines.append(f"  naive export / yardstick: {r['naive_latency_ratio']:.3f}")
+    if r.get("one_session_ratio") is not None:
+        lines.append(f"  the artifact in one session (its Ifs choosing the program, as an app that loads the file "
+                     f"itself runs it) / adaptive: {r['one_session_ratio']:.3f}")
     if r.get("profile"):
         lines.append(format_profile(r["profile"]))
     lines += [f"  note: {w}" for w in r.get("warnings", [])]
@@ -137,7 +141,8 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
             if s is None:
                 continue
             cand = next((c for c in r["candidates"] if c["name"] == name), None)
-            role = "adaptive" if name == "adaptive" else ("dense" if cand and cand["dense"] else "naive")
+            role = ("adaptive" if name == "adaptive" else "one-session" if name == ONE_SESSION else
+                    "dense" if cand and cand["dense"] else "naive")
             w.writerow({"model": r.get("model", ""), "threads": r["threads"], "batch": r["batch"], "seq": r["seq"], "past": r.get("past", 0),
                         "graph": name, "role": role, "yardstick": name == r["dense_name"], "n": s["n"],
                         **{k: round(s[k], 4) for k in ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "mean_ms", "std_ms",

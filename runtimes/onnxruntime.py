@@ -1,7 +1,17 @@
-"""ONNX Runtime runner (CPU execution provider), thread count settable."""
+"""ONNX Runtime runner (CPU execution provider), thread count settable.
+
+An artifact whose graph begins with run-time dispatch (a decoder's decode-step and short-call
+graphs, --dense-rows: exporter/targets/onnx/dispatch.py) holds several programs under top-level
+Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph (about
+8 to 12% of a B1 decode step: docs/benchmarking.md#one-session-per-program), so the runner runs each
+program as a session of its own (Programs): it chooses the program from the call's input shapes as
+the Ifs would, and loads a program's session when a call first takes it. programs=False runs the
+file in one session, Ifs and all, as an app that loads it with ONNX Runtime itself does."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
 
 from adaptex.exporter.metadata import read_onnx_metadata
 from adaptex.graphs.errors import AdaptexError
@@ -25,28 +35,93 @@ def session_options(threads: int | None):
     return so
 
 
+def _session(model, threads: int | None, where: Path):
+    """An ONNX Runtime session of `model` (a path, or a serialized model), failures in one line."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), session_options(threads),
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise AdaptexError(f"{where}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
+
+
+DISPATCH_ENTRIES = {"decode_step": "decode_step", "short_call": "short_call", "dense": "dispatch"}
+
+
+def has_programs(meta: dict) -> bool:
+    """Whether an artifact with this metadata holds programs under top-level dispatch Ifs."""
+    return any(meta.get(entry) for entry in DISPATCH_ENTRIES.values())
+
+
+class Programs:
+    """The programs of an artifact with top-level dispatch Ifs, one ONNX Runtime session each, made
+    from the file when a call first takes it (exporter/targets/onnx/dispatch.program); the program a
+    call takes is what the Ifs would choose for its input shapes (dispatch.taken)."""
+
+    def __init__(self, path: Path, meta: dict, threads: int | None):
+        import onnx
+
+        self.path, self.threads = path, threads
+        self.conds = {arg: meta.get(entry) for arg, entry in DISPATCH_ENTRIES.items()}
+        self.reads = sorted({v for c in self.conds.values() if c for k, v in c.items() if k.endswith("_input")})
+        self.output_names = [o.name for o in self._proto().graph.output]
+        self.sessions: dict[tuple, object] = {}
+
+    def _proto(self):
+        """The file's model, read again for each program made: a loaded one would hold the weights
+        in memory beside the sessions."""
+        import onnx
+
+        try:
+            return onnx.load(str(self.path))
+        except Exception as e:
+            raise AdaptexError(f"{self.path}: not a readable ONNX model ({str(e).splitlines()[0]})") from None
+
+    def taken(self, feeds: dict) -> tuple[bool, ...]:
+        from adaptex.exporter.targets.onnx.dispatch import taken
+
+        return taken({k: np.shape(feeds[k]) for k in self.reads}, **self.conds)
+
+    def model(self, feeds: dict):
+        """The ModelProto of the program a call with these feeds runs."""
+        from adaptex.exporter.targets.onnx.dispatch import program
+
+        return program(self._proto(), self.taken(feeds))
+
+    def session(self, feeds: dict):
+        path = self.taken(feeds)
+        s = self.sessions.get(path)
+        if s is None:
+            s = self.sessions[path] = _session(self.model(feeds).SerializeToString(), self.threads, self.path)
+        return s
+
+
 class OnnxRuntimeRunner(Runner):
     name = "onnxruntime"
 
-    def __init__(self, path: str | Path, threads: int | None = None, require_metadata: bool = True):
+    def __init__(self, path: str | Path, threads: int | None = None, require_metadata: bool = True,
+                 programs: bool = True):
         check_threads(threads)
         self.path = Path(path)
         self.meta = read_onnx_metadata(self.path) if require_metadata else {}
         super().__init__(limits_of(self.meta))
         self.threads = threads
-        self.session = None
+        self.split = programs and has_programs(self.meta)
+        self.session = self.programs = None
 
     def _activate(self):
-        import onnxruntime as ort
-
-        try:
-            self.session = ort.InferenceSession(str(self.path), session_options(self.threads),
-                                                providers=["CPUExecutionProvider"])
-        except Exception as e:
-            raise AdaptexError(f"{self.path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
+        if self.split:
+            self.programs = Programs(self.path, self.meta, self.threads)
+        else:
+            self.session = _session(self.path, self.threads, self.path)
 
     def _deactivate(self):
-        self.session = None
+        self.session = self.programs = None
+
+    def session_for(self, feeds: dict):
+        """The ONNX Runtime session that runs a call with these feeds (activate() first)."""
+        return self.programs.session(feeds) if self.programs else self.session
 
     def input_metadata(self) -> dict[str, IOSpec]:
         if self.meta:
@@ -57,12 +132,12 @@ class OnnxRuntimeRunner(Runner):
 
     def output_names(self) -> list[str]:
         self.activate()
-        return [o.name for o in self.session.get_outputs()]
+        return self.programs.output_names if self.programs else [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feeds):
         names = self.output_names()
-        return dict(zip(names, self.session.run(names, feeds)))
+        return dict(zip(names, self.session_for(feeds).run(names, feeds)))
 
     def run_raw(self, feeds):
         """Run without validation (for timing loops, after one validated call)."""
-        return self.session.run(None, feeds)
+        return self.session_for(feeds).run(None, feeds)

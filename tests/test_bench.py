@@ -359,9 +359,9 @@ def test_each_block_creates_its_sessions_in_a_rotated_order(tiny_checkpoint, tin
 
     created, real = [], bench_mod._ort_runner
 
-    def recording(path, threads):
+    def recording(path, threads, programs=False):
         created.append(path)
-        return real(path, threads)
+        return real(path, threads, programs)
     monkeypatch.setattr(bench_mod, "_ort_runner", recording)
     model, info = checkpoint.load(tiny_checkpoint)
     with Bench(tiny_onnx["sparse"], model, info) as b:

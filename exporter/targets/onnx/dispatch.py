@@ -362,6 +362,66 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
                      cond=within, initializers=inits + [limit, none], then_initializers=read, domain=domain)
 
 
+def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | None = None,
+          dense: dict | None = None) -> tuple[bool, ...]:
+    """The branches an artifact's top-level Ifs take for a call whose inputs have `shapes` (name ->
+    shape), outermost first (True: the then branch): the conditions merge_decode_step,
+    merge_short_call and merge build into the graph, evaluated on the shapes, in the order export()
+    nests the merges (the decode-step If outermost; short-call and dense dispatch never together).
+    decode_step, short_call, dense: the artifact's metadata entries of those names ("dispatch" for
+    dense), or None where it has none."""
+    path = []
+    if decode_step:
+        step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
+        path.append(bool(step))
+        if step:
+            return tuple(path)
+    if short_call:
+        cache = shapes[short_call["cache_input"]][2]
+        path.append(bool(shapes[short_call["keys_input"]][1] <= short_call["max_keys"] and cache == 0))
+    elif dense:
+        rows = shapes[dense["rows_input"]]
+        path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
+    return tuple(path)
+
+
+def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
+    """The graph that a call taking `path` (taken()) runs in `proto` (a merged artifact), as a model
+    of its own: the chosen branch of each top-level If, outermost first, becomes the main graph, its
+    values that were the Ifs' outputs take the graph's output names, and the main graph's
+    initializers it reads (its weights' fold nodes included) stay initializers. The same inputs,
+    outputs and functions, no metadata. ONNX Runtime runs a branch's nodes slower than the same
+    nodes in a main graph (a B1 decode step of elastic-charlm: 1.12x in the If; of tsa-charlm's dense
+    branch 1.08x; docs/benchmarking.md#one-session-per-program), so runtimes.onnxruntime runs each
+    program as a session of its own."""
+    g = proto.graph
+    nodes, value_info, inits = list(g.node), list(g.value_info), list(g.initializer)
+    target = {o.name: o.name for o in g.output}  # a value of the current level -> the graph output it is
+    for then in path:
+        node = next((n for n in nodes if n.op_type == "If" and n.name.endswith(f"{RESERVED}If")), None)
+        if node is None:
+            raise ExportError("this ONNX model has no run-time dispatch If where its metadata says; export it again")
+        sub = next(a.g for a in node.attribute if a.name == ("then_branch" if then else "else_branch"))
+        target = {s.name: target[o] for s, o in zip(sub.output, node.output)}
+        nodes, value_info, inits = list(sub.node), value_info + list(sub.value_info), inits + list(sub.initializer)
+    produced = {o for n in nodes for o in n.output}
+    rename = {k: v for k, v in target.items() if k in produced}
+    _rename_outputs(nodes, rename)
+    rename_reads(nodes, rename)
+    for k, v in target.items():  # one value that is two outputs, or an outer value handed through
+        if rename.get(k) != v:
+            nodes.append(helper.make_node("Identity", [rename.get(k, k)], [v], name=f"{RESERVED}output.{v}"))
+    read = set(reads(nodes))
+    outputs = {o.name for o in g.output}
+    graph = helper.make_graph(nodes, g.name, list(g.input), list(g.output),
+                              initializer=[t for t in inits if t.name in read],
+                              value_info=[_renamed(v, rename.get(v.name, v.name)) for v in value_info
+                                          if rename.get(v.name, v.name) not in outputs])
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    model.functions.extend(proto.functions)
+    return model
+
+
 def short_keys_of(proto: onnx.ModelProto) -> int | None:
     """The key count at or below which `proto` runs its short-call graph, or None (none)."""
     for i in proto.graph.initializer:
@@ -378,5 +438,5 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "merge_short_call", "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD",
+__all__ = ["merge", "merge_decode_step", "merge_short_call", "taken", "program", "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD",
            "STEP_OVERLOAD", "SHORT_OVERLOAD"]

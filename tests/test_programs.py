@@ -1,0 +1,133 @@
+"""One session per program (runtimes/onnxruntime.py): an artifact whose graph begins with run-time
+dispatch (an elastic decoder's decode-step and short-call graphs, --dense-rows) holds several
+programs under top-level Ifs, and the runner runs the one a call takes as a session of its own
+(exporter/targets/onnx/dispatch.program), chosen from the input shapes as the Ifs choose
+(dispatch.taken). Each call takes the program the file's own Ifs take, computes what the file in one
+session computes, and a program holds no dispatch If; an artifact without dispatch runs as before."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx.passes import reads
+from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _feeds(path, batch: int, seq: int, past: int, seed: int = 0) -> dict:
+    """Inputs of the artifact: ids in its vocabulary, a mask over the cache and the new tokens, a
+    random cache and, for an elastic decoder, random head modes."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = rng.integers(3, 30, (batch, seq)).astype(np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((batch, seq + past if "past" in str(i.shape[1]) else seq), np.int64)
+        elif i.name.startswith("past"):
+            feeds[i.name] = rng.standard_normal((batch, i.shape[1], past, i.shape[3])).astype(np.float32)
+        elif i.name.startswith("head_modes."):
+            feeds[i.name] = rng.random((batch, i.shape[1])) < 0.5
+        else:
+            raise AssertionError(f"unexpected input {i.name}")
+    return feeds
+
+
+def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> list[bool]:
+    """The value of each dispatch If's condition along `path`, as the graph computes it: the nodes
+    before the If at each level, run alone in ONNX Runtime."""
+    g, nodes, inits, out = proto.graph, list(proto.graph.node), list(proto.graph.initializer), []
+    for then in path:
+        at = next(k for k, n in enumerate(nodes) if n.op_type == "If" and n.name.endswith(f"{dispatch.RESERVED}If"))
+        cond_nodes, read = nodes[:at], set(reads(nodes[:at]))
+        model = helper.make_model(
+            helper.make_graph(cond_nodes, "cond", list(g.input),
+                              [helper.make_tensor_value_info(nodes[at].input[0], TensorProto.BOOL, [])],
+                              initializer=[t for t in inits if t.name in read]),
+            opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+        out.append(bool(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                        .run(None, feeds)[0]))
+        sub = next(a.g for a in nodes[at].attribute if a.name == ("then_branch" if then else "else_branch"))
+        nodes, inits = list(sub.node), inits + list(sub.initializer)
+    return out
+
+
+PATHS = {"step": (True,), "short": (False, True), "long": (False, False), "dense": (True,), "sparse": (False,)}
+
+
+# the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys); dense dispatch at 8 rows
+@pytest.mark.parametrize("artifact, batch, seq, past, program", [
+    ("eldec", 1, 1, 9, "step"),
+    ("eldec", 3, 1, 20, "step"),
+    ("eldec", 2, 1, 0, "short"),   # one new token and no cache: a prompt, not a step
+    ("eldec", 2, 10, 0, "short"),
+    ("eldec", 2, 11, 0, "long"),
+    ("eldec", 2, 3, 5, "long"),    # new tokens after a cache
+    ("tsa-rows", 8, 1, 7, "dense"),
+    ("tsa-rows", 9, 1, 7, "sparse"),
+    ("tsa-rows", 2, 5, 0, "sparse"),
+])
+def test_the_runner_takes_the_program_the_files_ifs_take_and_computes_the_same(artifacts, artifact, batch, seq,
+                                                                               past, program):
+    path = artifacts("eldec") if artifact == "eldec" else artifacts("tsa", dense_rows="8")
+    feeds = _feeds(path, batch, seq, past)
+    runner = OnnxRuntimeRunner(path, threads=1)
+    got = runner.infer(feeds)
+    assert list(runner.programs.sessions) == [PATHS[program]]
+    assert _conditions(onnx.load(str(path)), feeds, PATHS[program]) == list(PATHS[program])
+    one = OnnxRuntimeRunner(path, threads=1, programs=False)
+    assert one.programs is None
+    want = one.infer(feeds)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        if want[name].dtype.kind in "biu":
+            assert np.array_equal(got[name], want[name]), name
+        else:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=1e-6, err_msg=name)
+
+
+def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
+    """Each program passes onnx.checker, keeps the file's inputs and outputs, holds no dispatch If
+    and no metadata, and reads its weights from initializers of its own."""
+    path = artifacts("eldec")
+    proto = onnx.load(str(path))
+    for program in ("step", "short", "long"):
+        model = dispatch.program(proto, PATHS[program])
+        onnx.checker.check_model(model, full_check=True)
+        assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
+        assert [o.name for o in model.graph.output] == [o.name for o in proto.graph.output]
+        assert not any(n.name.endswith(f"{dispatch.RESERVED}If") for n in model.graph.node)
+        assert not model.metadata_props
+        made = {o for n in model.graph.node for o in n.output}
+        assert set(reads(model.graph.node)) <= made | {i.name for i in model.graph.input} | {
+            t.name for t in model.graph.initializer}
+    with pytest.raises(Exception, match="no run-time dispatch If"):
+        dispatch.program(proto, (False, False, True))
+
+
+def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):
+    runner = OnnxRuntimeRunner(artifacts("eldec", decode_graph="off", short_graph="off"), threads=1)
+    runner.activate()
+    assert runner.programs is None and runner.session is not None
+
+
+def test_bench_times_the_runners_way_and_the_file_in_one_session(artifacts, family_checkpoints, tmp_path):
+    """bench's adaptive row is the runner's (a session per program); the file in one session, what an
+    app that loads it itself runs, is timed beside it and reported against it."""
+    from adaptex.graphs import checkpoint
+    from adaptex.runtimes.bench import ONE_SESSION, Bench
+    from adaptex.runtimes.bench_report import format_bench
+
+    model, info = checkpoint.load(family_checkpoints / "eldec")
+    with Bench(artifacts("eldec"), model, info) as b:
+        r = b.run(seq=1, past=9, runs=10, blocks=2, warmup=1, memory=False)
+    assert r["stats"]["adaptive"] and r["stats"][ONE_SESSION] and r["one_session_ratio"] > 0
+    assert next(c for c in r["candidates"] if c["name"] == ONE_SESSION)["dense"] is False
+    assert r["dense_name"] != ONE_SESSION
+    assert "the artifact in one session" in format_bench(r)
