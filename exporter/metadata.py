@@ -109,7 +109,7 @@ def validate(meta, where) -> dict:
     if routed is not None:
         rows = routed.get("dense_rows")
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1 \
-                or not isinstance(routed.get("rows_input"), str):
+                or not (isinstance(routed.get("rows_input"), str) and routed["rows_input"] in meta["inputs"]):
             raise AdaptexError(f"{where}: metadata 'dispatch' needs dense_rows (a whole number >= 1) and rows_input "
                                "(an input name); re-export it with adaptex")
     stepped = meta.get("decode_step")
@@ -117,6 +117,12 @@ def validate(meta, where) -> dict:
                                        for k in ("new_tokens_input", "cache_input")):
         raise AdaptexError(f"{where}: metadata 'decode_step' needs new_tokens_input and cache_input (names of "
                            "inputs); re-export it with adaptex")
+    if stepped is not None and "near_keys" in stepped:
+        near = stepped["near_keys"]
+        if not isinstance(near, int) or isinstance(near, bool) or near < 1 \
+                or not (isinstance(stepped.get("keys_input"), str) and stepped["keys_input"] in meta["inputs"]):
+            raise AdaptexError(f"{where}: metadata 'decode_step' with near_keys needs a whole number >= 1 and "
+                               "keys_input (an input name); re-export it with adaptex")
     within = meta.get("short_call")
     if within is not None:
         keys = within.get("max_keys")

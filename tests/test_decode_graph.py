@@ -73,13 +73,15 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
     return {tag for e in events if e.get("cat") == "Node"
-            for tag in ("step", "short", "long") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+            for tag in ("near", "step", "short", "long") if f"{dispatch.RESERVED}{tag}." in e["name"]}
 
 
 # the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph
+# and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
-    (1, 1, 9, "step"),      # a decode step
-    (3, 1, 20, "step"),
+    (1, 1, 9, "near"),      # a decode step after a short cache
+    (3, 1, 19, "near"),
+    (3, 1, 20, "step"),     # a decode step
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
     (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
@@ -102,7 +104,10 @@ def _same(got: list, want: list, names: list) -> None:
 
 
 @pytest.mark.parametrize("batch, past, modes, pad", [
-    (1, 9, "sa", 0),      # every pair SA: the sinks and the window only
+    (1, 9, "sa", 0),      # a near-cache step (at most 20 keys): every pair over every key, masked
+    (2, 15, "mixed", 3),  # ... a mix, with left padding
+    (2, 19, "fa", 0),     # ... every pair FA
+    (2, 25, "sa", 0),     # every pair SA: the sinks and the window only
     (2, 30, "sa", 4),     # ... with left padding in the window's reach
     (2, 30, "fa", 3),     # every pair FA
     (4, 40, "mixed", 2),  # a mix, small: every pair over every key, SA keys outside masked
@@ -135,10 +140,7 @@ def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
     """The short-call branch attends densely (no adaptex call, one causal and padding bias for
     every layer) and reads no cache (its shape at most); the long one calls the op."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    outer = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    inner_if = next(n for n in outer["else_branch"].node if n.op_type == "If")
-    inner = {a.name: a.g for a in inner_if.attribute}
-    short, long = inner["then_branch"], inner["else_branch"]
+    short, long = (dispatch.program(proto, path).graph for path in ((False, False, True), (False, False, False)))
     assert not any(n.domain == "adaptex" for n in short.node) and not any(n.op_type == "If" for n in short.node)
     assert {n.op_type for n in short.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
     assert any(n.domain == "adaptex" for n in long.node)
@@ -156,16 +158,19 @@ def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders
             if n.op_type == "If" and n.name.startswith(dispatch.RESERVED):
                 for a in n.attribute:
                     yield a.name, a.g
-    step, general = (g for _, g in branches(loaded.graph))
+    near, others = (g for _, g in branches(loaded.graph))
+    step, general = (g for _, g in branches(others))
     short, long = (g for _, g in branches(general))
-    for g in (step, short, long):  # three graphs, each with its own folded copies
+    for g in (near, step, short, long):  # four graphs, each with its own folded copies
         assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in g.node)
         assert len([i for i in g.initializer if np.prod(i.dims) > 1]) >= len(weights) // 2
 
 
 def test_an_sa_pair_reads_nothing_of_its_cache_outside_its_sinks_and_window(decoders, family_checkpoints):
     """NaN in every cache entry an SA query does not see leaves a step whose pairs are all SA
-    finite and unchanged: those entries are never read (the general graph's masking reads them)."""
+    finite and unchanged: those entries are never read (the general graph's masking reads them, as
+    does the near-cache step graph, which attends at most fx.NEAR_STEP_KEYS x (sink + window) keys
+    masked)."""
     sess = _session(decoders["eldec.onnx"])
     model, _ = checkpoint.load(family_checkpoints / "eldec")
     sink, window, past = model.cfg.sink, model.cfg.window, 40
@@ -212,9 +217,13 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert "decode_step" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
+    assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
-    branches = {a.name: a.g for a in proto.graph.node[-1].attribute}
+    top = {a.name: a.g for a in proto.graph.node[-1].attribute}
+    near, steps = top["then_branch"], top["else_branch"]  # steps after at most 20 keys, or the rest
+    assert steps.node[-1].op_type == "If"
+    branches = {a.name: a.g for a in steps.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]
     assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
                                                  "And", "If"]  # short or long
@@ -225,7 +234,13 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert any(n.op_type == "Where" for n in general.node)
     calls = [n for n in step.node if n.domain == "adaptex"]
     assert calls and all(n.overload == dispatch.STEP_OVERLOAD for n in calls)
-    assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {"", dispatch.STEP_OVERLOAD}
+    assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {
+        "", dispatch.STEP_OVERLOAD, dispatch.NEAR_OVERLOAD}
+    # the near-cache step graph: the step graph's nodes, its calls' bodies masked, with no If at all
+    near_calls = [n for n in near.node if n.domain == "adaptex"]
+    assert len(near_calls) == len(calls) and all(n.overload == dispatch.NEAR_OVERLOAD for n in near_calls)
+    near_body, = (f for f in proto.functions if f.name == "ElasticAttention" and f.overload == dispatch.NEAR_OVERLOAD)
+    assert not any(n.op_type == "If" for n in near.node) and not any(n.op_type == "If" for n in near_body.node)
     # what every layer's step body reads alike (the positions an SA query reads, the padding biases)
     # is computed once in the step graph and read by every call: the body computes no position
     shared = {tuple(n.input[len(EA_INPUTS):]) for n in calls}
@@ -292,6 +307,11 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
                 {**good, "keys_input": "nope"}, {"max_keys": 10}, "10"):
         with pytest.raises(AdaptexError, match="short_call"):
             validate({**meta, "short_call": bad}, "m.onnx")
+    step = meta["decode_step"]
+    for bad in ({**step, "near_keys": "20"}, {**step, "near_keys": 0}, {**step, "near_keys": False},
+                {**step, "keys_input": "nope"}, {k: v for k, v in step.items() if k != "keys_input"}):
+        with pytest.raises(AdaptexError, match="decode_step' with near_keys"):
+            validate({**meta, "decode_step": bad}, "m.onnx")
 
 
 def test_bench_names_the_graph_a_call_runs():

@@ -345,7 +345,7 @@ def test_metadata_with_a_malformed_threshold_is_refused(merged):
 
     meta = read_onnx_metadata(merged["bf"])
     for bad in ({"dense_rows": "8", "rows_input": "input_ids"}, {"dense_rows": 0, "rows_input": "input_ids"},
-                {"dense_rows": 8}, "8"):
+                {"dense_rows": 8}, {"dense_rows": 8, "rows_input": "nope"}, "8"):
         with pytest.raises(AdaptexError, match="dispatch"):
             validate({**meta, "dispatch": bad}, "m.onnx")
 

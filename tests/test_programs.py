@@ -57,12 +57,15 @@ def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> 
     return out
 
 
-PATHS = {"step": (True,), "short": (False, True), "long": (False, False), "dense": (True,), "sparse": (False,)}
+PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), "long": (False, False, False),
+         "dense": (True,), "sparse": (False,)}
 
 
-# the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys); dense dispatch at 8 rows
+# the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys; near-cache steps: at most
+# 20); dense dispatch at 8 rows
 @pytest.mark.parametrize("artifact, batch, seq, past, program", [
-    ("eldec", 1, 1, 9, "step"),
+    ("eldec", 1, 1, 9, "near"),
+    ("eldec", 3, 1, 19, "near"),   # 20 keys: the most a near-cache step has
     ("eldec", 3, 1, 20, "step"),
     ("eldec", 2, 1, 0, "short"),   # one new token and no cache: a prompt, not a step
     ("eldec", 2, 10, 0, "short"),
@@ -97,7 +100,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
     and no metadata, and reads its weights from initializers of its own."""
     path = artifacts("eldec")
     proto = onnx.load(str(path))
-    for program in ("step", "short", "long"):
+    for program in ("near", "step", "short", "long"):
         model = dispatch.program(proto, PATHS[program])
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
@@ -108,7 +111,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
         assert set(reads(model.graph.node)) <= made | {i.name for i in model.graph.input} | {
             t.name for t in model.graph.initializer}
     with pytest.raises(Exception, match="no run-time dispatch If"):
-        dispatch.program(proto, (False, False, True))
+        dispatch.program(proto, (False, False, False, True))
 
 
 def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):

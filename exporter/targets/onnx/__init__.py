@@ -43,7 +43,7 @@ def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx", ep=None, step: bool = False, short: bool = False,
-          decode_graph: bool = False, by_sample: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          decode_graph: bool = False, by_sample: bool = True, near: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
@@ -51,11 +51,13 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     short: the short-call program (no adaptex call: dense attention and the routers);
     decode_graph: the general program of an artifact that holds the step program too. by_sample:
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
-    graph whose calls are known to stay below its threshold."""
+    graph whose calls are known to stay below its threshold. near: with step, the near-cache step
+    program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS)."""
     ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
-    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph)
+    ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph,
+                          near=near)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         entry = lookup(op_name(node), target, variant, node)
@@ -310,11 +312,22 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
     if step:
         say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
-        step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, step=True)
-        ids_input, past_input = contract.input_names()[0], contract.input_names()[2]
+        step_ep = trace_for(model, contract, step=True)
+        step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
+                                             step=True)
+        ids_input, keys_input, past_input = contract.input_names()[:3]
         proto = dispatch.merge_decode_step(step_proto, proto, ids_input=ids_input, past_input=past_input,
                                            domain=fx.DOMAIN)
         stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
+        reach = contract.short_call_keys()
+        if reach is not None and variant == "sparse":  # an elastic decoder: steps after a short cache
+            near = fx.NEAR_STEP_KEYS * reach
+            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys) ...")
+            near_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
+                                        step=True, near=True)
+            proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
+                                               keys=(keys_input, near), domain=fx.DOMAIN)
+            stepped.update(keys_input=keys_input, near_keys=near)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},

@@ -54,6 +54,7 @@ from adaptex.exporter.targets.onnx.passes import masks_once, reads, rename_reads
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
+NEAR_OVERLOAD = "near"
 SHORT_OVERLOAD = "short"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
 # A main-graph initializer of at most this many elements (an axis list, a shape, a scalar) is copied
@@ -307,30 +308,46 @@ def _squeezed_axis(name: str, axis: int, tag: str) -> tuple[list, str]:
 
 
 def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
-                      domain: str = "adaptex") -> onnx.ModelProto:
+                      keys: tuple[str, int] | None = None, domain: str = "adaptex") -> onnx.ModelProto:
     """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
     non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
-    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). The two are traces of one
+    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n): the
+    near-cache step program, for steps whose `input` (the attention mask) has at most n columns;
+    `general` is then the model with the other steps' program. The two are traces of one
     model: an initializer of the step graph equal to one of the general graph's (a weight) is
     stored once; one that shares a name but not its values (a trace's constant) is renamed.
-    `general` may itself be a merged model (merge_short_call): its branches then keep their own
-    copies of the weights, folded from the main graph's."""
+    `general` may itself be a merged model (merge_short_call, or this function's): its branches then
+    keep their own copies of the weights, folded from the main graph's."""
+    tag, overload = ("near", NEAR_OVERLOAD) if keys else ("step", STEP_OVERLOAD)
     gs, gg = step.graph, general.graph
     _same_io(gs, gg, "decode-step and general graphs")
-    _has_inputs(gg, "decode-step", ((ids_input, 2), (past_input, 3)))
-    step_model, inits, read = _share_weights(step, gg, "step")
-    one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{RESERVED}{n}") for v, n in ((1, "one"), (0, "zero")))
-    is_step = f"{RESERVED}is_step"
-    new_nodes, new = _squeezed_axis(ids_input, 1, "new")
-    cached_nodes, cached = _squeezed_axis(past_input, 2, "cached")
+    _has_inputs(gg, "decode-step", ((ids_input, 2), (past_input, 3)) + (((keys[0], 2),) if keys else ()))
+    step_model, inits, read = _share_weights(step, gg, tag)
+    prefix = RESERVED if tag == "step" else f"{RESERVED}{tag}_"
+    one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}") for v, n in ((1, "one"), (0, "zero")))
+    is_step = f"{prefix}is_step"
+    new_nodes, new = _squeezed_axis(ids_input, 1, f"{tag}_new" if keys else "new")
+    cached_nodes, cached = _squeezed_axis(past_input, 2, f"{tag}_cached" if keys else "cached")
     cond_nodes = new_nodes + cached_nodes + [
-        helper.make_node("Equal", [new, one.name], [f"{RESERVED}one_new"], name=f"{RESERVED}Equal"),
-        helper.make_node("Greater", [cached, zero.name], [f"{RESERVED}has_cache"], name=f"{RESERVED}Greater"),
-        helper.make_node("And", [f"{RESERVED}one_new", f"{RESERVED}has_cache"], [is_step], name=f"{RESERVED}And"),
+        helper.make_node("Equal", [new, one.name], [f"{prefix}one_new"], name=f"{prefix}Equal"),
+        helper.make_node("Greater", [cached, zero.name], [f"{prefix}has_cache"], name=f"{prefix}Greater"),
+        helper.make_node("And", [f"{prefix}one_new", f"{prefix}has_cache"], [is_step], name=f"{prefix}And"),
     ]
-    return _if_model(step_model, general, tags=("step", "general"), overload=STEP_OVERLOAD, cond_nodes=cond_nodes,
-                     cond=is_step, initializers=inits + [one, zero], then_initializers=read, domain=domain,
-                     other_local=short_keys_of(general) is None)
+    limits = []
+    if keys:
+        if isinstance(keys[1], bool) or not isinstance(keys[1], int) or keys[1] < 1:
+            raise ExportError(f"near-cache step dispatch: the key count must be a whole number of at least 1, "
+                              f"got {keys[1]!r}")
+        limit = numpy_helper.from_array(np.array(keys[1], dtype=np.int64), f"{prefix}limit")
+        key_nodes, n_keys = _squeezed_axis(keys[0], 1, f"{tag}_keys")
+        cond_nodes += key_nodes + [
+            helper.make_node("LessOrEqual", [n_keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual"),
+            helper.make_node("And", [is_step, f"{prefix}few_keys"], [f"{prefix}near_step"], name=f"{prefix}And_near"),
+        ]
+        is_step, limits = f"{prefix}near_step", [limit]
+    return _if_model(step_model, general, tags=(tag, "general"), overload=overload, cond_nodes=cond_nodes,
+                     cond=is_step, initializers=inits + [one, zero] + limits, then_initializers=read, domain=domain,
+                     other_local=not _dispatches(general))
 
 
 def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
@@ -367,12 +384,17 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     """The branches an artifact's top-level Ifs take for a call whose inputs have `shapes` (name ->
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
     merge_short_call and merge build into the graph, evaluated on the shapes, in the order export()
-    nests the merges (the decode-step If outermost; short-call and dense dispatch never together).
+    nests the merges (the near-cache step's If outermost, then the decode step's; short-call and
+    dense dispatch never together).
     decode_step, short_call, dense: the artifact's metadata entries of those names ("dispatch" for
     dense), or None where it has none."""
     path = []
     if decode_step:
         step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
+        if decode_step.get("near_keys"):  # the near-cache step program's If, outermost
+            path.append(bool(step and shapes[decode_step["keys_input"]][1] <= decode_step["near_keys"]))
+            if path[-1]:
+                return tuple(path)
         path.append(bool(step))
         if step:
             return tuple(path)
@@ -420,6 +442,11 @@ def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     model.functions.extend(proto.functions)
     return model
+
+
+def _dispatches(proto: onnx.ModelProto) -> bool:
+    """Whether `proto`'s graph is a merged model (its top a dispatch If)."""
+    return any(n.op_type == "If" and n.name == f"{RESERVED}If" for n in proto.graph.node)
 
 
 def short_keys_of(proto: onnx.ModelProto) -> int | None:

@@ -891,7 +891,16 @@ MIXED_STEP_MASKED_UP_TO = 1 << 20
 STEP_SHARED = ["keys", "bias", "bias_sa", "outside"]
 
 
-def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
+# A decode step whose cache holds at most this many times sink + window keys runs the near-cache step
+# program (export: dispatch.merge_decode_step with near_keys): every layer attends every key, an SA
+# pair's keys outside its sinks and window masked, with no If and no count of its modes. Measured on
+# elastic-charlm (sink + window = 68; docs/benchmarking.md#decode-steps), against the step program,
+# both as sessions of their own: 0.93 at B1, B8 and 0.96 at B64 after 127 cached tokens; after 255,
+# 0.99 at B1 but 1.07 at B8 and 1.15 at B64, where every key costs more than the Ifs.
+NEAR_STEP_KEYS = 2
+
+
+def elastic_step_function(head_dim: int | None = None, near: bool = False) -> onnx.FunctionProto:
     """adaptex.ElasticAttention for a call the exporter traced as a decode step (ONNX Runtime): one
     causal query per pair (T = 1) after a non-empty cache (docs/ops.md). A layer whose pairs are
     all FA attends every key; all SA, only the sinks and the window of the cache (a Gather of those
@@ -901,18 +910,17 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
     If branch (exporter/targets/onnx/dispatch.py). It serves the decode-step program only: the general
     body takes every other call (exporter/targets/onnx/dispatch.py). head_dim: the calls' dh where
     tracing fixed it, so the score scale is a constant (else read from q's shape: four kernels a
-    layer)."""
+    layer). near: the body of the near-cache step program (NEAR_STEP_KEYS): every pair over every
+    key, masked."""
     b = _Body("eas_")
     q, k, v, sa, _ = EA_INPUTS
     keys, bias, bias_sa, outside = STEP_SHARED
-    c0 = b.const(0)
     neg, zero = b.const(NEG, np.float32), b.const(0.0, np.float32)
     if head_dim:
         scale = b.const(1.0 / np.sqrt(head_dim), np.float32)
     else:
         scale = b("Reciprocal", b("Sqrt", b("Cast", b("Shape", q, start=3, end=4), to=TensorProto.FLOAT)))
     qs = b("Mul", q, scale)  # (B, H, 1, dh)
-    n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
 
     def attend(qx: str, kx: str, vx: str, bx: str, perm=(0, 1, 3, 2)) -> str:
         scores = b("Add", b("MatMul", qx, b("Transpose", kx, perm=list(perm))), bx)
@@ -947,9 +955,12 @@ def elastic_step_function(head_dim: int | None = None) -> onnx.FunctionProto:
         small = b("LessOrEqual", b("Size", k), b.const(MIXED_STEP_MASKED_UP_TO))
         return b.if_(small, masked, by_pairs)
 
-    # every pair SA first: the common case where the routers were trained for a high SA share (one If)
-    out = b.if_(b("Equal", n_sa, b("Size", sa)), every_sa,
-                lambda: b.if_(b("Equal", n_sa, c0), lambda: attend(qs, k, v, bias), mixed))
+    if near:
+        out = masked()
+    else:  # every pair SA first: the common case where the routers were trained for a high SA share (one If)
+        n_sa = b("ReduceSum", b("Cast", sa, to=TensorProto.INT64), keepdims=0)
+        out = b.if_(b("Equal", n_sa, b("Size", sa)), every_sa,
+                    lambda: b.if_(b("Equal", n_sa, b.const(0)), lambda: attend(qs, k, v, bias), mixed))
     b.nodes.append(helper.make_node("Identity", [out], ["o"]))
     return _private(helper.make_function(
         DOMAIN, "ElasticAttention", EA_INPUTS + STEP_SHARED, ["o"], b.nodes,

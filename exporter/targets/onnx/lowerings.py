@@ -25,6 +25,7 @@ class LoweringContext:
     onnx_opset: int
     step: bool = False  # the decode-step program: every call one causal token after a non-empty cache
     decode_graph: bool = False  # the general program of an artifact whose decode steps run the step program
+    near: bool = False  # the near-cache step program (fx.NEAR_STEP_KEYS), with step
 
 
 @dataclass
@@ -162,7 +163,7 @@ def elastic_attention_onnx_sparse(ctx, node):
     sinks: O(T (sink + window))); ScatterND puts both groups back. In a decode-step program (ONNX
     Runtime) the step's own body: an SA pair reads its sinks and window, a FA pair every key."""
     if ctx.step and ctx.target == "onnx":
-        return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node))])
+        return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node), near=ctx.near)])
     ort = ctx.target == "onnx"
     return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
         "sparse", causal_flag(node), dispatch=ort, decode_step=ort and not ctx.decode_graph, fused=ort,
