@@ -108,6 +108,8 @@ class OnnxRuntimeRunner(Runner):
         super().__init__(limits_of(self.meta))
         self.threads = threads
         self.split = programs and has_programs(self.meta)
+        if not programs and has_programs(self.meta):
+            self.name = "onnxruntime (one session)"
         self.session = self.programs = None
 
     def _activate(self):

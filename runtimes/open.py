@@ -41,12 +41,15 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def open_artifact(path: str | Path, threads: int | None = None, compute_units: str | None = None,
-                  accumulate: str | None = None, ranges: bool = False):
+                  accumulate: str | None = None, ranges: bool = False, one_session: bool = False):
     """The runner for an artifact, by its kind. compute_units (Core ML on macOS), accumulate and
     ranges (the MIL reference evaluation of a Core ML package) are refused anywhere they would be
-    ignored."""
+    ignored, as is one_session (ONNX: the file in one session, its top-level Ifs choosing the graph,
+    as an app that loads it itself runs it, instead of a session per graph)."""
     path = Path(path)
     kind = artifact_kind(path)
+    if one_session and kind != "onnx":
+        raise AdaptexError("--one-session applies to ONNX artifacts (.onnx) only")
     if compute_units and kind != "coreml":
         raise AdaptexError("--compute-units applies to Core ML packages (.mlpackage) only")
     if (accumulate or ranges) and kind != "coreml":
@@ -55,7 +58,7 @@ def open_artifact(path: str | Path, threads: int | None = None, compute_units: s
     if kind == "onnx":
         from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
-        return OnnxRuntimeRunner(path, threads)
+        return OnnxRuntimeRunner(path, threads, programs=not one_session)
     if kind == "coreml":
         if not path.exists():
             raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")

@@ -134,3 +134,23 @@ def test_bench_times_the_runners_way_and_the_file_in_one_session(artifacts, fami
     assert next(c for c in r["candidates"] if c["name"] == ONE_SESSION)["dense"] is False
     assert r["dense_name"] != ONE_SESSION
     assert "the artifact in one session" in format_bench(r)
+
+
+def test_check_runs_the_file_in_one_session_on_request(artifacts, tmp_path):
+    """`adaptex check --one-session` checks what an app that loads the file itself runs (the Ifs
+    choosing the graph); the flag is refused for another kind of artifact."""
+    import subprocess
+    import sys
+
+    from adaptex.graphs.errors import AdaptexError
+    from adaptex.runtimes.open import open_artifact
+
+    path = artifacts("eldec")
+    r = subprocess.run([sys.executable, "-m", "adaptex", "check", str(path), "--one-session", "--samples", "6",
+                        "--quiet"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "onnxruntime (one session)" in r.stdout and "PASSED" in r.stdout
+    assert open_artifact(path, one_session=True).programs is None
+    (tmp_path / "m.mlpackage").mkdir()
+    with pytest.raises(AdaptexError, match="--one-session applies to ONNX artifacts"):
+        open_artifact(tmp_path / "m.mlpackage", one_session=True)

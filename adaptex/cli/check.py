@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                         "default) or in fp16 throughout (the worst case, as the Neural Engine may)")
     s.add_argument("--ranges", action="store_true",
                    help="Core ML packages: report every fp16 op's largest |x| and partial sums against 65504")
+    s.add_argument("--one-session", action="store_true",
+                   help="ONNX artifacts: run the file in one ONNX Runtime session, its top-level Ifs choosing the "
+                        "graph, as an app that loads it itself does (default: a session per graph, as adaptex runs it)")
     s.add_argument("--against", default=None, metavar="ARTIFACT",
                    help="compare with another artifact of the same checkpoint (e.g. the .mlpackage of an .onnx) "
                         "instead of the eager model, decisions first")
@@ -41,7 +44,8 @@ def run(args) -> int:
 
     at_least(args, samples=1, threads=0, atol=0, rtol=0, seed=0)
     set_threads(args.threads)
-    options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges)
+    options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges,
+                   one_session=args.one_session)
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
     inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
@@ -50,7 +54,8 @@ def run(args) -> int:
         report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
                        samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads,
                        compute_units=args.compute_units, fp16_accumulation=args.fp16_accumulation,
-                       ranges=args.ranges, against=args.against, progress=bar.to(lambda r: r.samples))
+                       ranges=args.ranges, against=args.against, one_session=args.one_session,
+                       progress=bar.to(lambda r: r.samples))
     if args.save_results:
         from pathlib import Path
 
