@@ -2,8 +2,8 @@
 
 An artifact whose graph begins with run-time dispatch (a decoder's decode-step and short-call
 graphs, --dense-rows: exporter/targets/onnx/dispatch.py) holds several programs under top-level
-Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph (about
-8 to 12% of a B1 decode step: docs/benchmarking.md#one-session-per-program), so the runner runs each
+Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph (3 to
+10% of a B1 decode step: docs/benchmarking.md#one-session-per-program), so the runner runs each
 program as a session of its own (Programs): it chooses the program from the call's input shapes as
 the Ifs would, and loads a program's session when a call first takes it. programs=False runs the
 file in one session, Ifs and all, as an app that loads it with ONNX Runtime itself does."""
@@ -60,8 +60,9 @@ class Programs:
     call takes is what the Ifs would choose for its input shapes (dispatch.taken)."""
 
     def __init__(self, path: Path, meta: dict, threads: int | None):
-        import onnx
+        from adaptex.exporter.targets.onnx.dispatch import program, taken
 
+        self._taken, self._program = taken, program  # imported here: the exporter's package imports torch
         self.path, self.threads = path, threads
         self.conds = {arg: meta.get(entry) for arg, entry in DISPATCH_ENTRIES.items()}
         self.reads = sorted({v for c in self.conds.values() if c for k, v in c.items() if k.endswith("_input")})
@@ -79,15 +80,11 @@ class Programs:
             raise AdaptexError(f"{self.path}: not a readable ONNX model ({str(e).splitlines()[0]})") from None
 
     def taken(self, feeds: dict) -> tuple[bool, ...]:
-        from adaptex.exporter.targets.onnx.dispatch import taken
-
-        return taken({k: np.shape(feeds[k]) for k in self.reads}, **self.conds)
+        return self._taken({k: np.shape(feeds[k]) for k in self.reads}, **self.conds)
 
     def model(self, feeds: dict):
         """The ModelProto of the program a call with these feeds runs."""
-        from adaptex.exporter.targets.onnx.dispatch import program
-
-        return program(self._proto(), self.taken(feeds))
+        return self._program(self._proto(), self.taken(feeds))
 
     def session(self, feeds: dict):
         path = self.taken(feeds)

@@ -323,11 +323,12 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     _same_io(gs, gg, "decode-step and general graphs")
     _has_inputs(gg, "decode-step", ((ids_input, 2), (past_input, 3)) + (((keys[0], 2),) if keys else ()))
     step_model, inits, read = _share_weights(step, gg, tag)
-    prefix = RESERVED if tag == "step" else f"{RESERVED}{tag}_"
+    sub = "near_" if keys else ""  # the near-cache If's own values: dispatch.near_*
+    prefix = f"{RESERVED}{sub}"
     one, zero = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}") for v, n in ((1, "one"), (0, "zero")))
     is_step = f"{prefix}is_step"
-    new_nodes, new = _squeezed_axis(ids_input, 1, f"{tag}_new" if keys else "new")
-    cached_nodes, cached = _squeezed_axis(past_input, 2, f"{tag}_cached" if keys else "cached")
+    new_nodes, new = _squeezed_axis(ids_input, 1, f"{sub}new")
+    cached_nodes, cached = _squeezed_axis(past_input, 2, f"{sub}cached")
     cond_nodes = new_nodes + cached_nodes + [
         helper.make_node("Equal", [new, one.name], [f"{prefix}one_new"], name=f"{prefix}Equal"),
         helper.make_node("Greater", [cached, zero.name], [f"{prefix}has_cache"], name=f"{prefix}Greater"),
@@ -339,7 +340,7 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
             raise ExportError(f"near-cache step dispatch: the key count must be a whole number of at least 1, "
                               f"got {keys[1]!r}")
         limit = numpy_helper.from_array(np.array(keys[1], dtype=np.int64), f"{prefix}limit")
-        key_nodes, n_keys = _squeezed_axis(keys[0], 1, f"{tag}_keys")
+        key_nodes, n_keys = _squeezed_axis(keys[0], 1, f"{sub}keys")
         cond_nodes += key_nodes + [
             helper.make_node("LessOrEqual", [n_keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual"),
             helper.make_node("And", [is_step, f"{prefix}few_keys"], [f"{prefix}near_step"], name=f"{prefix}And_near"),
@@ -413,9 +414,9 @@ def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
     values that were the Ifs' outputs take the graph's output names, and the main graph's
     initializers it reads (its weights' fold nodes included) stay initializers. The same inputs,
     outputs and functions, no metadata. ONNX Runtime runs a branch's nodes slower than the same
-    nodes in a main graph (a B1 decode step of elastic-charlm: 1.12x in the If; of tsa-charlm's dense
-    branch 1.08x; docs/benchmarking.md#one-session-per-program), so runtimes.onnxruntime runs each
-    program as a session of its own."""
+    nodes in a main graph (B1 decode steps of elastic-charlm: 1.07 to 1.10x in the Ifs; of
+    tsa-charlm's dense branch 1.03 to 1.08x; docs/benchmarking.md#one-session-per-program), so
+    runtimes.onnxruntime runs each program as a session of its own."""
     g = proto.graph
     nodes, value_info, inits = list(g.node), list(g.value_info), list(g.initializer)
     target = {o.name: o.name for o in g.output}  # a value of the current level -> the graph output it is
