@@ -17,6 +17,9 @@ printed beside it (a change of speed that changes values is a bug). Differences 
 control: pass a byte-identical copy of the baseline too, and read the new artifact against the
 baseline only where the copy's interval holds 1.000.
 Against the fastest dense graph, use `adaptex bench`; this script compares adaptive graphs only.
+Each file runs in one ONNX Runtime session, as an app that loads it runs it: a file with run-time
+dispatch is timed with its top-level Ifs, where adaptex's runner (and `adaptex bench`) would run each
+graph as a session of its own (docs/benchmarking.md#one-session-per-program).
 """
 from __future__ import annotations
 
