@@ -502,11 +502,15 @@ class ElasticDecoderFamily(DecoderContract):
             return extra
         return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              near_keys: int | None = None) -> dict:
+        """near_keys: the artifact's near-cache step limit (its metadata's decode_step.near_keys): a
+        step after at most that many keys attends every key, masked."""
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        every_key = variant == "dense" or (target == "onnx" and runs_masked(sa.shape[-1], seq, past + seq))
+        near = bool(near_keys) and seq == 1 and past > 0 and past + seq <= near_keys
+        every_key = variant == "dense" or (target == "onnx" and (near or runs_masked(sa.shape[-1], seq, past + seq)))
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

@@ -126,17 +126,20 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
 
 
 def ran_graph(meta: dict, seq: int, past: int) -> str | None:
-    """Which graph of an artifact with a decode-step or a short-call graph a call runs ("decode-step"
-    for one new token after a non-empty cache, "short-call" for a prefill of at most its max_keys
-    tokens, else "general"); None for an artifact with neither."""
-    within = meta.get("short_call")
-    if not meta.get("decode_step") and not within:
+    """Which graph of an artifact with decode-step or short-call graphs a call of `seq` new tokens
+    after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", else "general"),
+    as its top-level Ifs choose (dispatch.taken); None for an artifact with none of them."""
+    step, within = meta.get("decode_step"), meta.get("short_call")
+    if not step and not within:
         return None
-    if meta.get("decode_step") and seq == 1 and past > 0:
-        return "decode-step"
-    if within and past == 0 and seq <= within["max_keys"]:
-        return "short-call"
-    return "general"
+    from adaptex.exporter.targets.onnx.dispatch import taken
+
+    role = {"new_tokens_input": (1, seq), "cache_input": (1, 1, past, 1), "keys_input": (1, past + seq)}
+    shapes = {name: role[k] for c in (step, within) if c for k, name in c.items() if k in role}
+    graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
+        + (["decode-step"] if step else []) + (["short-call"] if within else [])
+    path = taken(shapes, decode_step=step, short_call=within)
+    return graphs[len(path) - 1] if path and path[-1] else "general"
 
 
 class Bench:
@@ -412,8 +415,10 @@ class Bench:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(self._ran(t, feeds), str(npz), threads, self.compute_units)
+        near = (self.meta.get("decode_step") or {}).get("near_keys")  # an elastic decoder's, recorded at export
         flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(batch, seq),
-                               seq, past, target=self.meta.get("target", "onnx")) or {}
+                               seq, past, target=self.meta.get("target", "onnx"),
+                               **({"near_keys": near} if near else {})) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles)
 
