@@ -44,6 +44,7 @@ from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, short_call_traced
+from adaptex.graphs.nn.elastic import given_mode_logits
 from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
@@ -246,6 +247,7 @@ class ElasticDecoder(nn.Module):
         if short_program:  # the cache is empty there: the mask's columns are the new tokens'
             key_ok = key_ok[:, -T:]
         bias = _dense_bias(key_ok, T) if short_program else None
+        modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
         decisions, presents = [], []
         for li in range(cfg.num_layers):
             q, k, v = bb.qkv(li, h, ctx)  # (B, H, T, dh), (B, Hkv, T, dh) x 2
@@ -253,17 +255,27 @@ class ElasticDecoder(nn.Module):
                 k = torch.cat([past[li][0], k], dim=2)
                 v = torch.cat([past[li][1], v], dim=2)
             presents.append((k, v))
-            modes = head_modes[li] if head_modes is not None else None
+            modes = modes_of[li] if modes_of is not None else None
             force = force_sa[li] if force_sa is not None else None
             if bias is not None:  # a prefill: the routers decide (the given modes serve steps)
                 o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias)
             else:
-                o, dec = self.routers[li](q, k, v, key_ok, modes, has_past,
-                                          mode=mode, force_sa=force, tau=tau, return_decisions=True)
+                o, dec = self.routers[li](q, k, v, key_ok, modes, has_past, mode=mode, force_sa=force, tau=tau,
+                                          return_decisions=True,
+                                          given_logits=logits_of[li] if logits_of is not None else None)
             decisions.append(dec)
             h = bb.attn_out(li, h, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
             h = bb.mlp(li, h)
         return bb.head(h), decisions, presents
+
+
+def _given_decisions(head_modes: list[Tensor]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Every layer's given modes and their one-hot logits, made at once for a decode-step program
+    (its decisions echo the modes): one Concat, Split and a logits chain for all the layers, where
+    a layer at a time costs each layer an Identity and the chain (on elastic-charlm's B1 step, 5
+    kernels against 18)."""
+    H, modes = head_modes[0].shape[1], torch.cat([m.bool() for m in head_modes], dim=1)  # (B, L * Hkv)
+    return modes.split(H, dim=1), given_mode_logits(modes).split(H, dim=1)
 
 
 def _dense_bias(key_ok: Tensor, T: int) -> Tensor:

@@ -151,9 +151,12 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, head_modes: Tensor | None = None,
                 use_modes: Tensor | None = None, *, mode: str | None = None, force_sa: Tensor | None = None,
-                tau: float | None = None, return_decisions: bool = False):
-        """o (B, H, T, dh); with return_decisions, (o, decisions) (the shipped elastic models' call)."""
-        o, dec = self._attend(q, k, v, key_mask, head_modes, use_modes, self.resolve_mode(mode), force_sa, tau)
+                tau: float | None = None, return_decisions: bool = False, given_logits: Tensor | None = None):
+        """o (B, H, T, dh); with return_decisions, (o, decisions) (the shipped elastic models' call).
+        given_logits: with head_modes and no use_modes (a decode step), their one-hot logits (B, Hkv, 2),
+        made by the caller (given_mode_logits: a decoder's step program makes every layer's at once)."""
+        o, dec = self._attend(q, k, v, key_mask, head_modes, use_modes, self.resolve_mode(mode), force_sa, tau,
+                              given_logits)
         return (o, dec) if return_decisions else o
 
     def _given_or_routed(self, k: Tensor, key_mask: Tensor, given: Tensor,
@@ -164,8 +167,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         prefill) the router decides. Traced for a runtime that runs an `If` (traced_control_flow),
         the choice is a torch.cond; elsewhere the graph computes both and selects."""
         def given_logits(k: Tensor, key_mask: Tensor, given: Tensor, plan: Tensor | None = None) -> Tensor:
-            # rows of the identity: one Gather of a constant (a stack of ~given and given is five kernels)
-            return torch.eye(2, device=given.device)[given.long()]
+            return given_mode_logits(given)
 
         def routed_logits(k: Tensor, key_mask: Tensor, given: Tensor, plan: Tensor) -> Tensor:
             return self.route(k, key_mask, plan)
@@ -181,7 +183,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
             logits = torch.where(use_modes, given_logits(k, key_mask, given), routed_logits(k, key_mask, given, plan))
         return logits, _choice(logits)
 
-    def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau) -> tuple[Tensor, dict]:
+    def _attend(self, q, k, v, key_mask, head_modes, use_modes, mode, force_sa, tau,
+                given_logits=None) -> tuple[Tensor, dict]:
         key_mask = key_mask.bool()
         kq, vq = self._groups(k), self._groups(v)  # (B, H, S, dh) for the query heads
         if mode == "dense":  # every head full attention: the backbone itself
@@ -200,6 +203,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         if head_modes is None:
             logits = self.route(k, key_mask)  # (B, Hkv, 2)
             sa = _choice(logits)
+        elif given_logits is not None and use_modes is None:
+            logits, sa = given_logits, head_modes.bool()
         else:  # the given modes' logits are one-hot, so the choice read off the logits is theirs
             logits, sa = self._given_or_routed(k, key_mask, head_modes.bool(), use_modes)
         margin = None
@@ -238,6 +243,13 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         o = torch.softmax(scores, dim=-1) @ vq
         self.record({"sa": sa, "logits": logits})
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
+
+
+def given_mode_logits(modes: Tensor) -> Tensor:
+    """(..., 2) fp32 one-hot [FA, SA] logits of given modes (..., ) bool: two kernels in a graph
+    (Unsqueeze, Where; a Gather of the identity's rows is three, a stack of ~modes and modes five)."""
+    eye = torch.eye(2, device=modes.device)  # an op, not a tensor constant: a torch.cond branch takes it
+    return torch.where(modes[..., None], eye[1], eye[0])
 
 
 def _choice(logits: Tensor) -> Tensor:

@@ -888,7 +888,7 @@ MIXED_STEP_MASKED_UP_TO = 1 << 20
 # padding bias (B, 1, 1, S) and at those positions (B, 1, 1, L), and the positions outside them (S,).
 # The call's translation computes them in the graph (lowerings.elastic_step_node), where the
 # exporter's common-subexpression elimination leaves one copy for every layer.
-STEP_SHARED = ["keys", "bias", "bias_sa", "outside"]
+STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 
 
 # A decode step whose cache holds at most this many times sink + window keys runs the near-cache step
@@ -914,8 +914,8 @@ def elastic_step_function(head_dim: int | None = None, near: bool = False) -> on
     key, masked."""
     b = _Body("eas_")
     q, k, v, sa, _ = EA_INPUTS
-    keys, bias, bias_sa, outside = STEP_SHARED
-    neg, zero = b.const(NEG, np.float32), b.const(0.0, np.float32)
+    keys, bias, bias_sa, bias_far = STEP_SHARED
+    zero = b.const(0.0, np.float32)
     if head_dim:
         scale = b.const(1.0 / np.sqrt(head_dim), np.float32)
     else:
@@ -930,8 +930,7 @@ def elastic_step_function(head_dim: int | None = None, near: bool = False) -> on
         return attend(qs, b("Gather", k, keys, axis=2), b("Gather", v, keys, axis=2), bias_sa)
 
     def masked() -> str:  # every pair over every key, an SA pair's keys outside sinks and window hidden
-        hide = b("And", b("Unsqueeze", sa, b.const([2, 3])), outside)  # (B, H, 1, S)
-        return attend(qs, k, v, b("Add", bias, b("Where", hide, neg, zero)))
+        return attend(qs, k, v, b("Where", b("Unsqueeze", sa, b.const([2, 3])), bias_far, bias))  # (B, H, 1, S)
 
     def by_pairs() -> str:  # FA pairs over every key, SA pairs over their sinks and window
         cm1 = b.const([-1])
@@ -1031,7 +1030,7 @@ def _ea_schema(FP):
         "ElasticAttention", DOMAIN, OPSET_VERSION,
         doc="Every head of a layer, each full or streaming (sinks + local window); see docs/ops.md.",
         inputs=[FP(n, "B" if n in ("sa", "key_mask") else "T") for n in EA_INPUTS]
-        + [FP(n, {"keys": "I", "outside": "B"}.get(n, "F"), "a decode step's (STEP_SHARED)",
+        + [FP(n, {"keys": "I"}.get(n, "F"), "a decode step's (STEP_SHARED)",
               param_option=defs.OpSchema.FormalParameterOption.Optional) for n in STEP_SHARED],
         outputs=[FP("o", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"), ("B", ["tensor(bool)"], ""),

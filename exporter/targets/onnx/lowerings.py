@@ -74,8 +74,9 @@ def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: boo
                         ints(1, 2))  # (B, 1, 1, S): fx._pad_bias, in the graph
     bias_sa = op.Gather(bias, keys, axis=3)  # (B, 1, 1, L)
     j = op.Range(zero, S, one)
-    outside = op.Not(op.Or(op.Less(j, ns), op.GreaterOrEqual(j, ws)))  # (S,)
-    return _opset().ElasticAttention(q, k, v, sa, key_mask, keys, bias, bias_sa, outside, sink=sink,
+    outside = op.Not(op.Or(op.Less(j, ns), op.GreaterOrEqual(j, ws)))  # (S,): keys an SA query does not read
+    bias_far = op.Where(outside, op.Constant(value_float=fx.NEG), bias)  # (B, 1, 1, S): an SA pair's bias
+    return _opset().ElasticAttention(q, k, v, sa, key_mask, keys, bias, bias_sa, bias_far, sink=sink,
                                      window=window, causal=int(causal))
 
 
