@@ -515,14 +515,13 @@ class ElasticDecoderFamily(DecoderContract):
         return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
 
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
-              near_keys: int | None = None) -> dict:
-        """near_keys: the artifact's near-cache step limit (its metadata's decode_step.near_keys): a
-        step after at most that many keys attends every key, masked."""
+              near_step: bool = False) -> dict:
+        """near_step: the call ran the artifact's near-cache step program, which attends every key,
+        masked (runtimes.bench.ran_graph reads which program a call runs from the metadata)."""
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        near = bool(near_keys) and seq == 1 and past > 0 and past + seq <= near_keys
-        every_key = variant == "dense" or (target == "onnx" and (near or runs_masked(sa.shape[-1], seq, past + seq)))
+        every_key = variant == "dense" or (target == "onnx" and (near_step or runs_masked(sa.shape[-1], seq, past + seq)))
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

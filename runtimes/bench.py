@@ -125,16 +125,16 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
     return meta.get("variant", "sparse")
 
 
-def ran_graph(meta: dict, seq: int, past: int) -> str | None:
-    """Which graph of an artifact with decode-step or short-call graphs a call of `seq` new tokens
-    after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", else "general"),
+def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
+    """Which graph of an artifact with decode-step or short-call graphs a call of `batch` x `seq` new
+    tokens after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", else "general"),
     as its top-level Ifs choose (dispatch.taken); None for an artifact with none of them."""
     step, within = meta.get("decode_step"), meta.get("short_call")
     if not step and not within:
         return None
     from adaptex.exporter.targets.onnx.dispatch import taken
 
-    role = {"new_tokens_input": (1, seq), "cache_input": (1, 1, past, 1), "keys_input": (1, past + seq)}
+    role = {"new_tokens_input": (batch, seq), "cache_input": (batch, 1, past, 1), "keys_input": (batch, past + seq)}
     shapes = {name: role[k] for c in (step, within) if c for k, name in c.items() if k in role}
     graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
         + (["decode-step"] if step else []) + (["short-call"] if within else [])
@@ -415,10 +415,10 @@ class Bench:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(self._ran(t, feeds), str(npz), threads, self.compute_units)
-        near = (self.meta.get("decode_step") or {}).get("near_keys")  # an elastic decoder's, recorded at export
+        near = ran_graph(self.meta, seq, past, batch) == "near-cache decode-step"  # an elastic decoder's
         flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(batch, seq),
                                seq, past, target=self.meta.get("target", "onnx"),
-                               **({"near_keys": near} if near else {})) or {}
+                               **({"near_step": True} if near else {})) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles)
 
@@ -511,7 +511,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     return {
         "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
         "ran_variant": ran_variant(bench.meta, batch, seq),
-        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past),
+        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past, batch),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),

@@ -268,19 +268,22 @@ def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse
 
 
 def test_a_near_cache_step_executes_every_key(artifacts):
-    """An elastic decoder's step after at most near_keys keys runs the near-cache step graph, which
-    attends every key masked: bench counts it so, and names it; a step past the limit gathers."""
+    """An elastic decoder's step after at most near_keys keys (or near_cells batch x keys) runs the
+    near-cache step graph, which attends every key masked: bench counts it so, and names it; a step
+    past both limits gathers."""
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.runtimes.bench import ran_graph
 
     model = artifacts.model("eldec")
     contract = family_contract(model)
     meta = read_onnx_metadata(artifacts("eldec"))
-    near = meta["decode_step"]["near_keys"]
-    out = {f"decisions.layer{i}.sa": np.ones((2, model.cfg.num_kv_heads), bool) for i in range(model.cfg.num_layers)}
-    for past, graph in ((near - 1, "near-cache decode-step"), (near, "decode-step")):
-        r = contract.flops(out, "sparse", 1, past, near_keys=near)
-        assert ran_graph(meta, 1, past) == graph
+    near, cells = meta["decode_step"]["near_keys"], meta["decode_step"]["near_cells"]
+    for batch, past, graph in ((5, near - 1, "near-cache decode-step"), (5, near, "decode-step"),
+                               (2, cells // 2 - 1, "near-cache decode-step"), (2, cells // 2, "decode-step")):
+        out = {f"decisions.layer{i}.sa": np.ones((batch, model.cfg.num_kv_heads), bool)
+               for i in range(model.cfg.num_layers)}
+        assert ran_graph(meta, 1, past, batch) == graph
+        r = contract.flops(out, "sparse", 1, past, near_step=graph == "near-cache decode-step")
         assert (r["executed_flop_ratio"] == 1.0) == (graph == "near-cache decode-step") and r["flop_ratio"] < 1.0
 
 

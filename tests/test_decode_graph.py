@@ -77,11 +77,15 @@ def _ran(path, feeds, tmp_path) -> set[str]:
 
 
 # the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph
-# and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) the near-cache step graph
+# and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 80 batch x keys (fx.NEAR_STEP_CELLS x 10)
+# the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "near"),      # a decode step after a short cache
-    (3, 1, 19, "near"),
-    (3, 1, 20, "step"),     # a decode step
+    (5, 1, 19, "near"),     # 20 keys
+    (5, 1, 20, "step"),     # a decode step: 21 keys, 105 cells
+    (3, 1, 20, "near"),     # 63 cells
+    (1, 1, 79, "near"),     # 80 cells
+    (1, 1, 80, "step"),
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
     (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
@@ -107,9 +111,10 @@ def _same(got: list, want: list, names: list) -> None:
     (1, 9, "sa", 0),      # a near-cache step (at most 20 keys): every pair over every key, masked
     (2, 15, "mixed", 3),  # ... a mix, with left padding
     (2, 19, "fa", 0),     # ... every pair FA
-    (2, 25, "sa", 0),     # every pair SA: the sinks and the window only
-    (2, 30, "sa", 4),     # ... with left padding in the window's reach
-    (2, 30, "fa", 3),     # every pair FA
+    (1, 60, "mixed", 2),  # ... after a longer cache, at B1 (at most 80 batch x keys)
+    (4, 25, "sa", 0),     # every pair SA: the sinks and the window only
+    (3, 30, "sa", 4),     # ... with left padding in the window's reach
+    (3, 30, "fa", 3),     # every pair FA
     (4, 40, "mixed", 2),  # a mix, small: every pair over every key, SA keys outside masked
     (336, 99, "mixed", 5),  # a mix past MIXED_STEP_MASKED_UP_TO floats: pairs gathered by mode
     (2, 3, "sa", 0),      # a cache shorter than the sinks and the window
@@ -218,10 +223,11 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
+    assert meta["decode_step"]["near_cells"] == 80
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     top = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    near, steps = top["then_branch"], top["else_branch"]  # steps after at most 20 keys, or the rest
+    near, steps = top["then_branch"], top["else_branch"]  # steps after at most 20 keys (or 80 cells), or the rest
     assert steps.node[-1].op_type == "If"
     branches = {a.name: a.g for a in steps.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]
@@ -309,6 +315,8 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
             validate({**meta, "short_call": bad}, "m.onnx")
     step = meta["decode_step"]
     for bad in ({**step, "near_keys": "20"}, {**step, "near_keys": 0}, {**step, "near_keys": False},
+                {**step, "near_cells": 0}, {**step, "near_cells": 8.0}, {**step, "near_cells": None},
+                {k: v for k, v in step.items() if k != "near_keys"},
                 {**step, "keys_input": "nope"}, {k: v for k, v in step.items() if k != "keys_input"}):
         with pytest.raises(AdaptexError, match="decode_step' with near_keys"):
             validate({**meta, "decode_step": bad}, "m.onnx")
@@ -324,3 +332,8 @@ def test_bench_names_the_graph_a_call_runs():
     assert ran_graph(both, 3, 5) == "general"  # new tokens after a cache: the general graph
     assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
     assert ran_graph({}, 10, 0) is None
+    near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,
+                                    "near_cells": 80}}
+    assert ran_graph(near, 1, 19) == ran_graph(near, 1, 79) == ran_graph(near, 1, 25, batch=3) == "near-cache decode-step"
+    assert ran_graph(near, 1, 80) == ran_graph(near, 1, 25, batch=4) == "decode-step"
+    assert ran_graph(near, 4, 19, batch=9) == "general"

@@ -308,12 +308,13 @@ def _squeezed_axis(name: str, axis: int, tag: str) -> tuple[list, str]:
 
 
 def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
-                      keys: tuple[str, int] | None = None, domain: str = "adaptex") -> onnx.ModelProto:
+                      keys: tuple[str, int] | tuple[str, int, int] | None = None,
+                      domain: str = "adaptex") -> onnx.ModelProto:
     """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
     non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
-    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n): the
-    near-cache step program, for steps whose `input` (the attention mask) has at most n columns;
-    `general` is then the model with the other steps' program. The two are traces of one
+    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n[, cells]): the
+    near-cache step program, for steps whose `input` (the attention mask) has at most n columns, or
+    at most `cells` batch x columns; `general` is then the model with the other steps' program. The two are traces of one
     model: an initializer of the step graph equal to one of the general graph's (a weight) is
     stored once; one that shares a name but not its values (a trace's constant) is renamed.
     `general` may itself be a merged model (merge_short_call, or this function's): its branches then
@@ -336,16 +337,30 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     ]
     limits = []
     if keys:
-        if isinstance(keys[1], bool) or not isinstance(keys[1], int) or keys[1] < 1:
-            raise ExportError(f"near-cache step dispatch: the key count must be a whole number of at least 1, "
-                              f"got {keys[1]!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in keys[1:]):
+            raise ExportError(f"near-cache step dispatch: the key and cell counts must be whole numbers of at "
+                              f"least 1, got {keys[1:]!r}")
         limit = numpy_helper.from_array(np.array(keys[1], dtype=np.int64), f"{prefix}limit")
         key_nodes, n_keys = _squeezed_axis(keys[0], 1, f"{sub}keys")
-        cond_nodes += key_nodes + [
-            helper.make_node("LessOrEqual", [n_keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual"),
-            helper.make_node("And", [is_step, f"{prefix}few_keys"], [f"{prefix}near_step"], name=f"{prefix}And_near"),
-        ]
-        is_step, limits = f"{prefix}near_step", [limit]
+        few = f"{prefix}few_keys"
+        cond_nodes += key_nodes + [helper.make_node("LessOrEqual", [n_keys, limit.name], [few],
+                                                    name=f"{prefix}LessOrEqual")]
+        limits = [limit]
+        if len(keys) > 2:  # or few cells: batch x keys
+            cells = numpy_helper.from_array(np.array(keys[2], dtype=np.int64), f"{prefix}cells_limit")
+            cond_nodes += [
+                helper.make_node("Shape", [keys[0]], [f"{prefix}batch_keys"], name=f"{prefix}Shape_cells", start=0,
+                                 end=2),
+                helper.make_node("ReduceProd", [f"{prefix}batch_keys"], [f"{prefix}cells"],
+                                 name=f"{prefix}ReduceProd_cells", keepdims=0),
+                helper.make_node("LessOrEqual", [f"{prefix}cells", cells.name], [f"{prefix}few_cells"],
+                                 name=f"{prefix}LessOrEqual_cells"),
+                helper.make_node("Or", [few, f"{prefix}few_cells"], [f"{prefix}few_keys_or_cells"],
+                                 name=f"{prefix}Or_cells"),
+            ]
+            few, limits = f"{prefix}few_keys_or_cells", [limit, cells]
+        cond_nodes.append(helper.make_node("And", [is_step, few], [f"{prefix}near_step"], name=f"{prefix}And_near"))
+        is_step = f"{prefix}near_step"
     return _if_model(step_model, general, tags=(tag, "general"), overload=overload, cond_nodes=cond_nodes,
                      cond=is_step, initializers=inits + [one, zero] + limits, then_initializers=read, domain=domain,
                      other_local=not _dispatches(general))
@@ -393,7 +408,9 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     if decode_step:
         step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
         if decode_step.get("near_keys"):  # the near-cache step program's If, outermost
-            path.append(bool(step and shapes[decode_step["keys_input"]][1] <= decode_step["near_keys"]))
+            batch, keys = shapes[decode_step["keys_input"]][:2]
+            cells = decode_step.get("near_cells")
+            path.append(bool(step and (keys <= decode_step["near_keys"] or (cells and batch * keys <= cells))))
             if path[-1]:
                 return tuple(path)
         path.append(bool(step))
