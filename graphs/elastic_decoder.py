@@ -522,6 +522,7 @@ class ElasticDecoderFamily(DecoderContract):
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        every_key = variant == "dense" or (target == "onnx" and (near_step or runs_masked(sa.shape[-1], seq, past + seq)))
+        masked = near_step or runs_masked(sa.shape[-1], seq, past + seq)
+        every_key = variant == "dense" or (target == "onnx" and masked)
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

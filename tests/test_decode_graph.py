@@ -227,7 +227,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     top = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    near, steps = top["then_branch"], top["else_branch"]  # steps after at most 20 keys (or 80 cells), or the rest
+    near, steps = top["then_branch"], top["else_branch"]  # steps of at most 20 keys (or 80 cells), the rest
     assert steps.node[-1].op_type == "If"
     branches = {a.name: a.g for a in steps.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]
@@ -334,6 +334,7 @@ def test_bench_names_the_graph_a_call_runs():
     assert ran_graph({}, 10, 0) is None
     near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,
                                     "near_cells": 80}}
-    assert ran_graph(near, 1, 19) == ran_graph(near, 1, 79) == ran_graph(near, 1, 25, batch=3) == "near-cache decode-step"
+    for seq, past, batch in ((1, 19, 1), (1, 79, 1), (1, 25, 3)):
+        assert ran_graph(near, seq, past, batch) == "near-cache decode-step"
     assert ran_graph(near, 1, 80) == ran_graph(near, 1, 25, batch=4) == "decode-step"
     assert ran_graph(near, 4, 19, batch=9) == "general"
