@@ -8,9 +8,10 @@ fastest dense graph of its weights, over the grid the docs quote.
 Grid: batch {1, 8, 64} x sequence {32, 128, 512} (each model up to its position limit), plus the
 decoders' steps (one new token) after {127, 511} cached, at each batch. Each point is one
 interleaved bench (runtimes/bench.py): every graph once per round in shuffled order, the rounds in
-blocks, ratios as the median and min-max over blocks. At batch 1 every dense candidate is timed; at
-larger batches the three fastest of the same length at batch 1 (a large batch of the slow ones
-would take most of the run). Writes docs/results/latency.md (the tables), latency.csv (every graph
+blocks, ratios as the median and min-max over blocks. Every dense candidate is warmed up at every
+point and the bench times those within 1.15x of the fastest in warm-up (the fastest at batch 1 is not
+always the fastest at batch 8: the 2026-12-05 run, which timed only batch 1's three fastest at larger
+batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a full bench beat by 19%). Writes docs/results/latency.md (the tables), latency.csv (every graph
 at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
 takes about half an hour on 2 cores (`--threads 1,2` adds a column of runs).
 """
@@ -84,22 +85,17 @@ def main(argv=None) -> int:
             adaptex.export(model, None, path)
             with Bench(path, model, info, progress=lambda m: print(f"  {m}", file=sys.stderr)) as bench:
                 for thr in threads:
-                    rows, best = [], {}
-                    for batch, seq, past in sorted(grid):  # batch 1 first: it picks the candidates
+                    rows = []
+                    for batch, seq, past in sorted(grid):
                         print(f"{name}: threads={thr} batch={batch} T={seq} past={past}", file=sys.stderr, flush=True)
-                        only = best.get((seq, past)) if batch > 1 else None
                         try:
                             r = bench.run(batch=batch, seq=seq, past=past, threads=thr, warmup=3, min_runs=10,
-                                          time_budget_s=6.0, memory=False, only=only)
+                                          time_budget_s=6.0, memory=False)
                         except Exception as e:  # one failed point is a line in the table, not a lost run
                             failed.append(f"{name}: threads={thr} batch={batch} T={seq} past={past}: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                             print(f"  failed: {failed[-1]}", file=sys.stderr)
                             continue
-                        if batch == 1:
-                            timed = sorted((c for c in r["candidates"] if c["dense"] and c["p50_ms"] is not None),
-                                           key=lambda c: c["p50_ms"])
-                            best[(seq, past)] = {c["name"] for c in timed[:3]}
                         r["model"] = name
                         rows.append(r)
                     rows.sort(key=lambda r: (r["past"] > 0, r["batch"], r["seq"], r["past"]))

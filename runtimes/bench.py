@@ -360,17 +360,12 @@ class Bench:
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
             warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
-            memory: bool = True, profile: bool = False, prune: bool = True, min_runs: int = 30,
-            only: set[str] | None = None) -> dict:
-        """Time every graph at one point (`only`: the dense candidates to time, by name; the others are
-        reported as not timed); the dict `format_bench` prints."""
+            memory: bool = True, profile: bool = False, prune: bool = True, min_runs: int = 30) -> dict:
+        """Time every graph at one point; the dict `format_bench` prints."""
         self._build()
         say, contract = self.say, self.contract
         feeds, batch, seq = self._feeds(batch, seq, past, feeds, self._specs())
         graphs = [Timing(t.name, t.path, how=t.how, dense=t.dense, reason=t.reason) for t in self.graphs]
-        for t in graphs:
-            if only is not None and t.dense and t.name not in only and t.reason is None:
-                t.reason = "not timed at this point (bench was given the candidates to time)"
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         feeds = self._fill_cache(feeds, fns["adaptive"])
