@@ -885,7 +885,8 @@ MIXED_STEP_MASKED_UP_TO = 1 << 20
 
 # What a decode step's body reads besides EA_INPUTS, the same for every layer (they depend on the key
 # mask and the attributes alone): the key positions an SA query reads (sinks, then the window), the
-# padding bias (B, 1, 1, S) and at those positions (B, 1, 1, L), and the positions outside them (S,).
+# padding bias (B, 1, 1, S) and at those positions (B, 1, 1, L), and the padding bias with the
+# positions outside them hidden too (B, 1, 1, S: an SA pair's bias where a layer masks).
 # The call's translation computes them in the graph (lowerings.elastic_step_node), where the
 # exporter's common-subexpression elimination leaves one copy for every layer.
 STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
