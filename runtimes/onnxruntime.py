@@ -87,10 +87,11 @@ class Programs:
         return self._program(self._proto(), self.taken(feeds))
 
     def session(self, feeds: dict):
-        path = self.taken(feeds)
+        path = self.taken(feeds)  # once a call: the session is looked up, the program made on a miss only
         s = self.sessions.get(path)
         if s is None:
-            s = self.sessions[path] = _session(self.model(feeds).SerializeToString(), self.threads, self.path)
+            model = self._program(self._proto(), path)
+            s = self.sessions[path] = _session(model.SerializeToString(), self.threads, self.path)
         return s
 
 

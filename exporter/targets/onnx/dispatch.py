@@ -315,8 +315,9 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n[, cells]): the
     near-cache step program, for steps whose `input` (the attention mask) has at most n columns, or
     at most `cells` batch x columns; `general` is then the model with the other steps' program. The
-    two are traces of one model: an initializer of the step graph equal to one of the general graph's (a weight) is
-    stored once; one that shares a name but not its values (a trace's constant) is renamed.
+    two are traces of one model: an initializer of the step graph equal to one of the general graph's
+    (a weight) is stored once; one that shares a name but not its values (a trace's constant) is
+    renamed.
     `general` may itself be a merged model (merge_short_call, or this function's): its branches then
     keep their own copies of the weights, folded from the main graph's."""
     tag, overload = ("near", NEAR_OVERLOAD) if keys else ("step", STEP_OVERLOAD)
@@ -483,5 +484,5 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "merge_short_call", "taken", "program", "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD",
-           "STEP_OVERLOAD", "SHORT_OVERLOAD"]
+__all__ = ["merge", "merge_decode_step", "merge_short_call", "taken", "program", "dense_rows_of", "short_keys_of",
+           "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD"]
