@@ -131,6 +131,10 @@ def validate(meta, where) -> dict:
                            for k in ("keys_input", "cache_input")):
             raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1), keys_input and "
                                "cache_input (input names); re-export it with adaptex")
+        longer = within.get("masked_keys")
+        if longer is not None and (not isinstance(longer, int) or isinstance(longer, bool) or longer <= keys):
+            raise AdaptexError(f"{where}: metadata 'short_call' masked_keys must be a whole number above max_keys "
+                               f"({keys}); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

@@ -14,13 +14,14 @@ from adaptex.graphs.nn.record import traced_control_flow, traced_decode_step, tr
 
 def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = "hard",
           float_bools: bool = False, control_flow: bool = False, step: bool = False,
-          short: bool = False) -> torch.export.ExportedProgram:
+          short: bool = False, masked: bool = False) -> torch.export.ExportedProgram:
     """torch.export the model in inference mode (contract: default, its shipped family's). float_bools:
     bool inputs as float32 0/1 (Core ML has no bool features; the layers read them back with .bool()).
     control_flow: layers may skip work behind a torch.cond (an ONNX `If`; graphs.nn.traced_control_flow).
     step: a decoder's decode-step program (one new token after a non-empty cache; the contract's
     step shapes), which serves those calls only. short: a decoder's short-call program (prefills of
-    at most the contract's short_call_keys() tokens: graphs.nn.record.traced_short_call), likewise."""
+    at most the contract's short_call_keys() tokens: graphs.nn.record.traced_short_call), likewise;
+    with masked, its masked short-call program (at most masked_call_keys() tokens)."""
     if contract is None:
         from adaptex.graphs.family import family_contract
 
@@ -30,6 +31,9 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     if short and contract.short_call_keys() is None:
         raise ExportError("this model has no short-call program (an elastic decoder's: calls within its streaming "
                           "heads' sinks and window)")
+    if masked and (not short or contract.masked_call_keys() is None):
+        raise ExportError("this model has no masked short-call program (an elastic decoder's, where its general "
+                          "body attends a prefill masked beyond the streaming heads' reach)")
     model.eval()
     wrapper = contract.wrapper(model, mode)
     shapes = {"step": True} if step else {}
@@ -38,7 +42,7 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
         example = tuple(t.float() if t.dtype == torch.bool else t for t in example)
     try:
         with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow), \
-                traced_decode_step(step), traced_short_call(short):
+                traced_decode_step(step), traced_short_call(short, masked):
             warnings.simplefilter("ignore")
             return torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode, **shapes))
     except Exception as e:  # torch.export raises many types; the first line is the useful one

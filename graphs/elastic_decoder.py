@@ -30,6 +30,7 @@ keeps a router O(N) whatever the length.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -43,9 +44,9 @@ from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.nn.record import decode_step_traced, short_call_traced
+from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits
-from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
+from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -243,10 +244,14 @@ class ElasticDecoder(nn.Module):
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
         # a short-call program (traced for prefills of at most sink + window tokens, where every
         # head's streaming attention is its full attention) attends as the dense decoder does,
-        # through one padding and causal bias for every layer; the routers still decide
+        # through one padding and causal bias for every layer; the routers still decide. Its masked
+        # form (prefills a little longer: ElasticDecoderFamily.masked_call_keys) gives the streaming
+        # heads a second bias, the first plus the keys outside their sinks and window, also made once
         if short_program:  # the cache is empty there: the mask's columns are the new tokens'
             key_ok = key_ok[:, -T:]
         bias = _dense_bias(key_ok, T) if short_program else None
+        far = bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device) \
+            if short_program and masked_call_traced() else None
         modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
         decisions, presents = [], []
         for li in range(cfg.num_layers):
@@ -258,7 +263,7 @@ class ElasticDecoder(nn.Module):
             modes = modes_of[li] if modes_of is not None else None
             force = force_sa[li] if force_sa is not None else None
             if bias is not None:  # a prefill: the routers decide (the given modes serve steps)
-                o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias)
+                o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias, far)
             else:
                 o, dec = self.routers[li](q, k, v, key_ok, modes, has_past, mode=mode, force_sa=force, tau=tau,
                                           return_decisions=True,
@@ -287,6 +292,15 @@ def _dense_bias(key_ok: Tensor, T: int) -> Tensor:
     a = torch.arange(T, device=key_ok.device) + (S - T)  # the queries' positions
     pad = torch.where(key_ok, 0.0, NEG)[:, None, None, :]  # (B, 1, 1, S)
     return pad + torch.where(j[None, :] > a[:, None], NEG, 0.0)  # + (T, S)
+
+
+def _outside_reach(T: int, sink: int, window: int, device=None) -> Tensor:
+    """(T, T) additive bias of a causal prefill's streaming heads: NEG on a key outside the query's
+    sinks and window that causality leaves visible, 0 elsewhere (the op's masked body hides the
+    same keys; a key after its query is the causal bias's)."""
+    a = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return torch.where((j < sink) | (a - j < window), 0.0, NEG)
 
 
 def attention_flops(cfg: ElasticDecoderConfig, sa: np.ndarray, seq: int, past: int = 0) -> tuple[float, float]:
@@ -477,6 +491,15 @@ class ElasticDecoderFamily(DecoderContract):
     def short_call_keys(self) -> int | None:
         # within sink + window keys every streaming head sees what a full head sees (causal)
         return self.cfg.sink + self.cfg.window if self.cfg.adaptive else None
+
+    def masked_call_keys(self) -> int | None:
+        # the longest prefill whose every (query head, query, key) score the op's general body
+        # attends masked (runs_masked): up to there the masked program computes the same without
+        # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.95 of the general graph
+        # at T = 100 to 160; docs/benchmarking.md#short-calls); None where that is within the reach
+        reach = self.short_call_keys()
+        longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
+        return longest if reach is not None and longest > reach else None
 
     def routing_meta(self) -> dict:
         cfg = self.cfg

@@ -168,6 +168,11 @@ class Contract:
         prefill may have to run it; None for models without one."""
         return None
 
+    def masked_call_keys(self) -> int | None:
+        """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
+        prefill may have to run it (more than short_call_keys()); None for models without one."""
+        return None
+
     @property
     def max_sequence(self) -> int | None:
         return getattr(self.cfg, "max_len", None)

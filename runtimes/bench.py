@@ -127,8 +127,9 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
 
 def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     """Which graph of an artifact with decode-step or short-call graphs a call of `batch` x `seq` new
-    tokens after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", else "general"),
-    as its top-level Ifs choose (dispatch.taken); None for an artifact with none of them."""
+    tokens after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", "masked
+    short-call", else "general"), as its top-level Ifs choose (dispatch.taken); None for an artifact
+    with none of them."""
     step, within = meta.get("decode_step"), meta.get("short_call")
     if not step and not within:
         return None
@@ -137,7 +138,8 @@ def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     role = {"new_tokens_input": (batch, seq), "cache_input": (batch, 1, past, 1), "keys_input": (batch, past + seq)}
     shapes = {name: role[k] for c in (step, within) if c for k, name in c.items() if k in role}
     graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
-        + (["decode-step"] if step else []) + (["short-call"] if within else [])
+        + (["decode-step"] if step else []) + (["short-call"] if within else []) \
+        + (["masked short-call"] if within and within.get("masked_keys") else [])
     path = taken(shapes, decode_step=step, short_call=within)
     return graphs[len(path) - 1] if path and path[-1] else "general"
 

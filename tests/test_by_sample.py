@@ -76,9 +76,9 @@ def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_p
 
     checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
-    zoo.export(model, info, tmp_path / "batched.onnx")
+    zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
     monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
-    zoo.export(model, info, tmp_path / "by_sample.onnx")
+    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
     assert by_sample_ifs(onnx.load(tmp_path / "by_sample.onnx").graph.node) == 0
     rng = np.random.default_rng(0)
     ids = rng.integers(2, model.cfg.vocab_size, size=(3, 12)).astype(np.int64)
@@ -119,7 +119,8 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
 def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs(modes, tmp_path, monkeypatch):
     """ElasticAttention's FA paths (every pair as it is; the gathered FA pairs of a mixed call) run a
     sample (a pair) at a time where the call is large; forced here (BY_SAMPLE_FROM = 1, no masked
-    short-call path), against the same export batched."""
+    path in the op's body and no short-call graphs, which would take this prefill), against the same
+    export batched."""
     from adaptex.graphs import checkpoint
     from tests import zoo
     from tests.test_decode_graph import _feeds
@@ -127,9 +128,9 @@ def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs
     checkpoint.save(tmp_path / "ck", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
     monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
-    zoo.export(model, info, tmp_path / "batched.onnx")
+    zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
     monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
-    zoo.export(model, info, tmp_path / "by_sample.onnx")
+    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
     sess = ort.InferenceSession(str(tmp_path / "batched.onnx"), providers=["CPUExecutionProvider"])
     feeds = _feeds(sess, 3, 24, 0, modes, pad=2)
     want = sess.run(None, feeds)

@@ -3,7 +3,8 @@ default): one ONNX artifact holding the model traced for a decode step (one new 
 non-empty cache: no router, the ops' step bodies) beside the general graph, and an If that runs the
 step graph for such calls only; and the short-call graph (`--short-graph on`, likewise the
 default), traced for calls of at most sink + window keys, where every head attends as dense
-attention does and the routers still decide. Each call runs one branch (ORT's profiler shows
+attention does and the routers still decide, with its masked form for longer prefills (the
+streaming heads' keys beyond their reach masked). Each call runs one branch (ORT's profiler shows
 which), the step and short-call graphs compute what the general graph computes, decisions exactly,
 on every path of the step body (every pair SA, every pair FA, a mix masked or gathered by pairs,
 left padding), an SA pair reads nothing of its cache outside its sinks and window, parity passes,
@@ -18,6 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
@@ -69,16 +71,20 @@ def _feeds(sess, batch: int, seq: int, past: int, modes="mixed", pad: int = 0, s
 
 
 def _ran(path, feeds, tmp_path) -> set[str]:
+    """The innermost dispatch branch of each node the call ran: a branch's node is named
+    dispatch.<tag>.<name>, nested in each enclosing branch's; a nested If and the nodes of its
+    condition (dispatch.If, dispatch.<tag>_...) belong to no branch of their own."""
     sess = _session(path, tmp_path)
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
-    return {tag for e in events if e.get("cat") == "Node"
-            for tag in ("near", "step", "short", "long") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+    innermost = (e["name"].rsplit(dispatch.RESERVED, 1)[-1].split(".")[0] for e in events if e.get("cat") == "Node")
+    return {t for t in innermost if t in ("near", "step", "short", "masked", "long")}
 
 
-# the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph
-# and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 80 batch x keys (fx.NEAR_STEP_CELLS x 10)
-# the near-cache step graph
+# the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph,
+# longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within MIXED_CALL_MASKED_UP_TO) the
+# masked short-call graph, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 80 batch x keys
+# (fx.NEAR_STEP_CELLS x 10) the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "near"),      # a decode step after a short cache
     (5, 1, 19, "near"),     # 20 keys
@@ -89,7 +95,8 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
     (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
-    (2, 11, 0, "long"),     # one token more: the general graph
+    (2, 11, 0, "masked"),   # one token more: the masked short-call graph
+    (1, 128, 0, "masked"),  # the decoder's every position
     (2, 3, 5, "long"),      # three new tokens after a cache (within reach, but the routers do not run)
     (2, 4, 9, "long"),
 ])
@@ -141,13 +148,53 @@ def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, bat
     _same(sess.run(None, feeds), _session(decoders["eldec-general.onnx"]).run(None, feeds), names)
 
 
-def test_a_short_call_graph_runs_no_elastic_op_and_a_long_call_does(decoders):
-    """The short-call branch attends densely (no adaptex call, one causal and padding bias for
-    every layer) and reads no cache (its shape at most); the long one calls the op."""
+@pytest.mark.parametrize("batch, seq, pad, modes", [
+    (1, 11, 0, None),     # one token past the reach
+    (3, 40, 5, None),     # left padding
+    (2, 128, 0, None),    # every position
+    (2, 60, 3, "sa"),     # every head streaming (the routers' biases set)
+    (2, 30, 0, "fa"),     # every head full
+])
+def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decoders, family_checkpoints, tmp_path,
+                                                                          batch, seq, pad, modes):
+    """Prefills past the reach: the streaming heads' keys outside their sinks and window masked, as
+    the op's masked body masks them; every mode, decisions exactly. Planted routers give one mode
+    everywhere (the shared export's random routers mix them)."""
+    if modes is None:
+        paths = decoders["eldec.onnx"], decoders["eldec-general.onnx"]
+    else:
+        model, info = checkpoint.load(family_checkpoints / "eldec")
+        with torch.no_grad():  # every layer's SA logit 10 above or below its FA logit, whatever the keys
+            for r in model.routers:
+                r.router[2].weight.zero_()
+                r.router[2].bias.copy_(torch.tensor([0.0, 10.0 if modes == "sa" else -10.0]))
+        paths = [tmp_path / "m.onnx", tmp_path / "g.onnx"]
+        zoo.export(model, info, paths[0])
+        zoo.export(model, info, paths[1], decode_graph="off", short_graph="off")
+    sess = _session(paths[0])
+    feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
+    assert _ran(paths[0], feeds, tmp_path) == {"masked"}
+    got = sess.run(None, feeds)
+    names = [o.name for o in sess.get_outputs()]
+    _same(got, _session(paths[1]).run(None, feeds), names)
+    if modes is not None:
+        assert all(np.all(v == (modes == "sa")) for n, v in zip(names, got) if n.endswith(".sa"))
+
+
+def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
+    """The short-call branches attend densely (no adaptex call, one causal and padding bias for
+    every layer, the masked one a second for the streaming heads) and read no cache (its shape at
+    most); the long one calls the op."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    short, long = (dispatch.program(proto, path).graph for path in ((False, False, True), (False, False, False)))
-    assert not any(n.domain == "adaptex" for n in short.node) and not any(n.op_type == "If" for n in short.node)
-    assert {n.op_type for n in short.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
+    short, masked, long = (dispatch.program(proto, path).graph for path in
+                           ((False, False, True), (False, False, False, True), (False, False, False, False)))
+    for g in (short, masked):
+        assert not any(n.domain == "adaptex" for n in g.node) and not any(n.op_type == "If" for n in g.node)
+        assert {n.op_type for n in g.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
+    # the masked graph makes the streaming heads' bias once (a Where) and picks each layer's by its
+    # heads' modes (a Where in each of the two layers)
+    wheres = [len([n for n in g.node if n.op_type == "Where"]) for g in (short, masked)]
+    assert wheres[1] == wheres[0] + 1 + 2
     assert any(n.domain == "adaptex" for n in long.node)
     assert dispatch.short_keys_of(proto) == 10
 
@@ -165,8 +212,9 @@ def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders
                     yield a.name, a.g
     near, others = (g for _, g in branches(loaded.graph))
     step, general = (g for _, g in branches(others))
-    short, long = (g for _, g in branches(general))
-    for g in (near, step, short, long):  # four graphs, each with its own folded copies
+    short, longer = (g for _, g in branches(general))
+    masked, long = (g for _, g in branches(longer))
+    for g in (near, step, short, masked, long):  # five graphs, each with its own folded copies
         assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in g.node)
         assert len([i for i in g.initializer if np.prod(i.dims) > 1]) >= len(weights) // 2
 
@@ -220,7 +268,8 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert meta["decode_step"]["new_tokens_input"] == "input_ids"
     assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
     assert "decode_step" not in read_onnx_metadata(decoders["eldec-general.onnx"])
-    assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}
+    assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10,
+                                  "masked_keys": 128}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
     assert meta["decode_step"]["near_cells"] == 80
@@ -233,7 +282,10 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     step, prompts = branches["then_branch"], branches["else_branch"]
     assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
                                                  "And", "If"]  # short or long
-    general = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
+    longer = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
+    assert [n.op_type for n in longer.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
+                                                "And", "If"]  # masked short or long
+    general = {a.name: a.g for a in longer.node[-1].attribute}["else_branch"]
     # no router in the step graph; beside it, the general graph's calls after a cache are chunks of
     # several tokens, so its routers compute and select (no If a layer at a prefill)
     assert not any(n.op_type == "If" for n in step.node) and not any(n.op_type == "If" for n in general.node)
@@ -310,7 +362,8 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
     meta = read_onnx_metadata(decoders["eldec.onnx"])
     good = meta["short_call"]
     for bad in ({**good, "max_keys": "10"}, {**good, "max_keys": 0}, {**good, "max_keys": True},
-                {**good, "keys_input": "nope"}, {"max_keys": 10}, "10"):
+                {**good, "keys_input": "nope"}, {"max_keys": 10}, "10", {**good, "masked_keys": 10},
+                {**good, "masked_keys": "128"}, {**good, "masked_keys": True}):
         with pytest.raises(AdaptexError, match="short_call"):
             validate({**meta, "short_call": bad}, "m.onnx")
     step = meta["decode_step"]
@@ -330,6 +383,10 @@ def test_bench_names_the_graph_a_call_runs():
     assert ran_graph(both, 1, 5) == "decode-step" and ran_graph(both, 1, 0) == "short-call"
     assert ran_graph(both, 10, 0) == "short-call" and ran_graph(both, 11, 0) == "general"
     assert ran_graph(both, 3, 5) == "general"  # new tokens after a cache: the general graph
+    masked = {**both, "short_call": {**both["short_call"], "masked_keys": 128}}
+    assert ran_graph(masked, 10, 0) == "short-call" and ran_graph(masked, 11, 0) == "masked short-call"
+    assert ran_graph(masked, 128, 0) == "masked short-call" and ran_graph(masked, 129, 0) == "general"
+    assert ran_graph(masked, 3, 5) == "general" and ran_graph(masked, 1, 5) == "decode-step"
     assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
     assert ran_graph({}, 10, 0) is None
     near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,

@@ -57,12 +57,12 @@ def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> 
     return out
 
 
-PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), "long": (False, False, False),
-         "dense": (True,), "sparse": (False,)}
+PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), "masked": (False, False, False, True),
+         "long": (False, False, False, False), "dense": (True,), "sparse": (False,)}
 
 
-# the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys; near-cache steps: at most
-# 20 keys or 80 batch x keys); dense dispatch at 8 rows
+# the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys, masked short calls to its
+# 128 positions; near-cache steps: at most 20 keys or 80 batch x keys); dense dispatch at 8 rows
 @pytest.mark.parametrize("artifact, batch, seq, past, program", [
     ("eldec", 1, 1, 9, "near"),
     ("eldec", 5, 1, 19, "near"),   # 20 keys
@@ -71,7 +71,8 @@ PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), 
     ("eldec", 1, 1, 80, "step"),
     ("eldec", 2, 1, 0, "short"),   # one new token and no cache: a prompt, not a step
     ("eldec", 2, 10, 0, "short"),
-    ("eldec", 2, 11, 0, "long"),
+    ("eldec", 2, 11, 0, "masked"),
+    ("eldec", 1, 128, 0, "masked"),
     ("eldec", 2, 3, 5, "long"),    # new tokens after a cache
     ("tsa-rows", 8, 1, 7, "dense"),
     ("tsa-rows", 9, 1, 7, "sparse"),
@@ -102,7 +103,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
     and no metadata, and reads its weights from initializers of its own."""
     path = artifacts("eldec")
     proto = onnx.load(str(path))
-    for program in ("near", "step", "short", "long"):
+    for program in ("near", "step", "short", "masked", "long"):
         model = dispatch.program(proto, PATHS[program])
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
@@ -113,7 +114,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
         assert set(reads(model.graph.node)) <= made | {i.name for i in model.graph.input} | {
             t.name for t in model.graph.initializer}
     with pytest.raises(Exception, match="no run-time dispatch If"):
-        dispatch.program(proto, (False, False, False, True))
+        dispatch.program(proto, (False, False, False, False, True))
 
 
 def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):

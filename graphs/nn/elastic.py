@@ -224,13 +224,15 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         return o, {"sa": sa, "logits": logits, "g": sa.float()}
 
     def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor,
-                            bias: Tensor) -> tuple[Tensor, dict]:
+                            bias: Tensor, far: Tensor | None = None) -> tuple[Tensor, dict]:
         """A prefill (empty cache) whose every key lies within each SA query's sinks and window
         (causal, at most sink + window keys): SA computes what FA does there, so every head attends
         as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and causal mask,
-        made once for every layer by the caller). The router still decides: its decisions are
+        made once for every layer by the caller). far (B, 1, T, S): for a longer prefill, `bias`
+        plus NEG on the keys outside the sinks and window, which the SA heads then add instead (as
+        the op's masked body does, one Where a layer). The router still decides: its decisions are
         outputs, and the decode steps after this call read them. Returns (o, decisions) as the hard
-        op path does. The exporter's short-call program (graphs.nn.record.traced_short_call) runs
+        op path does. The exporter's short-call programs (graphs.nn.record.traced_short_call) run
         it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the
         artifact's graphs against each other in tests/test_decode_graph.py)."""
         if not self.causal:
@@ -239,6 +241,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         logits = self.route(k, key_mask, expand=False)
         sa = _choice(logits)
         kq, vq = self._groups(k), self._groups(v)
+        if far is not None:
+            bias = torch.where(self._groups(sa)[:, :, None, None], far, bias)  # (B, H, T, S)
         scores = (q * (q.shape[-1] ** -0.5)) @ kq.transpose(-1, -2) + bias
         o = torch.softmax(scores, dim=-1) @ vq
         self.record({"sa": sa, "logits": logits})

@@ -28,32 +28,33 @@ PRECISIONS = ("fp32",)
 
 
 def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_graph: bool = False,
-              short: bool = False):
+              short: bool = False, masked: bool = False):
     """The exported program `lower` lowers for `target` (step: a decoder's decode-step program;
-    short: its short-call program; decode_graph: the general (or short-call) program of an artifact
-    that holds a decode-step program too)."""
+    short: its short-call program, masked: its masked one; decode_graph: the general (or
+    short-call) program of an artifact that holds a decode-step program too)."""
     # ONNX Runtime runs an If's taken branch only (an elastic decoder's routers skip decode steps);
     # TensorRT-bound graphs compute both and select, as their op bodies keep no decode-step If
     # (unverified on an engine here, so the TensorRT graph stays the one already checked). Beside a
     # decode-step graph the general graph's calls after a cache are chunks of several tokens (rare),
     # so its routers compute and select too: no If per layer at a prefill
     return trace(model, contract, mode="hard", control_flow=target == "onnx" and not decode_graph, step=step,
-                 short=short)
+                 short=short, masked=masked)
 
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
-          target: str = "onnx", ep=None, step: bool = False, short: bool = False,
+          target: str = "onnx", ep=None, step: bool = False, short: bool = False, masked: bool = False,
           decode_graph: bool = False, by_sample: bool = True, near: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
     bodies where they have one (its inputs and outputs are the general graph's, at one new token);
-    short: the short-call program (no adaptex call: dense attention and the routers);
+    short: the short-call program (no adaptex call: dense attention and the routers); masked, with
+    short: the masked short-call program (the streaming heads' keys beyond their reach masked);
     decode_graph: the general program of an artifact that holds the step program too. by_sample:
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
     graph whose calls are known to stay below its threshold. near: with step, the near-cache step
     program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS)."""
-    ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short,
+    ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short, masked=masked,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph,
@@ -254,7 +255,9 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
     the calls of one new token after a non-empty cache (dispatch.merge_decode_step). short_graph
     (elastic decoders): one graph more, traced for prefills within the streaming heads' reach (at
-    most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call)."""
+    most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call), and
+    where the model has one (contract.masked_call_keys()) its masked form for the prefills a little
+    longer."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -302,14 +305,23 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
     if short:
-        keys = contract.short_call_keys()
+        keys, longer = contract.short_call_keys(), contract.masked_call_keys()
+        keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
+        within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
+        # short calls: an attention-by-sample If would only cost (by_sample=False)
+        if longer is not None:  # the inner If: prefills up to `longer` tokens, the masked program
+            say(f"tracing and lowering the masked short-call graph too (prefills of {keys + 1} to {longer} "
+                "tokens) ...")
+            masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
+                                          masked=True, decode_graph=step, by_sample=False)
+            proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
+                                              max_keys=longer, domain=fx.DOMAIN, masked=True)
+            within["masked_keys"] = longer
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
-                                     decode_graph=step, by_sample=False)  # short calls: its If would only cost
-        keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
+                                     decode_graph=step, by_sample=False)
         proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                           max_keys=keys, domain=fx.DOMAIN)
-        within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
     if step:
         say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
         step_ep = trace_for(model, contract, step=True)
@@ -356,8 +368,10 @@ TARGET = register_target(Target(
                                       "one general graph (default: on for elastic decoders, else off; "
                                       "docs/benchmarking.md#decode-steps)",
                     variants=("sparse",)),
-             Option("--short-graph", "elastic decoders: on puts one more graph in the artifact, traced for "
+             Option("--short-graph", "elastic decoders: on puts two more graphs in the artifact, traced for "
                                      "prefills of at most sink + window tokens, where every head attends "
-                                     "as dense attention does and the routers still decide; off: none (default: "
-                                     "on for elastic decoders; docs/benchmarking.md#short-calls)",
+                                     "as dense attention does and the routers still decide, and for longer "
+                                     "prefills the op attends masked (the streaming heads' far keys hidden by "
+                                     "one bias for every layer); off: neither (default: on for elastic "
+                                     "decoders; docs/benchmarking.md#short-calls)",
                     variants=("sparse",)))))

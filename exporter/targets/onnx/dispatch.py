@@ -56,6 +56,7 @@ DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
 NEAR_OVERLOAD = "near"
 SHORT_OVERLOAD = "short"
+MASKED_OVERLOAD = "masked"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
 # A main-graph initializer of at most this many elements (an axis list, a shape, a scalar) is copied
 # into each branch that reads it rather than folded there: ONNX Runtime's fusions that want a
@@ -368,32 +369,38 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
 
 
 def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
-                     max_keys: int, domain: str = "adaptex") -> onnx.ModelProto:
+                     max_keys: int, domain: str = "adaptex", masked: bool = False) -> onnx.ModelProto:
     """One model that runs `short`'s graph (a decoder's short-call program: a prefill where every
     head attends as dense attention does, which streaming attention equals where every key lies
     within its sinks and window) for prefills of at most `max_keys` keys (the length of
     `keys_input`'s axis 1, the attention mask, at most max_keys, and `cache_input`'s axis 2, the
     cache, empty), and `general`'s for every other call. Weights stored once, as in
-    merge_decode_step."""
+    merge_decode_step. masked: `short` is the masked short-call program (its streaming heads' keys
+    beyond their reach masked, for the prefills a little longer); its If's own values are then
+    dispatch.masked_*, and the short-call program's If goes on top of this model."""
     gs, gg = short.graph, general.graph
+    what = "masked short-call" if masked else "short-call"
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
-        raise ExportError(f"short-call dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
-    _same_io(gs, gg, "short-call and general graphs")
-    _has_inputs(gg, "short-call", ((keys_input, 2), (cache_input, 3)))
-    short_model, inits, read = _share_weights(short, gg, "short")
-    limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{RESERVED}short_keys")
-    none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{RESERVED}no_cache")
-    key_nodes, keys = _squeezed_axis(keys_input, 1, "keys")
-    cache_nodes, cached = _squeezed_axis(cache_input, 2, "prefill_cache")
-    within = f"{RESERVED}within_reach"
+        raise ExportError(f"{what} dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
+    _same_io(gs, gg, f"{what} and general graphs")
+    _has_inputs(gg, what, ((keys_input, 2), (cache_input, 3)))
+    tag = "masked" if masked else "short"
+    short_model, inits, read = _share_weights(short, gg, tag)
+    prefix = f"{RESERVED}masked_" if masked else RESERVED
+    limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{prefix}short_keys")
+    none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{prefix}no_cache")
+    sub = "masked_" if masked else ""
+    key_nodes, keys = _squeezed_axis(keys_input, 1, f"{sub}keys")
+    cache_nodes, cached = _squeezed_axis(cache_input, 2, f"{sub}prefill_cache")
+    within = f"{prefix}within_reach"
     cond_nodes = key_nodes + cache_nodes + [
-        helper.make_node("LessOrEqual", [keys, limit.name], [f"{RESERVED}few_keys"], name=f"{RESERVED}LessOrEqual_keys"),
-        helper.make_node("Equal", [cached, none.name], [f"{RESERVED}no_cache_yet"], name=f"{RESERVED}Equal_cache"),
-        helper.make_node("And", [f"{RESERVED}few_keys", f"{RESERVED}no_cache_yet"], [within],
-                         name=f"{RESERVED}And_within"),
+        helper.make_node("LessOrEqual", [keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual_keys"),
+        helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache"),
+        helper.make_node("And", [f"{prefix}few_keys", f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"),
     ]
-    return _if_model(short_model, general, tags=("short", "long"), overload=SHORT_OVERLOAD, cond_nodes=cond_nodes,
-                     cond=within, initializers=inits + [limit, none], then_initializers=read, domain=domain)
+    return _if_model(short_model, general, tags=(tag, "long"), overload=MASKED_OVERLOAD if masked else SHORT_OVERLOAD,
+                     cond_nodes=cond_nodes, cond=within, initializers=inits + [limit, none], then_initializers=read,
+                     domain=domain, other_local=not _dispatches(general))
 
 
 def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | None = None,
@@ -401,8 +408,8 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     """The branches an artifact's top-level Ifs take for a call whose inputs have `shapes` (name ->
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
     merge_short_call and merge build into the graph, evaluated on the shapes, in the order export()
-    nests the merges (the near-cache step's If outermost, then the decode step's; short-call and
-    dense dispatch never together).
+    nests the merges (the near-cache step's If outermost, then the decode step's, the short call's
+    and the masked short call's; short-call and dense dispatch never together).
     decode_step, short_call, dense: the artifact's metadata entries of those names ("dispatch" for
     dense), or None where it has none."""
     path = []
@@ -418,8 +425,10 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
         if step:
             return tuple(path)
     if short_call:
-        cache = shapes[short_call["cache_input"]][2]
-        path.append(bool(shapes[short_call["keys_input"]][1] <= short_call["max_keys"] and cache == 0))
+        keys, prefill = shapes[short_call["keys_input"]][1], shapes[short_call["cache_input"]][2] == 0
+        path.append(bool(keys <= short_call["max_keys"] and prefill))
+        if not path[-1] and short_call.get("masked_keys"):  # the masked short-call program's If, inside
+            path.append(bool(keys <= short_call["masked_keys"] and prefill))
     elif dense:
         rows = shapes[dense["rows_input"]]
         path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
@@ -485,4 +494,5 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
 
 
 __all__ = ["merge", "merge_decode_step", "merge_short_call", "taken", "program", "dense_rows_of", "short_keys_of",
-           "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD"]
+           "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
+           "MASKED_OVERLOAD"]
