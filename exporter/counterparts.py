@@ -13,7 +13,8 @@ several and times them all (runtimes/bench.py):
 - `+ortopt`: each of those through `onnxruntime.transformers.optimizer.optimize_model`, kept where it
   fused something (SkipLayerNormalization, BiasGelu, Attention, ...); `+ortopt+rows` the same with its
   SkipLayerNormalization fusions off and adaptex's artifact passes after (fused attention and the
-  faster Add + LayerNormalization together; a large batch's attention a sample at a time);
+  faster Add + LayerNormalization together; a large batch's attention a sample at a time; a masked
+  Softmax kept off subnormal floats);
 - `naive`: the model's plain inference path (the decisions taken, everything computed and the
   skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
   it is what adaptex replaces.
@@ -128,8 +129,8 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
     (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces)."""
     name = f"{graph.name}+ortopt" + ("+rows" if rows else "")
     how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}" + \
-        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows and attention_by_sample passes"
-         if rows else ")")
+        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows, attention_by_sample and "
+         "softmax_floor passes" if rows else ")")
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph to optimise")
     try:
@@ -151,7 +152,8 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
         path = Path(graph.path).with_name(f"{name}.onnx")
         if rows:
             if not artifact_passes(opt.model):
-                return Graph(name, None, how, reason="no residual LayerNormalization or batched attention to rewrite")
+                return Graph(name, None, how,
+                             reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
             onnx.save(opt.model, str(path))
         else:
             opt.save_model_to_file(str(path))
@@ -167,12 +169,13 @@ def _rows(graph: Graph) -> Graph:
 
     from adaptex.exporter.targets.onnx.passes import artifact_passes
 
-    name, how = f"{graph.name}+rows", f"{graph.how}, then adaptex's layernorm_rows and attention_by_sample passes"
+    name = f"{graph.name}+rows"
+    how = f"{graph.how}, then adaptex's layernorm_rows, attention_by_sample and softmax_floor passes"
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
     proto = onnx.load(graph.path)
     if not artifact_passes(proto):
-        return Graph(name, None, how, reason="no residual LayerNormalization or batched attention to rewrite")
+        return Graph(name, None, how, reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")
     onnx.save(proto, str(path))
     return Graph(name, str(path), how)

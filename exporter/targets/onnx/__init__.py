@@ -43,7 +43,8 @@ def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx", ep=None, step: bool = False, short: bool = False, masked: bool = False,
-          decode_graph: bool = False, by_sample: bool = True, near: bool = False) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          decode_graph: bool = False, by_sample: bool = True, near: bool = False,
+          floor: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
@@ -53,7 +54,9 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     decode_graph: the general program of an artifact that holds the step program too. by_sample:
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
     graph whose calls are known to stay below its threshold. near: with step, the near-cache step
-    program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS)."""
+    program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS). floor: False leaves out
+    passes.softmax_floor, for a graph that serves decode steps (three kernels more a layer, where a
+    step's one query row has nothing masked to speed up)."""
     ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short, masked=masked,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
@@ -82,11 +85,11 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
         raise ExportError(f"torch.onnx.export failed: {first}") from e
     proto = _optimize_main_graph(prog.model_proto)
     _restore_input_names(proto, contract.input_names())
+    proto.functions.extend(functions.values())  # before the passes: softmax_floor rewrites the op bodies too
     if target == "onnx" and step:  # a few rows a call: fewer kernels (passes.skip_layernorm)
         passes.skip_layernorm(proto)
     elif target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
-        passes.artifact_passes(proto, by_sample=by_sample)
-    proto.functions.extend(functions.values())
+        passes.artifact_passes(proto, by_sample=by_sample, floor=floor)
     _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
@@ -294,13 +297,18 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     # a decoder's main graph serves its decode steps too, where an attention-by-sample If per layer
     # costs more than a one-token call has (charlm-dense's B1 steps: 1.16 to 1.19x): only the sparse
     # branch of --dense-rows, which sees calls of more than N rows alone, gets it there
+    # likewise softmax_floor, which speeds up a masked prefill and costs a decode step three kernels a
+    # layer: a decoder's main graph gets it where a step graph or the dense branch serves the steps
+    serves_steps = contract.decoder and not step and rows is None
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
-                                          decode_graph=step, by_sample=not contract.decoder or rows is not None)
+                                          decode_graph=step, by_sample=not contract.decoder or rows is not None,
+                                          floor=not serves_steps)
     routed, stepped, within = None, None, None
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
-                                               by_sample=_may_run_by_sample(contract, rows))
+                                               by_sample=_may_run_by_sample(contract, rows),
+                                               floor=not contract.decoder)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}

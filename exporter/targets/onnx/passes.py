@@ -37,6 +37,21 @@ artifacts' bodies do the same (functions._by_sample); the dense candidates get t
 no adaptive win. The If costs a call that stays batched about 18 us, so an artifact leaves the pass
 out where its calls are small (a decoder's main graph, which serves decode steps; see export()).
 
+softmax_floor: a masked score (NEG, -1e30) makes ONNX Runtime's Softmax run at a fraction of its
+speed. Its exp (MLAS) clamps the input near -104 and scales the result by a power of two, which
+passes through subnormal floats, and x86 arithmetic on subnormals is slow: a causal (1, 4, 128, 128)
+Softmax took 172 us where the same call with no masked score took 31, and 31 again with ONNX
+Runtime's `session.set_denormal_as_zero` (ONNX Runtime 1.32, 1 thread; any masked value at or below
+-87 is slow, -80 is not: examples/softmax_floor_cost.py). The pass raises every score to at least the
+row's largest minus SOFTMAX_FLOOR (80): Softmax(Max(x, ReduceMax(x) - 80)). A masked key then weighs
+at most e^-80 (1.8e-35) of the largest instead of 0, below what float32 resolves beside it (its
+epsilon is 1.2e-7), and no exp input goes below -80. Three kernels a Softmax, on (B, H, T, 1) but
+one: 0.28 of the Softmax alone at T = 128 and 0.34 at T = 512 (B1, 4 heads), 0.56 at T = 32. A row
+whose every key is masked (a padding query's, which nothing real reads) comes out uniform over its
+keys, as the eager reference's masked_fill gives it. Main graph, branches and function bodies; a
+Softmax over the last axis in float32 only (the ONNX target is float32). Not for graphs that serve
+decode steps (one query row: nothing to mask but padding, and three kernels more a layer).
+
 masks_once: Where(c, Where(c, x, 0), 0) is Where(c, x, 0). TSA's router hands each block a gate it
 has already masked by keep (Where(keep, 1 - p, 0)), and each conditional op's dense body masks the
 gate again (the op's contract takes any gate); once the calls are inlined the second Where reads the
@@ -407,15 +422,67 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
     return count
 
 
+SOFTMAX_FLOOR = 80.0  # e^-80 = 1.8e-35 is a normal float32; from about -87 on, exp's result is subnormal
+
+
+def _floored(nodes, opset: int) -> tuple[list, int]:
+    """`nodes` with every last-axis Softmax given the floor (softmax_floor), subgraphs included."""
+    out, count = [], 0
+    for node in nodes:
+        for g in subgraphs(node):
+            kept, n = _floored(g.node, opset)
+            del g.node[:]
+            g.node.extend(kept)
+            count += n
+        if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or _axis(node) != -1:
+            out.append(node)
+            continue
+        x, tag = node.input[0], f"{node.output[0]}.floor"
+        axes = [helper.make_node("Constant", [], [f"{tag}.axes"], value=numpy_helper.from_array(
+            np.array([-1], dtype=np.int64)), name=f"{tag}.axes")] if opset >= 18 else []
+        reduce = helper.make_node("ReduceMax", [x] + ([f"{tag}.axes"] if axes else []), [f"{tag}.max"],
+                                  name=f"{tag}.ReduceMax", keepdims=1, **({} if axes else {"axes": [-1]}))
+        out += axes + [
+            reduce,
+            helper.make_node("Constant", [], [f"{tag}.by"], value=numpy_helper.from_array(
+                np.array(SOFTMAX_FLOOR, dtype=np.float32)), name=f"{tag}.by"),
+            helper.make_node("Sub", [f"{tag}.max", f"{tag}.by"], [f"{tag}.low"], name=f"{tag}.Sub"),
+            helper.make_node("Max", [x, f"{tag}.low"], [f"{tag}.x"], name=f"{tag}.Max"),
+        ]
+        node.input[0] = f"{tag}.x"
+        out.append(node)
+        count += 1
+    return out, count
+
+
+def softmax_floor(proto: onnx.ModelProto) -> int:
+    """Give every float32 last-axis Softmax of `proto` (main graph, subgraphs, function bodies) the
+    floor, in place: Softmax(Max(x, ReduceMax(x) - SOFTMAX_FLOOR)). Returns how many it rewrote.
+    Why: the module docstring."""
+    def opset_of(imports) -> int:
+        return next((o.version for o in imports if o.domain in ("", "ai.onnx")), 0)
+
+    count = 0
+    for body, opset in [(proto.graph, opset_of(proto.opset_import))] + \
+            [(f, opset_of(f.opset_import) or opset_of(proto.opset_import)) for f in proto.functions]:
+        kept, n = _floored(body.node, opset)
+        del body.node[:]
+        body.node.extend(kept)
+        count += n
+    return count
+
+
 def by_sample_ifs(nodes) -> int:
     """How many of `nodes` are attention_by_sample's Ifs (a Loop over the samples in the then branch)."""
     return sum(n.op_type == "If" and any(a.name == "then_branch" and a.g.node and a.g.node[-1].op_type == "Loop"
                                          for a in n.attribute) for n in nodes)
 
 
-def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True) -> int:
-    """The main-graph passes every ONNX Runtime artifact gets (not a decode-step graph's), in place,
-    and the `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows and, unless
-    by_sample is False (a graph whose calls never reach its threshold, where its If would only
-    cost), attention_by_sample. Returns how many rewrites they made."""
-    return layernorm_rows(proto) + (attention_by_sample(proto) if by_sample else 0)
+def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True, floor: bool = True) -> int:
+    """The passes every ONNX Runtime artifact gets (not a decode-step graph's), in place, and the
+    `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows; unless by_sample is
+    False (a graph whose calls never reach its threshold, where its If would only cost),
+    attention_by_sample; unless floor is False (a graph that serves decode steps), softmax_floor.
+    Returns how many rewrites they made."""
+    return layernorm_rows(proto) + (attention_by_sample(proto) if by_sample else 0) + \
+        (softmax_floor(proto) if floor else 0)
