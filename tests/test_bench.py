@@ -15,7 +15,7 @@ import torch
 
 from adaptex.cli import main
 from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_candidates
-from adaptex.exporter.targets.onnx.passes import by_sample_ifs, layernorm_rows
+from adaptex.exporter.targets.onnx.passes import SOFTMAX_FLOOR, by_sample_ifs, layernorm_rows, softmax_floor
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.bench import Bench, Timing, _report, prune_slow, warm_up
@@ -146,6 +146,52 @@ def test_onnx_artifacts_get_the_rows_pass(tiny_onnx, tmp_path):
     so.optimized_model_filepath = str(tmp_path / "optimised.onnx")
     ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     assert "SkipLayerNormalization" not in {n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node}
+
+
+def _masked_softmax_model(opset: int):
+    """Softmax over x + bias (B, H, T, T) three ways: in the main graph, in an If's branch and in a
+    function body; the bias NEG above the diagonal and, for the second sample, on every key."""
+    from onnx import TensorProto, helper
+
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "H", "T", "T"]) for n in ("x", "bias")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "H", "T", "T"]) for n in ("y", "z", "w")]
+    branch = lambda tag: helper.make_graph(  # noqa: E731
+        [helper.make_node("Softmax", ["s"], [f"{tag}.p"], axis=-1)], tag, [],
+        [helper.make_tensor_value_info(f"{tag}.p", TensorProto.FLOAT, ["B", "H", "T", "T"])])
+    f = helper.make_function("test", "MaskedSoftmax", ["a", "b"], ["p"],
+                             [helper.make_node("Add", ["a", "b"], ["t"]), helper.make_node("Softmax", ["t"], ["p"])],
+                             [helper.make_opsetid("", opset)])
+    nodes = [helper.make_node("Add", ["x", "bias"], ["s"]), helper.make_node("Softmax", ["s"], ["y"], axis=-1),
+             helper.make_node("Constant", [], ["c"], value_int=1),
+             helper.make_node("Cast", ["c"], ["cond"], to=TensorProto.BOOL),
+             helper.make_node("If", ["cond"], ["z"], then_branch=branch("then"), else_branch=branch("else")),
+             helper.make_node("MaskedSoftmax", ["x", "bias"], ["w"], domain="test"),
+             helper.make_node("Softmax", ["x"], ["unused"], axis=1)]  # not the last axis: left as it is
+    return helper.make_model(helper.make_graph(nodes, "g", io, outs), functions=[f],
+                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("test", 1)])
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_softmax_floor_keeps_the_values_in_every_body(opset):
+    """Main graph, If branch and function body: each last-axis Softmax rewritten (ReduceMax's axes an
+    attribute before opset 18, an input from it), the values those of the plain Softmax to float32
+    resolution (a masked key weighs at most e^-80, 1.8e-35, where it weighed 0); a row whose every
+    key is masked comes out uniform."""
+    model = _masked_softmax_model(opset)
+    before = model.SerializeToString()
+    assert softmax_floor(model) == 4
+    onnx.checker.check_model(model, full_check=True)
+    assert sum(n.op_type == "Max" for n in model.functions[0].node) == 1
+    rng = np.random.default_rng(0)
+    T = 16
+    bias = np.where(np.triu(np.ones((T, T)), 1) > 0, np.float32(-1e30), np.float32(0)) * np.ones((2, 3, 1, 1), np.float32)
+    bias[1, 0] = -1e30 - bias[1, 0] * 0  # sample 1, head 0: every key masked
+    feeds = {"x": rng.standard_normal((2, 3, T, T)).astype(np.float32) * 4, "bias": bias.astype(np.float32)}
+    run = lambda m: ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    for want, got in zip(run(before)[:3], run(model.SerializeToString())[:3]):
+        np.testing.assert_allclose(got, want, atol=1e-30, rtol=1e-6)
+        np.testing.assert_allclose(got[1, 0], 1.0 / T, rtol=1e-6)
+        assert (got[0] <= np.exp(-SOFTMAX_FLOOR) * 1.01 + want[0]).all()
 
 
 @pytest.fixture(scope="module")

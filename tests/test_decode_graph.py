@@ -24,6 +24,7 @@ import torch
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
+from adaptex.exporter.targets.onnx.passes import subgraphs
 from adaptex.graphs import checkpoint
 from tests import planted, zoo
 
@@ -197,6 +198,42 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
     assert wheres[1] == wheres[0] + 1 + 2
     assert any(n.domain == "adaptex" for n in long.node)
     assert dispatch.short_keys_of(proto) == 10
+
+
+def _softmaxes(model: onnx.ModelProto) -> tuple[int, int]:
+    """(last-axis Softmax nodes, those given passes.softmax_floor's Max) that a run of `model` may
+    execute: its graph, subgraphs and the bodies of the functions it calls (the file holds every
+    program's)."""
+    bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
+
+    def walk(nodes, seen):
+        for n in nodes:
+            yield n
+            for g in subgraphs(n):
+                yield from walk(g.node, seen)
+            key = (n.domain, n.op_type, n.overload)
+            if key in bodies and key not in seen:
+                seen.add(key)
+                yield from walk(bodies[key].node, seen)
+    nodes = list(walk(model.graph.node, set()))
+    made = {o: n for n in nodes for o in n.output}
+    soft = [n for n in nodes if n.op_type == "Softmax"]
+    return len(soft), sum(made.get(n.input[0]) is not None and made[n.input[0]].op_type == "Max" for n in soft)
+
+
+def test_the_softmax_floor_goes_where_no_decode_step_runs(decoders, artifacts):
+    """passes.softmax_floor in the programs that serve prefills (the general graph beside a step
+    graph, the short-call graphs, the sparse branch of --dense-rows), not in those that serve decode
+    steps (the step graphs, the dense branch, a decoder's one graph)."""
+    proto = onnx.load(str(decoders["eldec.onnx"]))
+    for path, floored in (((True,), False), ((False, True), False), ((False, False, True), True),
+                          ((False, False, False, True), True), ((False, False, False, False), True)):
+        total, with_floor = _softmaxes(dispatch.program(proto, path))
+        assert total and with_floor == (total if floored else 0), (path, total, with_floor)
+    rows = onnx.load(str(artifacts("tsa", dense_rows="8")))
+    dense, sparse = (_softmaxes(dispatch.program(rows, (then,))) for then in (True, False))
+    assert dense[0] and dense[1] == 0 and sparse[1] == sparse[0] > 0
+    assert _softmaxes(onnx.load(str(decoders["tsa-general.onnx"])))[1] == 0
 
 
 def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders, tmp_path):
