@@ -52,11 +52,13 @@ def interleaved_medians(models: dict, so, feeds: dict, rounds: int, rng) -> dict
     """Each graph (a path or a serialized model) run once a round in a shuffled order; the median
     seconds of each. The rounds fall into one block per graph, each with sessions created afresh in
     the order of `models` rotated by one place a block: a session runs faster the later it was
-    created in a process (compare_artifacts.py), so every graph takes every place once."""
+    created in a process (compare_artifacts.py), so every graph takes every place once. `so`: the
+    session options, or a dict of them by graph."""
     names = list(models)
     times = {k: [] for k in names}
     for block in range(len(names)):
-        sessions = {k: ort.InferenceSession(models[k], so, providers=["CPUExecutionProvider"])
+        sessions = {k: ort.InferenceSession(models[k], so[k] if isinstance(so, dict) else so,
+                                            providers=["CPUExecutionProvider"])
                     for k in names[block:] + names[:block]}
         for s in sessions.values():
             s.run(None, feeds)  # the first run allocates; it is not timed

@@ -113,3 +113,10 @@ def test_by_sample_cost_times_both_graphs_and_refuses_a_bad_shape():
                                    ["--shapes", "2x2x16"], "BATCHxHEADS")
     assert line.startswith("(B=2, H=2, T=16, dh=8; 1024 scores) 4 rounds: batched ") and "by sample " in line, line
     assert float(line.rsplit("ratio ", 1)[1]) > 0, line
+
+
+def test_softmax_floor_cost_times_the_three_graphs_and_refuses_a_bad_shape():
+    line = _one_line_and_a_refusal("softmax_floor_cost.py", ["--shapes", "1x2x16", "--rounds", "6"],
+                                   ["--shapes", "1x2"], "BATCHxHEADSxT")
+    assert line.startswith("(B=1, H=2, T=16, causal) 6 rounds: plain ") and "plain, subnormals flushed " in line, line
+    assert float(line.rsplit("floored / plain ", 1)[1]) > 0, line

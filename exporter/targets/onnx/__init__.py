@@ -55,8 +55,8 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
     graph whose calls are known to stay below its threshold. near: with step, the near-cache step
     program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS). floor: False leaves out
-    passes.softmax_floor, for a graph that serves decode steps (three kernels more a layer, where a
-    step's one query row has nothing masked to speed up)."""
+    passes.softmax_floor, for a graph that serves only small calls (a step graph never has it:
+    three kernels more a layer, where a step's one query row has nothing masked to speed up)."""
     ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short, masked=masked,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
@@ -297,15 +297,13 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     # a decoder's main graph serves its decode steps too, where an attention-by-sample If per layer
     # costs more than a one-token call has (charlm-dense's B1 steps: 1.16 to 1.19x): only the sparse
     # branch of --dense-rows, which sees calls of more than N rows alone, gets it there
-    # likewise softmax_floor, which speeds up a masked prefill and costs a decode step three kernels a
-    # layer: a decoder's main graph gets it where a step graph or the dense branch serves the steps
-    serves_steps = contract.decoder and not step and rows is None
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
-                                          decode_graph=step, by_sample=not contract.decoder or rows is not None,
-                                          floor=not serves_steps)
+                                          decode_graph=step, by_sample=not contract.decoder or rows is not None)
     routed, stepped, within = None, None, None
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
+        # a decoder's dense branch serves its decode steps and short prompts, where softmax_floor's
+        # three kernels a layer cost more than the masked scores of a short prompt
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
                                                by_sample=_may_run_by_sample(contract, rows),
                                                floor=not contract.decoder)

@@ -49,8 +49,11 @@ epsilon is 1.2e-7), and no exp input goes below -80. Three kernels a Softmax, on
 one: 0.28 of the Softmax alone at T = 128 and 0.34 at T = 512 (B1, 4 heads), 0.56 at T = 32. A row
 whose every key is masked (a padding query's, which nothing real reads) comes out uniform over its
 keys, as the eager reference's masked_fill gives it. Main graph, branches and function bodies; a
-Softmax over the last axis in float32 only (the ONNX target is float32). Not for graphs that serve
-decode steps (one query row: nothing to mask but padding, and three kernels more a layer).
+Softmax over the last axis in float32 only (the ONNX target is float32). Not in a decode-step graph
+or a decoder's dense branch of --dense-rows, which serve small calls (a step's one query row has
+nothing masked but padding, and the floor is three kernels more a layer); a decoder's one graph,
+which serves its prefills and its steps, gets it (charlm-dense at B1, T = 512: 1.465 of the floored
+dense graph without it).
 
 masks_once: Where(c, Where(c, x, 0), 0) is Where(c, x, 0). TSA's router hands each block a gate it
 has already masked by keep (Where(keep, 1 - p, 0)), and each conditional op's dense body masks the
