@@ -82,8 +82,12 @@ def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda m
     if family not in RECIPES:
         raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
     opts.check()
-    from adaptex.graphs.recipes.session import Session, deterministic
+    from adaptex.graphs.recipes.session import Session, deterministic, seed_everything
 
     session = session or Session(family=family, options=opts.__dict__.copy())
     with deterministic():
+        # seeded before the recipe builds its model: a router's initial weights come from the global
+        # generators, so the same options trained the same routers only in a fresh process (in a
+        # process that had traced a model before, tests/test_hf.py's LLaMA routers started elsewhere)
+        seed_everything(opts.seed)
         return importlib.import_module(RECIPES[family]).run(opts, say, session)
