@@ -495,8 +495,8 @@ class ElasticDecoderFamily(DecoderContract):
     def masked_call_keys(self) -> int | None:
         # the longest prefill whose every (query head, query, key) score the op's general body
         # attends masked (runs_masked): up to there the masked program computes the same without
-        # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.95 of the general graph
-        # at T = 100 to 160; docs/benchmarking.md#short-calls); None where that is within the reach
+        # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.97 of the general graph
+        # at T = 100 to 181; docs/benchmarking.md#short-calls); None where that is within the reach
         reach = self.short_call_keys()
         longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
         return longest if reach is not None and longest > reach else None

@@ -229,8 +229,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         (causal, at most sink + window keys): SA computes what FA does there, so every head attends
         as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and causal mask,
         made once for every layer by the caller). far (B, 1, T, S): for a longer prefill, `bias`
-        plus NEG on the keys outside the sinks and window, which the SA heads then add instead (as
-        the op's masked body does, one Where a layer). The router still decides: its decisions are
+        plus NEG on the keys outside the sinks and window (those the op's masked body hides), which
+        the SA heads then add instead (one Where a layer). The router still decides: its decisions are
         outputs, and the decode steps after this call read them. Returns (o, decisions) as the hard
         op path does. The exporter's short-call programs (graphs.nn.record.traced_short_call) run
         it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the

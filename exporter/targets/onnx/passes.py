@@ -41,15 +41,17 @@ softmax_floor: a masked score (NEG, -1e30) makes ONNX Runtime's Softmax run at a
 speed. Its exp (MLAS) clamps the input near -104 and scales the result by a power of two, which
 passes through subnormal floats, and x86 arithmetic on subnormals is slow: a causal (1, 4, 128, 128)
 Softmax took 172 us where the same call with no masked score took 31, and 31 again with ONNX
-Runtime's `session.set_denormal_as_zero` (ONNX Runtime 1.32, 1 thread; any masked value at or below
--87 is slow, -80 is not: examples/softmax_floor_cost.py). The pass raises every score to at least the
+Runtime's `session.set_denormal_as_zero` (ONNX Runtime 1.32, 1 thread; examples/softmax_floor_cost.py
+times the three). Masking with -87 or anything below was as slow, with -80 not (one run over masked
+values from -20 to -inf, 2026-12-05). The pass raises every score to at least the
 row's largest minus SOFTMAX_FLOOR (80): Softmax(Max(x, ReduceMax(x) - 80)). A masked key then weighs
 at most e^-80 (1.8e-35) of the largest instead of 0, below what float32 resolves beside it (its
 epsilon is 1.2e-7), and no exp input goes below -80. Three kernels a Softmax, on (B, H, T, 1) but
 one: 0.28 of the Softmax alone at T = 128 and 0.34 at T = 512 (B1, 4 heads), 0.56 at T = 32. A row
 whose every key is masked (a padding query's, which nothing real reads) comes out uniform over its
 keys, as the eager reference's masked_fill gives it. Main graph, branches and function bodies; a
-Softmax over the last axis in float32 only (the ONNX target is float32). Not in a decode-step graph
+Softmax over the last axis only; the floor is a float32 constant, as the ONNX target's graphs are
+float32 (PRECISIONS; a float16 graph would fail to load, not run wrong). Not in a decode-step graph
 or a decoder's dense branch of --dense-rows, which serve small calls (a step's one query row has
 nothing masked but padding, and the floor is three kernels more a layer); a decoder's one graph,
 which serves its prefills and its steps, gets it (charlm-dense at B1, T = 512: 1.465 of the floored
@@ -459,7 +461,7 @@ def _floored(nodes, opset: int) -> tuple[list, int]:
 
 
 def softmax_floor(proto: onnx.ModelProto) -> int:
-    """Give every float32 last-axis Softmax of `proto` (main graph, subgraphs, function bodies) the
+    """Give every last-axis Softmax of `proto` (main graph, subgraphs, function bodies) the
     floor, in place: Softmax(Max(x, ReduceMax(x) - SOFTMAX_FLOOR)). Returns how many it rewrote.
     Why: the module docstring."""
     def opset_of(imports) -> int:
@@ -485,7 +487,8 @@ def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True, floor: bool 
     """The passes every ONNX Runtime artifact gets (not a decode-step graph's), in place, and the
     `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows; unless by_sample is
     False (a graph whose calls never reach its threshold, where its If would only cost),
-    attention_by_sample; unless floor is False (a graph that serves decode steps), softmax_floor.
+    attention_by_sample; unless floor is False (a decoder's dense branch, which serves small calls),
+    softmax_floor.
     Returns how many rewrites they made."""
     return layernorm_rows(proto) + (attention_by_sample(proto) if by_sample else 0) + \
         (softmax_floor(proto) if floor else 0)
