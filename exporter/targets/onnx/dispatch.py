@@ -386,10 +386,10 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     _has_inputs(gg, what, ((keys_input, 2), (cache_input, 3)))
     tag = "masked" if masked else "short"
     short_model, inits, read = _share_weights(short, gg, tag)
-    prefix = f"{RESERVED}masked_" if masked else RESERVED
+    sub = "masked_" if masked else ""  # the masked If's own values: dispatch.masked_*
+    prefix = f"{RESERVED}{sub}"
     limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{prefix}short_keys")
     none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{prefix}no_cache")
-    sub = "masked_" if masked else ""
     key_nodes, keys = _squeezed_axis(keys_input, 1, f"{sub}keys")
     cache_nodes, cached = _squeezed_axis(cache_input, 2, f"{sub}prefill_cache")
     within = f"{prefix}within_reach"
