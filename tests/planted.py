@@ -281,7 +281,7 @@ def expose(proto: onnx.ModelProto, fname: str, op_type: str, elem_type: int = Te
     not run comes back empty (size 0); `rank` is the rank of those values (default: the op type's
     usual one in the bodies, RANK). One proto can be exposed once per (op_type, port)."""
     f = function(proto, fname)
-    tag = fname if port is None else f"{fname}.in{port}"
+    tag = f"{fname}.{op_type}" + ("" if port is None else f".in{port}")
     inner = _lift(f.node, op_type, elem_type, rank or RANK.get(op_type, 1), f"{tag}.lift", port)
     assert inner, f"{fname} has no {op_type}"
     for j, v in enumerate(inner):

@@ -225,19 +225,20 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
 
 
 def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
-    """ONNX Runtime's encoder body runs attention in ONNX Runtime's fused kernel
-    (com.microsoft.MultiHeadAttention): the FA pairs of a call with no padded key over every key
-    (the plain body where a key is padded), and the SA pairs, padded or not, block by block: one
-    sequence of the kernel per (pair, block), its Bq = min(window, T) queries against its sinks and
-    its run of Bq + window keys. Both give the reference's output. Only encoder bodies on ONNX
-    Runtime hold the kernel: decoders (their dense yardstick has no fused attention) and
-    TensorRT-bound bodies never do."""
+    """ONNX Runtime's encoder body runs the FA pairs of a call with no padded key in ONNX Runtime's
+    fused kernel (com.microsoft.MultiHeadAttention) over every key (the plain body where a key is
+    padded); the SA pairs, padded or not, stay block-local outside it (the kernel's band mask would
+    send its exp through subnormal floats): one Softmax over (pairs, blocks, Bq = min(window, T),
+    sinks + Bq + window). Both give the reference's output. Only encoder bodies on ONNX Runtime
+    hold the kernel: decoders (their dense yardstick has no fused attention) and TensorRT-bound
+    bodies never do."""
     from tests import planted
 
     sink, window = 2, 6
     proto = _function_model("sparse", sink, window, False, fused=True)
     outs, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3)
     keys, = planted.expose(proto, "ElasticAttention", "MultiHeadAttention", rank=3, port=1)
+    softmaxes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=4)
     B, H, T = 2, 3, 20
     Bq, width = window, sink + window + 2 * (window // 2)
     blocks = -(-T // Bq)
@@ -250,16 +251,13 @@ def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
             out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": modes.numpy(),
                                       "key_mask": km.numpy()})
             assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, (padded, modes)
-            runs = [(out[o].shape, out[kk].shape) for o, kk in zip(outs, keys) if out[o].size]
-            fa = [r for r in runs if r[0][1] == T]
-            sa_runs = [r for r in runs if r[0][1] == Bq]
-            assert len(fa) + len(sa_runs) == len(runs), runs
+            fa = [(out[o].shape, out[kk].shape) for o, kk in zip(outs, keys) if out[o].size]
+            sa_runs = [out[p].shape for p in softmaxes if out[p].size and out[p].shape[2:] == (Bq, width)]
             n_sa = int(modes.sum())
-            # FA pairs over all T keys, unpadded calls only; SA pairs as blocks of `width` keys
-            assert sum(o[0] for o, _ in fa) == (0 if padded else B * H - n_sa), (padded, runs)
-            assert all(kk[1] == T for _, kk in fa), runs
-            assert sum(o[0] for o, _ in sa_runs) == n_sa * blocks, (padded, runs)
-            assert all(kk[1] == width for _, kk in sa_runs), runs
+            # FA pairs in the kernel over all T keys, unpadded calls only; SA pairs as blocks of `width` keys
+            assert sum(o[0] for o, _ in fa) == (0 if padded else B * H - n_sa), (padded, fa)
+            assert all(o[1] == kk[1] == T for o, kk in fa), fa
+            assert sum(s[0] for s in sa_runs) == n_sa and all(s[1] == blocks for s in sa_runs), (padded, sa_runs)
 
     def has_kernel(body) -> bool:
         return any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))

@@ -158,9 +158,8 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
                                                    monkeypatch):
     """Sparse: FA pairs score (N_fa, T, S), SA pairs (N_sa, blocks, Bq, sinks + L) with sinks + L < S,
     each count the decisions' own; dense: every head (B, H, T, S). An encoder's ONNX Runtime body
-    runs them in ONNX Runtime's fused kernel instead (FA pairs where no key is padded): its output
-    and keys, (N_fa, T, dh) and (N_fa, S, dh) or (N_sa blocks, Bq, dh) and (N_sa blocks, sinks + L,
-    dh), count them. (ONNX Runtime bodies mask the SA pairs of a call this small instead of gathering them:
+    runs its FA pairs in ONNX Runtime's fused kernel instead (where no key is padded): the kernel's
+    output and keys, (N_fa, T, dh) and (N_fa, S, dh), count them. (ONNX Runtime bodies mask the SA pairs of a call this small instead of gathering them:
     exported here with that threshold at 0, so the tiny models' prefills take the sparse paths.)"""
     from adaptex.exporter.targets.onnx import functions as fx
     from adaptex.graphs import checkpoint
@@ -202,12 +201,9 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
             # the probes that ran: a prefill never takes the decoder's one-token step branch, and
             # a layer with no FA (SA) pair leaves that Softmax empty
             shapes = [x.shape for x in planted.ran(out, names)]
-            for o, kk in kernel:  # the fused kernel's runs, as their score shapes
-                if o[1] == kk[1] == T:  # FA pairs over every key
-                    shapes.append((o[0], T, T))
-                else:  # SA pairs: one sequence of the kernel per (pair, block)
-                    blocks = -(-T // o[1])
-                    shapes.append((o[0] // blocks, blocks, o[1], kk[1]))
+            for o, kk in kernel:  # the fused kernel's runs (FA pairs over every key), as score shapes
+                assert o[1] == kk[1] == T, kernel
+                shapes.append((o[0], T, T))
             if variant == "dense":
                 assert shapes == [(1, cfg.num_heads, T, T)]
                 continue

@@ -553,11 +553,11 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     releases for equal ranks, so its engines take the general body, which serves every call.
     fused (ONNX Runtime, encoders: causal_known False): FA pairs of a call with no padded key run
     ONNX Runtime's own fused attention kernel, com.microsoft.MultiHeadAttention (one head per pair).
-    Measured at (6, 512, 32) pairs, 1 thread: 4.1 ms against 5.9 ms for MatMul + bias Add + Softmax
-    + MatMul; with a padding mask the kernel gains only 10%, so padded calls keep the plain body.
-    SA pairs, padded or not, run block-local in the same kernel (block_local_fused): 0.85 of the
-    plain block-local chain for 12 SA pairs at T = 512, 0.77 at T = 128 (elastic-minilm's sink 4,
-    window 32; docs/benchmarking.md).
+    Measured with 12 FA pairs of (512, 32), 1 thread: 4.3 ms against 6.5 ms for the floored MatMul +
+    bias Add + Softmax + MatMul (0.74 at T = 128); with a padding mask the kernel gains only 10%, so
+    padded calls keep the plain body. SA pairs stay out of it: the kernel's band mask sends its exp
+    through subnormal floats (2.2x the unmasked kernel; a mask near -80 is fast only while scores
+    stay within a few units of each other), where block_local's floored Softmax does not.
     Encoders only, because their yardstick has the same kernel (ONNX Runtime's transformer optimizer
     fuses the original checkpoint's attention into it); no dense decoder graph here does, so a
     decoder's FA heads keep the plain body rather than win by a kernel the dense graph lacks."""
@@ -725,8 +725,13 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         return b("Pad", qs, b("Concat", b.const([0, 0, 0, 0]), b("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0))
 
     def block_local(qs: str, ks: str, vs: str, ms: str) -> str:  # SA pairs: windows plus sinks -> (Ns, T, dh)
-        if fused:
-            return block_local_fused(qs, ks, vs, ms)
+        """Each block of Bq queries against one row of keys (nb, K = ns + L): the sinks, then the
+        block's run. One score MatMul, one bias Add for what the block's queries may see (the band,
+        the run's keys below the sinks or past S, a sink after a causal query) and one for the padded
+        keys, one Softmax, one MatMul with the values: no Where on the scores, no Concat or Slice of
+        them (0.55 to 0.7 of the chain that scored sinks and run apart and masked by Where; the
+        encoders' SA pairs in ONNX Runtime's fused kernel were slower still, its mask sending exp
+        through subnormal floats that no floor can reach; docs/benchmarking.md)."""
         dh1 = b("Shape", q, start=3, end=4)
         cm1 = b.const([-1])
         half = b("Div", window, b.const(2))
@@ -737,80 +742,34 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
             (cb, ce), (nb_, ne) = spans
             spans = (b("Where", is_causal, cb, nb_), b("Where", is_causal, ce, ne))
         Bq, nb, L, a0, j = block_runs(*spans)
+        ns = b("Min", sink, S)
+        nb1, ns1 = b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", ns, b.const([0]))
+        sinks = b("Expand", b("Unsqueeze", b("Range", c0, ns, c1), b.const([0])), b("Concat", nb1, ns1, axis=0))
+        keys = b("Concat", sinks, j, axis=1)  # (nb, K): the sinks, then the block's run
         a = b("Add", b("Unsqueeze", a0, b.const([1])), b("Unsqueeze", b("Range", c0, Bq, c1), b.const([0])))  # (nb, Bq)
-        d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", j, b.const([1])))  # (nb, Bq, L)
+        d = b("Sub", b("Unsqueeze", a, b.const([2])), b("Unsqueeze", keys, b.const([1])))  # (nb, Bq, K)
         inwin = causal_or(lambda: b("And", b("GreaterOrEqual", d, c0), b("Less", d, window)),
                           lambda: b("LessOrEqual", b("Abs", d), half))
         if causal_known is None:
             inwin = _pick(b, is_causal, *inwin)
-        j3 = b("Unsqueeze", j, b.const([1]))
-        valid = b("And", b("And", inwin, b("GreaterOrEqual", j3, sink)),
-                  b("And", b("GreaterOrEqual", j3, c0), b("Less", j3, S)))  # (nb, Bq, L)
-        jc = b("Clip", j, c0, b("Sub", S, c1))  # (nb, L)
-        qb = b("Reshape", padded_queries(qs, nb, Bq), b("Concat", cm1, b("Unsqueeze", nb, b.const([0])),
-                                                         b("Unsqueeze", Bq, b.const([0])), dh1, axis=0))  # (Ns, nb, Bq, dh)
-        kb, vb = b("Gather", ks, jc, axis=1), b("Gather", vs, jc, axis=1)  # (Ns, nb, L, dh)
-        s_loc = b("Mul", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), scale)  # (Ns, nb, Bq, L)
-        vis_loc = b("And", b("Unsqueeze", valid, b.const([0])),
-                    b("Unsqueeze", b("Gather", ms, jc, axis=1), b.const([2])))
-        ns = b("Min", sink, S)
-        ns1 = b("Unsqueeze", ns, b.const([0]))
-        k_sink = b("Slice", ks, b.const([0]), ns1, b.const([1]))  # (Ns, ns, dh)
-        v_sink = b("Slice", vs, b.const([0]), ns1, b.const([1]))
-        s_sink = b("Mul", b("MatMul", qb, b("Unsqueeze", b("Transpose", k_sink, perm=[0, 2, 1]), b.const([1]))), scale)
-        vis_sink = b("Unsqueeze", b("Slice", ms, b.const([0]), ns1, b.const([1])), b.const([1, 2]))
+        col = b("Less", b("Range", c0, b("Add", ns, L), c1), ns)  # (K,) the sink columns
+        k3 = b("Unsqueeze", keys, b.const([1]))
+        valid = b("And", b("Or", col, b("And", inwin, b("GreaterOrEqual", k3, sink))), b("Less", k3, S))
         if causal_bias:  # a sink after the query (the first queries of a short prompt)
-            jn = b("Range", c0, ns, c1)  # (ns,)
-            later = b("Greater", b("Unsqueeze", jn, b.const([0, 1])), b("Unsqueeze", a, b.const([2])))  # (nb, Bq, ns)
+            before = b("GreaterOrEqual", d, c0)
             if causal_known is None:
-                later = b("And", later, is_causal)
-            vis_sink = b("And", vis_sink, b("Unsqueeze", b("Not", later), b.const([0])))
-        scores = b("Concat", b("Where", vis_sink, s_sink, b.const(NEG, np.float32)),
-                   b("Where", vis_loc, s_loc, b.const(NEG, np.float32)), axis=-1)
-        p = b("Softmax", scores, axis=-1)
-        end = b("Unsqueeze", b("Add", ns, L), b.const([0]))
-        o = b("Add", b("MatMul", b("Slice", p, b.const([0]), ns1, b.const([-1])), b("Unsqueeze", v_sink, b.const([1]))),
-              b("MatMul", b("Slice", p, ns1, end, b.const([-1])), vb))  # (Ns, nb, Bq, dh)
-        o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
-        return b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
-
-    def block_local_fused(qs: str, ks: str, vs: str, ms: str) -> str:
-        """block_local for encoders (not causal) through ONNX Runtime's fused attention kernel: each
-        (pair, block) is one sequence of the kernel's batch, its Bq queries against its sinks and
-        its run of L keys. Which of those keys a query sees splits into a band that is the same for
-        every block (attention_bias, (1, 1, Bq, ns + L)) and a per-block key mask (key_padding_mask:
-        the run's keys outside 0..S-1, below the sinks, or padded). No score tensor is built or
-        masked outside the kernel."""
-        dh1 = b("Shape", q, start=3, end=4)
-        cm1 = b.const([-1])
-        half = b("Div", window, b.const(2))
-        Bq, nb, L, _, j = block_runs(half, b("Mul", half, b.const(2)))  # a query sees half a window each way
-        ns = b("Min", sink, S)
-        nb1, ns1 = b("Unsqueeze", nb, b.const([0])), b("Unsqueeze", ns, b.const([0]))
-        sinks = b("Expand", b("Unsqueeze", b("Range", c0, ns, c1), b.const([0])), b("Concat", nb1, ns1, axis=0))
-        keys = b("Concat", sinks, b("Clip", j, c0, b("Sub", S, c1)), axis=1)  # (nb, ns + L)
-        ok = b("Concat", b("Expand", b.const([[True]], np.bool_), b("Concat", nb1, ns1, axis=0)),
-               b("And", b("GreaterOrEqual", j, sink), b("Less", j, S)), axis=1)  # (nb, ns + L)
-        # the pairs' key mask at those keys: gathered on the outer axis (one copy of Ns flags per key,
-        # where Gather on axis 1 copies a flag at a time: 110 us against 19 us at 12 x 512)
-        padded = b("Transpose", b("Gather", b("Transpose", ms, perm=[1, 0]), keys, axis=0), perm=[2, 0, 1])
-        ok = b("And", b("Unsqueeze", ok, b.const([0])), padded)  # (Ns, nb, ns + L)
-        width = b("Unsqueeze", b("Add", ns, L), b.const([0]))
-        key_ok = b("Reshape", b("Cast", ok, to=TensorProto.INT32), b("Concat", cm1, width, axis=0))
-        # query r of a block sees its run's key c where |r + half - c| <= half; every sink
-        r = b("Unsqueeze", b("Add", b("Range", c0, Bq, c1), half), b.const([1]))  # (Bq, 1)
-        c = b("Unsqueeze", b("Range", c0, L, c1), b.const([0]))  # (1, L)
-        band = b("Where", b("LessOrEqual", b("Abs", b("Sub", r, c)), half),
-                 b.const(0.0, np.float32), b.const(NEG, np.float32))  # (Bq, L)
+                before = b("Or", before, b("Not", is_causal))
+            valid = b("And", valid, before)
+        zero, neg = b.const(0.0, np.float32), b.const(NEG, np.float32)
+        band = b("Where", valid, zero, neg)  # (nb, Bq, K)
+        kc = b("Clip", keys, c0, b("Sub", S, c1))
+        padded = b("Transpose", b("Gather", b("Transpose", ms, perm=[1, 0]), kc, axis=0), perm=[2, 0, 1])  # (Ns, nb, K)
+        pad = b("Where", b("Unsqueeze", padded, b.const([2])), zero, neg)  # (Ns, nb, 1, K)
         Bq1 = b("Unsqueeze", Bq, b.const([0]))
-        band = b("Concat", b("ConstantOfShape", b("Concat", Bq1, ns1, axis=0),
-                             value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])), band, axis=1)
-        band = b("Unsqueeze", band, b.const([0, 1]))  # (1, 1, Bq, ns + L)
-        qb = b("Reshape", padded_queries(qs, nb, Bq), b("Concat", cm1, Bq1, dh1, axis=0))  # (Ns nb, Bq, dh)
-        kb, vb = (b("Reshape", b("Gather", x, keys, axis=1), b("Concat", cm1, width, dh1, axis=0))
-                  for x in (ks, vs))  # (Ns nb, ns + L, dh)
-        o = b("MultiHeadAttention", qb, kb, vb, "", key_ok, band, domain=MS_DOMAIN, num_heads=1,
-              mask_filter_value=NEG)  # (Ns nb, Bq, dh)
+        qb = b("Reshape", padded_queries(b("Mul", qs, scale), nb, Bq), b("Concat", cm1, nb1, Bq1, dh1, axis=0))
+        kb, vb = b("Gather", ks, kc, axis=1), b("Gather", vs, kc, axis=1)  # (Ns, nb, K, dh)
+        scores = b("Add", b("Add", b("MatMul", qb, b("Transpose", kb, perm=[0, 1, 3, 2])), band), pad)
+        o = b("MatMul", b("Softmax", scores, axis=-1), vb)  # (Ns, nb, Bq, dh)
         o = b("Reshape", o, b("Concat", cm1, b("Unsqueeze", b("Mul", nb, Bq), b.const([0])), dh1, axis=0))
         return b("Slice", o, b.const([0]), T1, b.const([1]))  # (Ns, T, dh)
 
