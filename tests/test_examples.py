@@ -120,3 +120,11 @@ def test_softmax_floor_cost_times_the_three_graphs_and_refuses_a_bad_shape():
                                    ["--shapes", "1x2"], "BATCHxHEADSxT")
     assert line.startswith("(B=1, H=2, T=16, causal) 6 rounds: plain ") and "plain, subnormals flushed " in line, line
     assert float(line.rsplit("floored / plain ", 1)[1]) > 0, line
+
+
+def test_fused_mask_cost_times_the_kernel_three_ways_and_refuses_a_bad_shape():
+    line = _one_line_and_a_refusal("fused_mask_cost.py", ["--shapes", "4x4x16x8", "--spreads", "2", "--rounds", "6"],
+                                   ["--shapes", "4x4x6x8"], "SEQUENCESxQUERIESxKEYSxHEAD_DIM")
+    assert line.startswith("(N=4, Bq=4, K=16, dh=8, spread 2) 6 rounds: unmasked ") and "; NEG " in line \
+        and "; -80 " in line, line
+    assert float(line.rsplit("NEG / unmasked ", 1)[1]) > 0, line
