@@ -247,10 +247,11 @@ class ElasticDecoder(nn.Module):
         # through one padding and causal bias for every layer; the routers still decide. Its masked
         # form (prefills a little longer: ElasticDecoderFamily.masked_call_keys) gives the streaming
         # heads a second bias, the first plus the keys outside their sinks and window, also made once
+        # (both in one tensor, from which each layer gathers a head's by its mode)
         if short_program:  # the cache is empty there: the mask's columns are the new tokens'
             key_ok = key_ok[:, -T:]
         bias = _dense_bias(key_ok, T) if short_program else None
-        far = bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device) \
+        far = torch.cat([bias, bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device)], 1) \
             if short_program and masked_call_traced() else None
         modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
         decisions, presents = [], []
