@@ -677,13 +677,19 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         if causal_known is None:
             reach = _pick(b, is_causal, *reach)
         outside = b("Not", b("Or", b("Less", j, sink), reach))  # (T, S)
-        # one bias a pair: padding and causality, (B, 1, T, S) at most, plus the keys outside its reach
-        # where the pair is SA (its mode as 0 or 1 times the (T, S) reach bias): three passes over the
-        # (B, H, T, S) scores where And, Where and three Adds took five (0.966 of that at B1, T = 128)
-        fa_bias = with_causality(pad_bias())
+        # one bias a pair, gathered as whole (T, S) planes from the sample's two: padding and
+        # causality (an FA pair's), and that plus the keys outside the reach (an SA pair's); the
+        # pair's plane of sample b is 2 b + its mode. A Gather copies planes where a mode times the
+        # reach bias plus the FA bias took a Mul and an Add over (B, H, T, S) (the masked short-call
+        # graph's same change: 0.94 to 0.97 at T = 128, docs/benchmarking.md#short-calls)
         hide = b("Where", outside, b.const(NEG, np.float32), b.const(0.0, np.float32))  # (T, S)
-        sa_f = b("Cast", b("Unsqueeze", sa, b.const([2, 3])), to=TensorProto.FLOAT)  # (B, H, 1, 1)
-        bias = b("Add", b("Mul", sa_f, hide), fa_bias)  # (B, H, T, S)
+        B1 = b("Shape", q, start=0, end=1)
+        fa_bias = b("Expand", with_causality(pad_bias()), b("Concat", B1, b.const([1]), T1, S1, axis=0))  # (B, 1, T, S)
+        planes = b("Reshape", b("Concat", fa_bias, b("Add", fa_bias, hide), axis=1),
+                   b("Concat", b.const([-1]), T1, S1, axis=0))  # (2 B, T, S)
+        first = b("Mul", b("Range", c0, b("Squeeze", B1, b.const([0])), c1), b.const(2))  # (B,)
+        pick = b("Add", b("Unsqueeze", first, b.const([1])), b("Cast", sa, to=TensorProto.INT64))  # (B, H)
+        bias = b("Gather", planes, pick, axis=0)  # (B, H, T, S)
         scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), bias)
         return b("MatMul", b("Softmax", scores, axis=-1), v)
 
