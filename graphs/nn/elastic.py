@@ -231,8 +231,9 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         made once for every layer by the caller). far (B, 2, T, S): for a longer prefill, `bias` and
         `bias` plus NEG on the keys outside the sinks and window (those the op's masked body hides),
         which the SA heads add instead: a layer takes each head's plane by one Gather of whole (T, S)
-        planes, 0.54 to 0.67 of a Where between the two (ONNX Runtime 1.32, B1 to B64, T = 128). The router still decides: its decisions are
-        outputs, and the decode steps after this call read them. Returns (o, decisions) as the hard
+        planes (0.94 to 0.97 of a Where between the two, whole artifact, T = 128;
+        docs/benchmarking.md#short-calls). The router still decides: its decisions are outputs, and
+        the decode steps after this call read them. Returns (o, decisions) as the hard
         op path does. The exporter's short-call programs (graphs.nn.record.traced_short_call) run
         it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the
         artifact's graphs against each other in tests/test_decode_graph.py)."""
