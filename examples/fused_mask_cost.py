@@ -37,7 +37,8 @@ def mha_model(bias: np.ndarray | None) -> bytes:
                             ["o"], domain="com.microsoft", num_heads=1, mask_filter_value=NEG)
     inits = [onnx.numpy_helper.from_array(bias, "bias")] if bias is not None else []
     graph = helper.make_graph([node], "mha", io[:3], io[3:], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     return model.SerializeToString()
 
 
@@ -71,7 +72,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for n, bq, nk, dh in shapes:
         k, v = (rng.standard_normal((n, nk, dh)).astype(np.float32) for _ in range(2))
-        graphs = {"unmasked": mha_model(None), "NEG": mha_model(band(bq, nk, NEG)), "-80": mha_model(band(bq, nk, -80.0))}
+        graphs = {"unmasked": mha_model(None), "NEG": mha_model(band(bq, nk, NEG)),
+                  "-80": mha_model(band(bq, nk, -80.0))}
         for spread in spreads:
             q = (spread * rng.standard_normal((n, bq, dh))).astype(np.float32)
             feeds = {"q": q, "k": k, "v": v}

@@ -194,7 +194,8 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
         assert {n.op_type for n in g.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
     # the masked graph makes the streaming heads' bias once (a Where) and picks each layer's planes
     # by its heads' modes (a Gather in each of the two layers)
-    wheres, gathers = ([len([n for n in g.node if n.op_type == op]) for g in (short, masked)] for op in ("Where", "Gather"))
+    wheres, gathers = ([len([n for n in g.node if n.op_type == op]) for g in (short, masked)]
+                       for op in ("Where", "Gather"))
     assert wheres[1] == wheres[0] + 1 and gathers[1] == gathers[0] + 2, (wheres, gathers)
     assert any(n.domain == "adaptex" for n in long.node)
     assert dispatch.short_keys_of(proto) == 10

@@ -159,8 +159,9 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
     """Sparse: FA pairs score (N_fa, T, S), SA pairs (N_sa, blocks, Bq, sinks + L) with sinks + L < S,
     each count the decisions' own; dense: every head (B, H, T, S). An encoder's ONNX Runtime body
     runs its FA pairs in ONNX Runtime's fused kernel instead (where no key is padded): the kernel's
-    output and keys, (N_fa, T, dh) and (N_fa, S, dh), count them. (ONNX Runtime bodies mask the SA pairs of a call this small instead of gathering them:
-    exported here with that threshold at 0, so the tiny models' prefills take the sparse paths.)"""
+    output and keys, (N_fa, T, dh) and (N_fa, S, dh), count them. (ONNX Runtime bodies mask the SA
+    pairs of a call this small instead of gathering them: exported here with that threshold at 0, so
+    the tiny models' prefills take the sparse paths.)"""
     from adaptex.exporter.targets.onnx import functions as fx
     from adaptex.graphs import checkpoint
     from adaptex.graphs.family import family_contract
