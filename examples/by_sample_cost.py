@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians  # beside this script
+from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
 from score_scale_cost import options  # one thread
 from onnx import TensorProto, helper
 
@@ -52,11 +52,8 @@ def main() -> int:
                                         "8x4x128x32,64x4x64x32")
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 4 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
+    shapes = parse_shapes(args.shapes, 4)
+    if shapes is None:
         print(f"by_sample_cost: --shapes {args.shapes!r}: write BATCHxHEADSxTOKENSxHEAD_DIM, e.g. 8x4x512x32",
               file=sys.stderr)
         return 2
@@ -71,7 +68,7 @@ def main() -> int:
             raise SystemExit("the two graphs disagree")
         med = interleaved_medians(models, options(), feeds, args.rounds, rng)
         print(f"(B={b}, H={h}, T={t}, dh={dh}; {b * h * t * t} scores) {args.rounds} rounds: "
-              + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items())
+              + timings(med)
               + f"; ratio {med['by sample'] / med['batched']:.3f}")
     return 0
 

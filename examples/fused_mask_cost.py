@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import onnx
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians  # beside this script
+from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper
 
 SINKS = 4
@@ -57,12 +57,12 @@ def main() -> int:
     ap.add_argument("--spreads", default="1,4")
     ap.add_argument("--rounds", type=int, default=300)
     args = ap.parse_args()
+    shapes = parse_shapes(args.shapes, 4)
     try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         spreads = [float(s) for s in args.spreads.split(",")]
-        if any(len(s) != 4 or min(s) < 1 or s[2] < s[1] + SINKS for s in shapes) or min(spreads) <= 0:
-            raise ValueError
     except ValueError:
+        spreads = []
+    if shapes is None or any(s[2] < s[1] + SINKS for s in shapes) or not spreads or min(spreads) <= 0:
         print(f"fused_mask_cost: --shapes {args.shapes!r} --spreads {args.spreads!r}: write "
               f"SEQUENCESxQUERIESxKEYSxHEAD_DIM with KEYS >= QUERIES + {SINKS}, e.g. 96x32x68x32, and spreads > 0",
               file=sys.stderr)
@@ -79,7 +79,7 @@ def main() -> int:
             feeds = {"q": q, "k": k, "v": v}
             med = interleaved_medians(graphs, so, feeds, args.rounds, rng)
             print(f"(N={n}, Bq={bq}, K={nk}, dh={dh}, spread {spread:g}) {args.rounds} rounds: "
-                  + "; ".join(f"{k_} {t * 1e3:.3f} ms" for k_, t in med.items())
+                  + timings(med)
                   + f"; NEG / unmasked {med['NEG'] / med['unmasked']:.2f}")
     return 0
 

@@ -48,6 +48,21 @@ def wrapped(src: onnx.ModelProto, local: bool) -> onnx.ModelProto:
     return model
 
 
+def parse_shapes(text: str, dims: int) -> list[tuple[int, ...]] | None:
+    """The cost scripts' --shapes: comma-separated AxBx... of `dims` whole numbers >= 1 each, as
+    tuples; None where malformed (the script then prints its one-line usage)."""
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        return None
+    return shapes if all(len(s) == dims and min(s) >= 1 for s in shapes) else None
+
+
+def timings(medians: dict) -> str:
+    """'name 1.234 ms; ...' for interleaved_medians' seconds."""
+    return "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())
+
+
 def interleaved_medians(models: dict, so, feeds: dict, rounds: int, rng) -> dict:
     """Each graph (a path or a serialized model) run once a round in a shuffled order; the median
     seconds of each. The rounds fall into one block per graph, each with sessions created afresh in

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians  # beside this script
+from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
 from onnx import helper
 
 
@@ -39,11 +39,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x4x1x512x32,64x4x1x512x32,1x4x512x512x32")
     ap.add_argument("--rounds", type=int, default=300)
     args = ap.parse_args()
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 5 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
+    shapes = parse_shapes(args.shapes, 5)
+    if shapes is None:
         print(f"score_scale_cost: --shapes {args.shapes!r}: write BATCHxHEADSxQUERIESxKEYSxHEAD_DIM, e.g. "
               "64x4x1x512x32", file=sys.stderr)
         return 2
@@ -60,7 +57,7 @@ def main() -> int:
         med = interleaved_medians(models, options(), feeds, args.rounds, rng)
         first, second = med.values()
         print(f"(B={b}, H={h}, T={t}, S={s}, dh={dh}) {args.rounds} rounds: "
-              + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items()) + f"; ratio {second / first:.2f}")
+              + timings(med) + f"; ratio {second / first:.2f}")
     return 0
 
 

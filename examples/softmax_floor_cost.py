@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import onnx
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians  # beside this script
+from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper
 
 from adaptex.exporter.targets.onnx.passes import softmax_floor
@@ -51,11 +51,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x4x32,1x4x128,1x4x512")
     ap.add_argument("--rounds", type=int, default=300)
     args = ap.parse_args()
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 3 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
+    shapes = parse_shapes(args.shapes, 3)
+    if shapes is None:
         print(f"softmax_floor_cost: --shapes {args.shapes!r}: write BATCHxHEADSxT, e.g. 1x4x128", file=sys.stderr)
         return 2
     plain = softmax_model()
@@ -77,7 +74,7 @@ def main() -> int:
     for (b, h, t), f, flush in zip(shapes, feeds, flushed):
         med = interleaved_medians(models, options(), f, args.rounds, rng)
         print(f"(B={b}, H={h}, T={t}, causal) {args.rounds} rounds: "
-              + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in med.items())
+              + timings(med)
               + f"; plain, subnormals flushed {flush * 1e3:.3f} ms; floored / plain {med['floored'] / med['plain']:.2f}")
     return 0
 
