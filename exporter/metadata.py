@@ -88,7 +88,7 @@ SCHEMA = {
     "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
     "tensorrt": (dict, False), "dispatch": (dict, False), "decode_step": (dict, False),
-    "short_call": (dict, False),
+    "short_call": (dict, False), "large_call": (dict, False),
 }
 
 
@@ -135,6 +135,13 @@ def validate(meta, where) -> dict:
         if longer is not None and (not isinstance(longer, int) or isinstance(longer, bool) or longer <= keys):
             raise AdaptexError(f"{where}: metadata 'short_call' masked_keys must be a whole number above max_keys "
                                f"({keys}); re-export it with adaptex")
+    large = meta.get("large_call")
+    if large is not None and not (
+            all(isinstance(large.get(k), int) and not isinstance(large[k], bool) and large[k] >= 1
+                for k in ("heads", "from_scores"))
+            and all(isinstance(large.get(k), str) and large[k] in meta["inputs"] for k in ("ids_input", "keys_input"))):
+        raise AdaptexError(f"{where}: metadata 'large_call' needs heads and from_scores (whole numbers >= 1), "
+                           "ids_input and keys_input (input names); re-export it with adaptex")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \

@@ -126,21 +126,23 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
 
 
 def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
-    """Which graph of an artifact with decode-step or short-call graphs a call of `batch` x `seq` new
-    tokens after `past` cached runs ("near-cache decode-step", "decode-step", "short-call", "masked
-    short-call", else "general"), as its top-level Ifs choose (dispatch.taken); None for an artifact
-    with none of them."""
-    step, within = meta.get("decode_step"), meta.get("short_call")
-    if not step and not within:
+    """Which graph of an artifact with decode-step, short-call or large-call graphs a call of `batch`
+    x `seq` new tokens after `past` cached runs ("near-cache decode-step", "decode-step",
+    "short-call", "masked short-call", "large-call (attention by sample)", else "general"), as its
+    top-level Ifs choose (dispatch.taken); None for an artifact with none of them."""
+    step, within, large = meta.get("decode_step"), meta.get("short_call"), meta.get("large_call")
+    if not step and not within and not large:
         return None
     from adaptex.exporter.targets.onnx.dispatch import taken
 
-    role = {"new_tokens_input": (batch, seq), "cache_input": (batch, 1, past, 1), "keys_input": (batch, past + seq)}
-    shapes = {name: role[k] for c in (step, within) if c for k, name in c.items() if k in role}
+    role = {"new_tokens_input": (batch, seq), "cache_input": (batch, 1, past, 1), "keys_input": (batch, past + seq),
+            "ids_input": (batch, seq)}
+    shapes = {name: role[k] for c in (step, within, large) if c for k, name in c.items() if k in role}
     graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
         + (["decode-step"] if step else []) + (["short-call"] if within else []) \
-        + (["masked short-call"] if within and within.get("masked_keys") else [])
-    path = taken(shapes, decode_step=step, short_call=within)
+        + (["masked short-call"] if within and within.get("masked_keys") else []) \
+        + (["large-call (attention by sample)"] if large else [])
+    path = taken(shapes, decode_step=step, short_call=within, large_call=large)
     return graphs[len(path) - 1] if path and path[-1] else "general"
 
 

@@ -46,7 +46,8 @@ def _session(model, threads: int | None, where: Path):
         raise AdaptexError(f"{where}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
 
 
-DISPATCH_ENTRIES = {"decode_step": "decode_step", "short_call": "short_call", "dense": "dispatch"}
+DISPATCH_ENTRIES = {"decode_step": "decode_step", "short_call": "short_call", "dense": "dispatch",
+                    "large_call": "large_call"}
 
 
 def has_programs(meta: dict) -> bool:

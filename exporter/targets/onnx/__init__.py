@@ -208,6 +208,13 @@ def describe(meta: dict, what: str = "") -> str:
             "decisions.*; the full metadata is the JSON under the 'adaptex' key")
 
 
+# A decoder's main graph gets a large-call program (dispatch.merge_large_call) only where a call of
+# at most this many sequences of its longest length reaches the attention-by-sample threshold: the
+# largest batch of the latency grid (docs/benchmarking.md). Below, the program would never run and
+# only double what a session that loads the file holds.
+LARGE_CALL_BATCH = 64
+
+
 def _may_run_by_sample(contract, rows: int) -> bool:
     """Whether a call of at most `rows` token rows may reach attention_by_sample's threshold: its
     scores (B H T S) are at most rows x heads x the model's longest sequence. Unknown sizes: True."""
@@ -299,7 +306,22 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     # branch of --dense-rows, which sees calls of more than N rows alone, gets it there
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
                                           decode_graph=step, by_sample=not contract.decoder or rows is not None)
-    routed, stepped, within = None, None, None
+    routed, stepped, within, large = None, None, None, None
+    heads = getattr(contract.cfg, "num_heads", None)
+    longest = contract.max_sequence
+    if contract.decoder and variant == "sparse" and rows is None and not step and not short \
+            and isinstance(heads, int) and heads > 0 and longest \
+            and _may_run_by_sample(contract, LARGE_CALL_BATCH * longest):
+        # the same graph with attention by sample, for the calls large enough to take it; the
+        # general one keeps serving decode steps and short prompts without an If a layer
+        big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True)
+        if passes.by_sample_ifs(big.graph.node):
+            say("the graph for large calls too (attention a sample at a time) ...")
+            ids_input, keys_input = contract.input_names()[:2]
+            proto = dispatch.merge_large_call(big, proto, ids_input=ids_input, keys_input=keys_input, heads=heads,
+                                              from_scores=fx.BY_SAMPLE_FROM, domain=fx.DOMAIN)
+            large = {"ids_input": ids_input, "keys_input": keys_input, "heads": heads,
+                     "from_scores": fx.BY_SAMPLE_FROM}
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         # a decoder's dense branch serves its decode steps and short prompts, where softmax_floor's
@@ -350,7 +372,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
-                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within)
+                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within,
+                          large_call=large)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)

@@ -191,11 +191,12 @@ def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
         raise ExportError(f"dispatch: the graph already has a value named {taken[0]!r}")
 
 
-def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str, str], overload: str,
+def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str, str], overload: str | None,
               cond_nodes: list, cond: str, initializers: list, then_initializers: list, domain: str,
               other_local: bool = True) -> onnx.ModelProto:
     """One model whose graph is an If on `cond` (made by `cond_nodes`) over `then`'s graph (its
-    adaptex calls and bodies given the overload `overload`) and `other`'s, with `initializers` in
+    adaptex calls and bodies given the overload `overload`; None: the calls keep `other`'s bodies,
+    which must be then's) and `other`'s, with `initializers` in
     the main graph (what both branches read, `then_initializers` those then's graph reads).
     other_local=False: `other`'s graph reads the main graph's weights as it is (a merged model whose
     own branches fold their copies: ONNX Runtime folds them from two scopes up too)."""
@@ -209,11 +210,14 @@ def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str,
     graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs,
                               initializer=[t for t in initializers if t.name in read])
     graph.doc_string = other.graph.doc_string
+    if overload is None and sorted(f.SerializeToString() for f in then.functions) != \
+            sorted(f.SerializeToString() for f in other.functions):
+        raise ExportError(f"the {tags[0]} and {tags[1]} lowerings differ in their op bodies; export one of them")
     model = helper.make_model(graph, opset_imports=list(other.opset_import), ir_version=other.ir_version)
     known = {o.domain for o in model.opset_import}
     model.opset_import.extend(o for o in then.opset_import if o.domain not in known)
     model.functions.extend(other.functions)
-    for f in then.functions:
+    for f in then.functions if overload is not None else ():  # None: the calls keep other's bodies
         copy = onnx.FunctionProto()
         copy.CopyFrom(f)
         if f.domain == domain:
@@ -403,15 +407,57 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
                      domain=domain, other_local=not _dispatches(general))
 
 
+def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, keys_input: str,
+                     heads: int, from_scores: int, domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `large`'s graph (the same lowering with passes.attention_by_sample: each
+    attention behind an If that runs it a sample at a time when the call is large) for calls whose
+    attention is that large, and `general`'s (the attention batched, no If a layer) for every other:
+    batch > 1 and batch x new tokens x keys x `heads` >= `from_scores`, the new tokens read from
+    `ids_input`'s axis 1 and the keys from `keys_input`'s (the attention mask). That is the
+    condition each layer's If evaluates (functions.large_batch) where every layer has `heads` heads,
+    so the large program's layers all attend by sample and the general program is what their Ifs'
+    other branch holds: the same outputs, and a decode step or a short prompt pays no If a layer
+    (a decoder's main graph, which serves both: docs/benchmarking.md#large-calls). Both lowerings of
+    one trace: the same weights, stored once."""
+    gl, gg = large.graph, general.graph
+    for what, n in (("heads", heads), ("from_scores", from_scores)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ExportError(f"large-call dispatch: {what} must be a whole number of at least 1, got {n!r}")
+    _same_io(gl, gg, "large-call and general graphs")
+    _has_inputs(gg, "large-call", ((ids_input, 2), (keys_input, 2)))
+    if _digest(gl.initializer) != _digest(gg.initializer):
+        raise ExportError("the large-call and general lowerings differ in their weights; export one of them")
+    prefix = f"{RESERVED}large_"
+    one, limit, per_head = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}")
+                            for v, n in ((1, "one"), (from_scores, "from_scores"), (heads, "heads")))
+    batch_nodes, batch = _squeezed_axis(ids_input, 0, "large_batch")
+    new_nodes, new = _squeezed_axis(ids_input, 1, "large_new")
+    key_nodes, keys = _squeezed_axis(keys_input, 1, "large_keys")
+    large_call = f"{prefix}call"
+    cond_nodes = batch_nodes + new_nodes + key_nodes + [
+        helper.make_node("Mul", [batch, new], [f"{prefix}rows"], name=f"{prefix}Mul_rows"),
+        helper.make_node("Mul", [f"{prefix}rows", keys], [f"{prefix}cells"], name=f"{prefix}Mul_cells"),
+        helper.make_node("Mul", [f"{prefix}cells", per_head.name], [f"{prefix}scores"], name=f"{prefix}Mul_scores"),
+        helper.make_node("GreaterOrEqual", [f"{prefix}scores", limit.name], [f"{prefix}many"],
+                         name=f"{prefix}GreaterOrEqual"),
+        helper.make_node("Greater", [batch, one.name], [f"{prefix}batched"], name=f"{prefix}Greater"),
+        helper.make_node("And", [f"{prefix}batched", f"{prefix}many"], [large_call], name=f"{prefix}And"),
+    ]
+    return _if_model(large, general, tags=("large", "general"), overload=None, cond_nodes=cond_nodes,
+                     cond=large_call, initializers=list(gg.initializer) + [one, limit, per_head],
+                     then_initializers=gl.initializer, domain=domain)
+
+
 def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | None = None,
-          dense: dict | None = None) -> tuple[bool, ...]:
+          dense: dict | None = None, large_call: dict | None = None) -> tuple[bool, ...]:
     """The branches an artifact's top-level Ifs take for a call whose inputs have `shapes` (name ->
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
-    merge_short_call and merge build into the graph, evaluated on the shapes, in the order export()
-    nests the merges (the near-cache step's If outermost, then the decode step's, the short call's
-    and the masked short call's; short-call and dense dispatch never together).
-    decode_step, short_call, dense: the artifact's metadata entries of those names ("dispatch" for
-    dense), or None where it has none."""
+    merge_short_call, merge and merge_large_call build into the graph, evaluated on the shapes, in
+    the order export() nests the merges (the near-cache step's If outermost, then the decode step's,
+    the short call's and the masked short call's; short-call, dense and large-call dispatch never
+    together, and large-call dispatch alone).
+    decode_step, short_call, dense, large_call: the artifact's metadata entries of those names
+    ("dispatch" for dense), or None where it has none."""
     path = []
     if decode_step:
         step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
@@ -432,6 +478,9 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     elif dense:
         rows = shapes[dense["rows_input"]]
         path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
+    elif large_call:
+        (batch, new), keys = shapes[large_call["ids_input"]][:2], shapes[large_call["keys_input"]][1]
+        path.append(bool(batch > 1 and batch * new * keys * large_call["heads"] >= large_call["from_scores"]))
     return tuple(path)
 
 
@@ -454,6 +503,7 @@ def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
         sub = next(a.g for a in node.attribute if a.name == ("then_branch" if then else "else_branch"))
         target = {s.name: target[o] for s, o in zip(sub.output, node.output)}
         nodes, value_info, inits = list(sub.node), value_info + list(sub.value_info), inits + list(sub.initializer)
+    nodes = _unfolded(nodes)
     produced = {o for n in nodes for o in n.output}
     rename = {k: v for k, v in target.items() if k in produced}
     _rename_outputs(nodes, rename)
@@ -470,6 +520,23 @@ def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     model.functions.extend(proto.functions)
     return model
+
+
+def _unfolded(nodes: list) -> list:
+    """`nodes` (a branch's, now a main graph's) reading the weights the branch folded
+    (_local_weights' Reshape pairs) from the initializers themselves, the fold nodes gone: in a main
+    graph ONNX Runtime sees a weight as a constant from the start (its fusions and MatMul packing),
+    where a folded copy comes later (charlm-dense's general program at a B1 step after 511: 1.024
+    of the graph alone with the pairs, about even without)."""
+    fold = [n for n in nodes if n.op_type == "Reshape" and n.name.startswith(RESERVED) and ".fold." in n.name]
+    first = {n.output[0]: n for n in fold}
+    weight = {n.output[0]: first[n.input[0]].input[0] for n in fold if n.input[0] in first}
+    if not weight:
+        return nodes
+    gone = {id(n) for n in fold}
+    kept = [n for n in nodes if id(n) not in gone]
+    rename_reads(kept, weight)
+    return kept
 
 
 def _dispatches(proto: onnx.ModelProto) -> bool:
@@ -493,6 +560,6 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "merge_short_call", "taken", "program", "dense_rows_of", "short_keys_of",
+__all__ = ["merge", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of", "short_keys_of",
            "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
            "MASKED_OVERLOAD"]
