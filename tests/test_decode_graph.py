@@ -84,15 +84,15 @@ def _ran(path, feeds, tmp_path) -> set[str]:
 
 # the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph,
 # longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within MIXED_CALL_MASKED_UP_TO) the
-# masked short-call graph, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 80 batch x keys
+# masked short-call graph, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 60 batch x keys
 # (fx.NEAR_STEP_CELLS x 10) the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "near"),      # a decode step after a short cache
     (5, 1, 19, "near"),     # 20 keys
     (5, 1, 20, "step"),     # a decode step: 21 keys, 105 cells
-    (3, 1, 20, "near"),     # 63 cells
-    (1, 1, 79, "near"),     # 80 cells
-    (1, 1, 80, "step"),
+    (3, 1, 20, "step"),     # 21 keys, 63 cells
+    (1, 1, 59, "near"),     # 60 cells
+    (1, 1, 60, "step"),
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
     (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
@@ -311,11 +311,11 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
                                   "masked_keys": 128}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
-    assert meta["decode_step"]["near_cells"] == 80
+    assert meta["decode_step"]["near_cells"] == 60
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     top = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    near, steps = top["then_branch"], top["else_branch"]  # steps of at most 20 keys (or 80 cells), the rest
+    near, steps = top["then_branch"], top["else_branch"]  # steps of at most 20 keys (or 60 cells), the rest
     assert steps.node[-1].op_type == "If"
     branches = {a.name: a.g for a in steps.node[-1].attribute}
     step, prompts = branches["then_branch"], branches["else_branch"]

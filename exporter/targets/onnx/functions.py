@@ -866,13 +866,15 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # 0.99 at B1 but 1.07 at B8 and 1.15 at B64, where every key costs more than the Ifs.
 NEAR_STEP_KEYS = 2
 # A step whose batch x keys (the attention mask's cells) is at most this many times sink + window runs
-# the near-cache program too, whatever its cache (elastic-charlm: 544, B1 after up to 543 cached
-# tokens, B2 after 271): there the step program's Ifs and mode counts cost more than the keys a
-# masked SA pair reads in vain. Measured (2026-12-05, elastic-charlm, the two programs in the same
-# rounds, the step program's time 1.000): 0.927 at B1 after 255 cached tokens, 1.00 after 511 and
-# 767; 0.950 at B2 after 255 but 1.03 after 511; 0.953 at B4 after 255 (1,020 cells: left out, as
-# B2 after 511 is).
-NEAR_STEP_CELLS = 8
+# the near-cache program too, whatever its cache (elastic-charlm: 408, B1 after up to 407 cached
+# tokens, B2 after 203): there the step program's Ifs and mode counts cost more than the keys a
+# masked SA pair reads in vain. Measured (2026-12-05, elastic-charlm, the two programs as the runner
+# makes them, in the same rounds, one FA layer and five SA as its routers choose, the step program's
+# time 1.000): 0.953 at B1 after 191 cached tokens, 0.988 after 255, 1.005 after 319, 1.028 after
+# 383, 1.049 after 447, 1.097 after 511; 0.953 at B2 after 159, 0.975 and 0.982 after 191. (8,
+# measured before the runner read the programs' weights directly: 0.927 after 255, 1.00 after 511
+# and 767, and at B2 0.950 after 255, 1.03 after 511.)
+NEAR_STEP_CELLS = 6
 
 
 def elastic_step_function(head_dim: int | None = None, near: bool = False) -> onnx.FunctionProto:
