@@ -303,7 +303,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     ep = trace_for(model, contract, decode_graph=step)  # one trace, lowered once per variant
     # a decoder's main graph serves its decode steps too, where an attention-by-sample If per layer
     # costs more than a one-token call has (charlm-dense's B1 steps: 1.16 to 1.19x): only the sparse
-    # branch of --dense-rows, which sees calls of more than N rows alone, gets it there
+    # branch of --dense-rows, which sees calls of more than N rows alone, and the large-call graph
+    # (below) get it there
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
                                           decode_graph=step, by_sample=not contract.decoder or rows is not None)
     routed, stepped, within, large = None, None, None, None

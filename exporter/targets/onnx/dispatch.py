@@ -196,8 +196,8 @@ def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str,
               other_local: bool = True) -> onnx.ModelProto:
     """One model whose graph is an If on `cond` (made by `cond_nodes`) over `then`'s graph (its
     adaptex calls and bodies given the overload `overload`; None: the calls keep `other`'s bodies,
-    which must be then's) and `other`'s, with `initializers` in
-    the main graph (what both branches read, `then_initializers` those then's graph reads).
+    which must be then's) and `other`'s, with `initializers` in the main graph (what both branches
+    read, `then_initializers` those then's graph reads).
     other_local=False: `other`'s graph reads the main graph's weights as it is (a merged model whose
     own branches fold their copies: ONNX Runtime folds them from two scopes up too)."""
     outputs = list(other.graph.output)
@@ -560,6 +560,6 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of", "short_keys_of",
-           "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
+__all__ = ["merge", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of",
+           "short_keys_of", "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
            "MASKED_OVERLOAD"]
