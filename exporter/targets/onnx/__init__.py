@@ -319,10 +319,9 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         if passes.by_sample_ifs(big.graph.node):
             say("the graph for large calls too (attention a sample at a time) ...")
             ids_input, keys_input = contract.input_names()[:2]
-            proto = dispatch.merge_large_call(big, proto, ids_input=ids_input, keys_input=keys_input, heads=heads,
-                                              from_scores=fx.BY_SAMPLE_FROM, domain=fx.DOMAIN)
             large = {"ids_input": ids_input, "keys_input": keys_input, "heads": heads,
-                     "from_scores": fx.BY_SAMPLE_FROM}
+                     "from_scores": fx.BY_SAMPLE_FROM}  # the merge's condition is what the metadata records
+            proto = dispatch.merge_large_call(big, proto, **large, domain=fx.DOMAIN)
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         # a decoder's dense branch serves its decode steps and short prompts, where softmax_floor's
