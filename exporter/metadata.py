@@ -135,10 +135,14 @@ def validate(meta, where) -> dict:
         if longer is not None and (not isinstance(longer, int) or isinstance(longer, bool) or longer <= keys):
             raise AdaptexError(f"{where}: metadata 'short_call' masked_keys must be a whole number above max_keys "
                                f"({keys}); re-export it with adaptex")
+        by_sample = within.get("masked_large_call")
+        if by_sample is not None and (longer is None or not isinstance(by_sample, dict) or set(by_sample) !=
+                                      {"heads", "from_scores"} or not _whole(by_sample, ("heads", "from_scores"))):
+            raise AdaptexError(f"{where}: metadata 'short_call' masked_large_call needs masked_keys beside it and "
+                               "only heads and from_scores (whole numbers >= 1); re-export it with adaptex")
     large = meta.get("large_call")
     if large is not None and not (
-            all(isinstance(large.get(k), int) and not isinstance(large[k], bool) and large[k] >= 1
-                for k in ("heads", "from_scores"))
+            _whole(large, ("heads", "from_scores"))
             and all(isinstance(large.get(k), str) and large[k] in meta["inputs"] for k in ("ids_input", "keys_input"))):
         raise AdaptexError(f"{where}: metadata 'large_call' needs heads and from_scores (whole numbers >= 1), "
                            "ids_input and keys_input (input names); re-export it with adaptex")
@@ -150,6 +154,11 @@ def validate(meta, where) -> dict:
                 raise AdaptexError(f"{where}: metadata {side}[{name!r}] needs a dtype string and a shape list of "
                                    "sizes and axis names; re-export it with adaptex")
     return meta
+
+
+def _whole(entry: dict, keys) -> bool:
+    """Whether entry[k] is a whole number >= 1 (not a bool) for every k of keys."""
+    return all(isinstance(entry.get(k), int) and not isinstance(entry[k], bool) and entry[k] >= 1 for k in keys)
 
 
 def parse(text: str, where) -> dict:

@@ -128,8 +128,9 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
 def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     """Which graph of an artifact with decode-step, short-call or large-call graphs a call of `batch`
     x `seq` new tokens after `past` cached runs ("near-cache decode-step", "decode-step",
-    "short-call", "masked short-call", "large-call (attention by sample)", else "general"), as its
-    top-level Ifs choose (dispatch.taken); None for an artifact with none of them."""
+    "short-call", "masked short-call (attention by sample)", "masked short-call", "large-call
+    (attention by sample)", else "general"), as its top-level Ifs choose (dispatch.taken); None for
+    an artifact with none of them."""
     step, within, large = meta.get("decode_step"), meta.get("short_call"), meta.get("large_call")
     if not step and not within and not large:
         return None
@@ -140,6 +141,7 @@ def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     shapes = {name: role[k] for c in (step, within, large) if c for k, name in c.items() if k in role}
     graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
         + (["decode-step"] if step else []) + (["short-call"] if within else []) \
+        + (["masked short-call (attention by sample)"] if within and within.get("masked_large_call") else []) \
         + (["masked short-call"] if within and within.get("masked_keys") else []) \
         + (["large-call (attention by sample)"] if large else [])
     path = taken(shapes, decode_step=step, short_call=within, large_call=large)

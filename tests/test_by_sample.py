@@ -60,6 +60,58 @@ def test_a_large_batchs_attention_runs_by_sample_with_the_same_values(mask_batch
         assert ran["Softmax"] == batch, ran  # one a sample, or the batch's one
 
 
+def _gathered_bias(op: str, read_again: bool = False) -> onnx.ModelProto:
+    """Attention whose (b, H, t, t) bias is each head's plane of `planes` (P, t, t), picked by
+    `pick` (b, H): a Gather on axis 0 or a GatherND, as an elastic decoder's masked short-call
+    program picks a head's plane by its mode; read_again: the bias is an output too."""
+    idx = ["pick"] if op == "Gather" else ["pick3"]
+    nodes = ([] if op == "Gather" else [helper.make_node("Unsqueeze", ["pick", "last"], ["pick3"])]) + [
+        helper.make_node(op, ["planes"] + idx, ["bias"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Add", ["s", "bias"], ["sb"]),
+        helper.make_node("Softmax", ["sb"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", H, "t", dh]) for n in ("q", "k", "v")]
+    io += [helper.make_tensor_value_info("planes", TensorProto.FLOAT, ["n", "t", "t"]),
+           helper.make_tensor_value_info("pick", TensorProto.INT64, ["b", H])]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", H, "t", dh])]
+    if read_again:
+        outs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["b", H, "t", "t"]))
+    graph = helper.make_graph(nodes, "attention", io, outs, [numpy_helper.from_array(np.array([-1]), "last")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", fx.ONNX_OPSET)])
+
+
+@pytest.mark.parametrize("op", ["Gather", "GatherND"])
+def test_a_bias_gathered_by_sample_is_gathered_in_the_loop(op, tmp_path, monkeypatch):
+    """The gather that makes the (b, H, t, t) bias moves into the rewrite: the Loop gathers each
+    sample's planes by its own row of indices, the batched branch the batch's, and the values stay
+    the batched kernels'; a bias read again stays where it is, sliced a sample at a time."""
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)
+    for read_again in (False, True):
+        before, after = _gathered_bias(op, read_again), _gathered_bias(op, read_again)
+        assert attention_by_sample(after) == 1
+        onnx.checker.check_model(after, full_check=True)
+        assert [n.op_type for n in after.graph.node if n.op_type == op] == ([op] if read_again else [])
+        for batch in (B, 1):
+            feeds = {n: rng.standard_normal((batch, H, T, dh)).astype(np.float32) for n in "qkv"}
+            feeds["planes"] = np.where(rng.random((2 * batch, T, T)) < 0.3, -1e9, 0).astype(np.float32)
+            feeds["pick"] = (2 * np.arange(batch)[:, None] + rng.integers(0, 2, (batch, H))).astype(np.int64)
+            ref, _ = _run(before, feeds, tmp_path)
+            y, ran = _run(after, feeds, tmp_path)
+            np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+            assert ran["Loop"] == (batch > 1), ran
+            assert ran[op] == (batch if batch > 1 and not read_again else 1), ran  # one a sample in the Loop
+
+
+def test_a_gather_on_another_axis_stays_out_of_the_rewrite():
+    model = _gathered_bias("Gather")
+    next(n for n in model.graph.node if n.op_type == "Gather").attribute.append(helper.make_attribute("axis", 1))
+    assert attention_by_sample(model) == 1
+    assert [n.op_type for n in model.graph.node][0] == "Gather"  # still in the main graph, before the If
+
+
 def test_attention_whose_probabilities_are_read_again_is_left_alone():
     model = _attention("b", probabilities_out=True)
     before = model.SerializeToString()

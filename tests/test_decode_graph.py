@@ -24,7 +24,7 @@ import torch
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
-from adaptex.exporter.targets.onnx.passes import subgraphs
+from adaptex.exporter.targets.onnx.passes import by_sample_ifs, subgraphs
 from adaptex.graphs import checkpoint
 from tests import planted, zoo
 
@@ -79,13 +79,14 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
     innermost = (e["name"].rsplit(dispatch.RESERVED, 1)[-1].split(".")[0] for e in events if e.get("cat") == "Node")
-    return {t for t in innermost if t in ("near", "step", "short", "masked", "long")}
+    return {t for t in innermost if t in ("near", "step", "short", "masked_large", "masked", "long")}
 
 
 # the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph,
 # longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within MIXED_CALL_MASKED_UP_TO) the
-# masked short-call graph, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x 10) or 60 batch x keys
-# (fx.NEAR_STEP_CELLS x 10) the near-cache step graph
+# masked short-call graph, or from batch x 4 heads x T x T = 2^22 scores (fx.BY_SAMPLE_FROM: B64 at
+# T = 128) its form that attends a sample at a time, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x
+# 10) or 60 batch x keys (fx.NEAR_STEP_CELLS x 10) the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "near"),      # a decode step after a short cache
     (5, 1, 19, "near"),     # 20 keys
@@ -98,6 +99,8 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     (2, 10, 0, "short"),    # sink + window tokens: the most that SA sees whole
     (2, 11, 0, "masked"),   # one token more: the masked short-call graph
     (1, 128, 0, "masked"),  # the decoder's every position
+    (64, 128, 0, "masked_large"),  # 2^22 scores: a sample at a time
+    (63, 128, 0, "masked"),
     (2, 3, 5, "long"),      # three new tokens after a cache (within reach, but the routers do not run)
     (2, 4, 9, "long"),
 ])
@@ -155,12 +158,14 @@ def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, bat
     (2, 128, 0, None),    # every position
     (2, 60, 3, "sa"),     # every head streaming (the routers' biases set)
     (2, 30, 0, "fa"),     # every head full
+    (64, 128, 7, None),   # a sample at a time, left padding
 ])
 def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decoders, family_checkpoints, tmp_path,
                                                                           batch, seq, pad, modes):
     """Prefills past the reach: the streaming heads' keys outside their sinks and window masked, as
     the op's masked body masks them; every mode, decisions exactly. Planted routers give one mode
-    everywhere (the shared export's random routers mix them)."""
+    everywhere (the shared export's random routers mix them). A large batch runs the form that
+    attends a sample at a time, each sample's bias planes gathered in the Loop."""
     if modes is None:
         paths = decoders["eldec.onnx"], decoders["eldec-general.onnx"]
     else:
@@ -174,7 +179,7 @@ def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decode
         zoo.export(model, info, paths[1], decode_graph="off", short_graph="off")
     sess = _session(paths[0])
     feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
-    assert _ran(paths[0], feeds, tmp_path) == {"masked"}
+    assert _ran(paths[0], feeds, tmp_path) == {"masked_large" if batch == 64 else "masked"}
     got = sess.run(None, feeds)
     names = [o.name for o in sess.get_outputs()]
     _same(got, _session(paths[1]).run(None, feeds), names)
@@ -187,16 +192,26 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
     every layer, the masked one a second for the streaming heads) and read no cache (its shape at
     most); the long one calls the op."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    short, masked, long = (dispatch.program(proto, path).graph for path in
-                           ((False, False, True), (False, False, False, True), (False, False, False, False)))
-    for g in (short, masked):
-        assert not any(n.domain == "adaptex" for n in g.node) and not any(n.op_type == "If" for n in g.node)
+    short, by_sample, masked, long = (dispatch.program(proto, path).graph for path in (
+        (False, False, True), (False, False, False, True), (False, False, False, False, True),
+        (False, False, False, False, False)))
+    for g in (short, masked, by_sample):
+        assert not any(n.domain == "adaptex" for n in g.node)
         assert {n.op_type for n in g.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
+    assert not any(n.op_type == "If" for g in (short, masked) for n in g.node)
     # the masked graph makes the streaming heads' bias once (a Where) and picks each layer's planes
-    # by its heads' modes (a Gather in each of the two layers)
+    # by its heads' modes (a GatherND in each of the two layers)
     wheres, gathers = ([len([n for n in g.node if n.op_type == op]) for g in (short, masked)]
-                       for op in ("Where", "Gather"))
+                       for op in ("Where", "GatherND"))
     assert wheres[1] == wheres[0] + 1 and gathers[1] == gathers[0] + 2, (wheres, gathers)
+    # its by-sample form: each layer's attention behind an If, a Loop that gathers a sample's planes
+    # (its batched branch gathers the batch's: what a call below the threshold would run)
+    assert by_sample_ifs(by_sample.node) == 2
+    gathered = [n for n in by_sample.node if n.op_type == "GatherND"]
+    assert len(gathered) == gathers[0]
+    for n in (n for n in by_sample.node if n.op_type == "If" and by_sample_ifs([n])):
+        loop = next(a.g for a in n.attribute if a.name == "then_branch").node[-1]
+        assert "GatherND" in [m.op_type for m in next(a.g for a in loop.attribute if a.name == "body").node]
     assert any(n.domain == "adaptex" for n in long.node)
     assert dispatch.short_keys_of(proto) == 10
 
@@ -252,8 +267,9 @@ def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders
     near, others = (g for _, g in branches(loaded.graph))
     step, general = (g for _, g in branches(others))
     short, longer = (g for _, g in branches(general))
-    masked, long = (g for _, g in branches(longer))
-    for g in (near, step, short, masked, long):  # five graphs, each with its own folded copies
+    by_sample, rest = (g for _, g in branches(longer))
+    masked, long = (g for _, g in branches(rest))
+    for g in (near, step, short, by_sample, masked, long):  # six graphs, each with its own folded copies
         assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in g.node)
         assert len([i for i in g.initializer if np.prod(i.dims) > 1]) >= len(weights) // 2
 
@@ -308,7 +324,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
     assert "decode_step" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10,
-                                  "masked_keys": 128}
+                                  "masked_keys": 128, "masked_large_call": {"heads": 4, "from_scores": 1 << 22}}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
     assert meta["decode_step"]["near_cells"] == 60
@@ -322,6 +338,10 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
                                                  "And", "If"]  # short or long
     longer = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
+    assert [n.op_type for n in longer.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
+                                                "And", "Shape", "Squeeze", "Mul", "Mul", "Mul", "GreaterOrEqual",
+                                                "Greater", "And", "And", "If"]  # masked by sample, or the rest
+    longer = {a.name: a.g for a in longer.node[-1].attribute}["else_branch"]
     assert [n.op_type for n in longer.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
                                                 "And", "If"]  # masked short or long
     general = {a.name: a.g for a in longer.node[-1].attribute}["else_branch"]
@@ -402,7 +422,12 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
     good = meta["short_call"]
     for bad in ({**good, "max_keys": "10"}, {**good, "max_keys": 0}, {**good, "max_keys": True},
                 {**good, "keys_input": "nope"}, {"max_keys": 10}, "10", {**good, "masked_keys": 10},
-                {**good, "masked_keys": "128"}, {**good, "masked_keys": True}):
+                {**good, "masked_keys": "128"}, {**good, "masked_keys": True},
+                {**good, "masked_large_call": {"heads": 4}}, {**good, "masked_large_call": 4},
+                {**good, "masked_large_call": {**good["masked_large_call"], "from_scores": 0}},
+                {**good, "masked_large_call": {**good["masked_large_call"], "heads": True}},
+                {**good, "masked_large_call": {**good["masked_large_call"], "ids_input": "input_ids"}},
+                {k: v for k, v in good.items() if k != "masked_keys"}):
         with pytest.raises(AdaptexError, match="short_call"):
             validate({**meta, "short_call": bad}, "m.onnx")
     step = meta["decode_step"]
@@ -426,6 +451,11 @@ def test_bench_names_the_graph_a_call_runs():
     assert ran_graph(masked, 10, 0) == "short-call" and ran_graph(masked, 11, 0) == "masked short-call"
     assert ran_graph(masked, 128, 0) == "masked short-call" and ran_graph(masked, 129, 0) == "general"
     assert ran_graph(masked, 3, 5) == "general" and ran_graph(masked, 1, 5) == "decode-step"
+    large = {**masked, "short_call": {**masked["short_call"], "masked_large_call": {"heads": 4, "from_scores": 1 << 22}}}
+    assert ran_graph(large, 128, 0, batch=64) == "masked short-call (attention by sample)"
+    assert ran_graph(large, 128, 0, batch=63) == ran_graph(large, 128, 0) == "masked short-call"
+    assert ran_graph(large, 10, 0, batch=64) == "short-call" and ran_graph(large, 129, 0, batch=64) == "general"
+    assert ran_graph(large, 1, 127, batch=64) == "decode-step"
     assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
     assert ran_graph({}, 10, 0) is None
     near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx.passes import reads
+from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -57,12 +57,14 @@ def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> 
     return out
 
 
-PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), "masked": (False, False, False, True),
-         "long": (False, False, False, False), "dense": (True,), "sparse": (False,)}
+PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True),
+         "masked_large": (False, False, False, True), "masked": (False, False, False, False, True),
+         "long": (False, False, False, False, False), "dense": (True,), "sparse": (False,)}
 
 
 # the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys, masked short calls to its
-# 128 positions; near-cache steps: at most 20 keys or 60 batch x keys); dense dispatch at 8 rows
+# 128 positions, by sample from batch x 4 heads x T x T = 2^22 scores; near-cache steps: at most 20
+# keys or 60 batch x keys); dense dispatch at 8 rows
 @pytest.mark.parametrize("artifact, batch, seq, past, program", [
     ("eldec", 1, 1, 9, "near"),
     ("eldec", 5, 1, 19, "near"),   # 20 keys
@@ -73,6 +75,8 @@ PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True), 
     ("eldec", 2, 10, 0, "short"),
     ("eldec", 2, 11, 0, "masked"),
     ("eldec", 1, 128, 0, "masked"),
+    ("eldec", 64, 128, 0, "masked_large"),
+    ("eldec", 64, 127, 0, "masked"),
     ("eldec", 2, 3, 5, "long"),    # new tokens after a cache
     ("tsa-rows", 8, 1, 7, "dense"),
     ("tsa-rows", 9, 1, 7, "sparse"),
@@ -98,12 +102,25 @@ def test_the_runner_takes_the_program_the_files_ifs_take_and_computes_the_same(a
             np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=1e-6, err_msg=name)
 
 
+def _outer_reads(nodes) -> set[str]:
+    """The values `nodes` read from their graph's scope: their inputs, and what their subgraphs (an
+    attention-by-sample If's branches and Loop body) read that the subgraph neither makes nor takes
+    as an input."""
+    out = set()
+    for n in nodes:
+        out |= {i for i in n.input if i}
+        for g in subgraphs(n):
+            inner = {o for m in g.node for o in m.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+            out |= (_outer_reads(g.node) | {o.name for o in g.output}) - inner
+    return out
+
+
 def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
     """Each program passes onnx.checker, keeps the file's inputs and outputs, holds no dispatch If
     and no metadata, and reads its weights from initializers of its own."""
     path = artifacts("eldec")
     proto = onnx.load(str(path))
-    for program in ("near", "step", "short", "masked", "long"):
+    for program in ("near", "step", "short", "masked_large", "masked", "long"):
         model = dispatch.program(proto, PATHS[program])
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
@@ -111,10 +128,10 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
         assert not any(n.name.endswith(f"{dispatch.RESERVED}If") for n in model.graph.node)
         assert not model.metadata_props
         made = {o for n in model.graph.node for o in n.output}
-        assert set(reads(model.graph.node)) <= made | {i.name for i in model.graph.input} | {
+        assert _outer_reads(model.graph.node) <= made | {i.name for i in model.graph.input} | {
             t.name for t in model.graph.initializer}
     with pytest.raises(Exception, match="no run-time dispatch If"):
-        dispatch.program(proto, (False, False, False, False, True))
+        dispatch.program(proto, (False, False, False, False, False, True))
 
 
 def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):

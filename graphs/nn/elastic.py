@@ -246,7 +246,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         if far is not None:  # sample b's plane 2 b for an FA head, 2 b + 1 for an SA head
             B, H, T, S = q.shape[0], q.shape[1], far.shape[2], far.shape[3]
             pick = torch.arange(B, device=q.device)[:, None] * 2 + self._groups(sa).long()  # (B, H)
-            bias = far.reshape(B * 2, T, S).index_select(0, pick.reshape(-1)).reshape(B, H, T, S)
+            bias = far.reshape(B * 2, T, S)[pick]  # (B, H, T, S)
         scores = (q * (q.shape[-1] ** -0.5)) @ kq.transpose(-1, -2) + bias
         o = torch.softmax(scores, dim=-1) @ vq
         self.record({"sa": sa, "logits": logits})

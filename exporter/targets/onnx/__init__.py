@@ -340,11 +340,23 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         if longer is not None:  # the inner If: prefills up to `longer` tokens, the masked program
             say(f"tracing and lowering the masked short-call graph too (prefills of {keys + 1} to {longer} "
                 "tokens) ...")
-            masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
-                                          masked=True, decode_graph=step, by_sample=False)
+            masked_ep = trace_for(model, contract, short=True, masked=True, decode_graph=step)
+            masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
+                                          short=True, masked=True, decode_graph=step, by_sample=False)
             proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                               max_keys=longer, domain=fx.DOMAIN, masked=True)
             within["masked_keys"] = longer
+            if isinstance(heads, int) and heads > 0 and LARGE_CALL_BATCH * heads * longer * longer >= fx.BY_SAMPLE_FROM:
+                # its large batches a sample at a time (the bias planes gathered in the Loop), behind an If
+                # of their own: the masked program's smaller calls pay no If a layer
+                big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
+                                     short=True, masked=True, decode_graph=step, by_sample=True)
+                if passes.by_sample_ifs(big.graph.node):
+                    say("the masked short-call graph for large batches too (attention a sample at a time) ...")
+                    by_sample = {"heads": heads, "from_scores": fx.BY_SAMPLE_FROM}
+                    proto = dispatch.merge_short_call(big, proto, keys_input=keys_input, cache_input=cache_input,
+                                                      max_keys=longer, domain=fx.DOMAIN, masked=True, large=by_sample)
+                    within["masked_large_call"] = by_sample
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
                                      decode_graph=step, by_sample=False)

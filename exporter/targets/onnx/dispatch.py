@@ -373,7 +373,8 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
 
 
 def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
-                     max_keys: int, domain: str = "adaptex", masked: bool = False) -> onnx.ModelProto:
+                     max_keys: int, domain: str = "adaptex", masked: bool = False,
+                     large: dict | None = None) -> onnx.ModelProto:
     """One model that runs `short`'s graph (a decoder's short-call program: a prefill where every
     head attends as dense attention does, which streaming attention equals where every key lies
     within its sinks and window) for prefills of at most `max_keys` keys (the length of
@@ -381,16 +382,23 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     cache, empty), and `general`'s for every other call. Weights stored once, as in
     merge_decode_step. masked: `short` is the masked short-call program (its streaming heads' keys
     beyond their reach masked, for the prefills a little longer); its If's own values are then
-    dispatch.masked_*, and the short-call program's If goes on top of this model."""
+    dispatch.masked_*, and the short-call program's If goes on top of this model.
+    large (with masked): {"heads", "from_scores"}: `short` is the masked program lowered with
+    passes.attention_by_sample, run only where its layers' Ifs attend a sample at a time, batch > 1
+    and batch x keys x keys x heads >= from_scores (a prefill: its new tokens are its keys); its
+    values are dispatch.masked_large_*, and the masked program's If (merged with `general` before)
+    holds the other masked calls."""
     gs, gg = short.graph, general.graph
-    what = "masked short-call" if masked else "short-call"
+    what = "masked short-call" + (" (large)" if large else "") if masked else "short-call"
+    if large is not None and not masked:
+        raise ExportError("short-call dispatch: `large` is for the masked short-call program")
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
         raise ExportError(f"{what} dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
     _same_io(gs, gg, f"{what} and general graphs")
     _has_inputs(gg, what, ((keys_input, 2), (cache_input, 3)))
-    tag = "masked" if masked else "short"
+    tag = ("masked_large" if large else "masked") if masked else "short"
     short_model, inits, read = _share_weights(short, gg, tag)
-    sub = "masked_" if masked else ""  # the masked If's own values: dispatch.masked_*
+    sub = f"{tag}_" if masked else ""  # the masked Ifs' own values: dispatch.masked_*, dispatch.masked_large_*
     prefix = f"{RESERVED}{sub}"
     limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{prefix}short_keys")
     none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{prefix}no_cache")
@@ -402,9 +410,39 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
         helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache"),
         helper.make_node("And", [f"{prefix}few_keys", f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"),
     ]
-    return _if_model(short_model, general, tags=(tag, "long"), overload=MASKED_OVERLOAD if masked else SHORT_OVERLOAD,
-                     cond_nodes=cond_nodes, cond=within, initializers=inits + [limit, none], then_initializers=read,
+    consts = [limit, none]
+    if large is not None:
+        batch_nodes, batch = _squeezed_axis(keys_input, 0, f"{sub}batch")
+        large_nodes, large_consts = _large_call_cond(batch, keys, keys, large, prefix, f"{prefix}large")
+        cond_nodes += batch_nodes + large_nodes + [
+            helper.make_node("And", [within, f"{prefix}large"], [f"{prefix}call"], name=f"{prefix}And_call")]
+        within, consts = f"{prefix}call", consts + large_consts
+    overload = (tag if large else MASKED_OVERLOAD) if masked else SHORT_OVERLOAD
+    return _if_model(short_model, general, tags=(tag, "long"), overload=overload,
+                     cond_nodes=cond_nodes, cond=within, initializers=inits + consts, then_initializers=read,
                      domain=domain, other_local=not _dispatches(general))
+
+
+def _large_call_cond(batch: str, new: str, keys: str, large: dict, prefix: str, out: str) -> tuple[list, list]:
+    """Nodes computing `out` = batch > 1 and batch x new x keys x large["heads"] >= large["from_scores"]
+    (the condition functions.large_batch computes in each layer, where every layer has that many
+    heads) from scalars, and their constants (their values named `prefix`...)."""
+    for what in ("heads", "from_scores"):
+        n = large.get(what)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ExportError(f"large-call dispatch: {what} must be a whole number of at least 1, got {n!r}")
+    one, limit, per_head = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}")
+                            for v, n in ((1, "one"), (large["from_scores"], "from_scores"), (large["heads"], "heads")))
+    nodes = [
+        helper.make_node("Mul", [batch, new], [f"{prefix}rows"], name=f"{prefix}Mul_rows"),
+        helper.make_node("Mul", [f"{prefix}rows", keys], [f"{prefix}cells"], name=f"{prefix}Mul_cells"),
+        helper.make_node("Mul", [f"{prefix}cells", per_head.name], [f"{prefix}scores"], name=f"{prefix}Mul_scores"),
+        helper.make_node("GreaterOrEqual", [f"{prefix}scores", limit.name], [f"{prefix}many"],
+                         name=f"{prefix}GreaterOrEqual"),
+        helper.make_node("Greater", [batch, one.name], [f"{prefix}batched"], name=f"{prefix}Greater"),
+        helper.make_node("And", [f"{prefix}batched", f"{prefix}many"], [out], name=f"{prefix}And"),
+    ]
+    return nodes, [one, limit, per_head]
 
 
 def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, keys_input: str,
@@ -420,32 +458,20 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     (a decoder's main graph, which serves both: docs/benchmarking.md#large-calls). Both lowerings of
     one trace: the same weights, stored once."""
     gl, gg = large.graph, general.graph
-    for what, n in (("heads", heads), ("from_scores", from_scores)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ExportError(f"large-call dispatch: {what} must be a whole number of at least 1, got {n!r}")
-    _same_io(gl, gg, "large-call and general graphs")
-    _has_inputs(gg, "large-call", ((ids_input, 2), (keys_input, 2)))
-    if _digest(gl.initializer) != _digest(gg.initializer):
-        raise ExportError("the large-call and general lowerings differ in their weights; export one of them")
     prefix = f"{RESERVED}large_"
-    one, limit, per_head = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}")
-                            for v, n in ((1, "one"), (from_scores, "from_scores"), (heads, "heads")))
     batch_nodes, batch = _squeezed_axis(ids_input, 0, "large_batch")
     new_nodes, new = _squeezed_axis(ids_input, 1, "large_new")
     key_nodes, keys = _squeezed_axis(keys_input, 1, "large_keys")
     large_call = f"{prefix}call"
-    cond_nodes = batch_nodes + new_nodes + key_nodes + [
-        helper.make_node("Mul", [batch, new], [f"{prefix}rows"], name=f"{prefix}Mul_rows"),
-        helper.make_node("Mul", [f"{prefix}rows", keys], [f"{prefix}cells"], name=f"{prefix}Mul_cells"),
-        helper.make_node("Mul", [f"{prefix}cells", per_head.name], [f"{prefix}scores"], name=f"{prefix}Mul_scores"),
-        helper.make_node("GreaterOrEqual", [f"{prefix}scores", limit.name], [f"{prefix}many"],
-                         name=f"{prefix}GreaterOrEqual"),
-        helper.make_node("Greater", [batch, one.name], [f"{prefix}batched"], name=f"{prefix}Greater"),
-        helper.make_node("And", [f"{prefix}batched", f"{prefix}many"], [large_call], name=f"{prefix}And"),
-    ]
-    return _if_model(large, general, tags=("large", "general"), overload=None, cond_nodes=cond_nodes,
-                     cond=large_call, initializers=list(gg.initializer) + [one, limit, per_head],
-                     then_initializers=gl.initializer, domain=domain)
+    large_nodes, consts = _large_call_cond(batch, new, keys, {"heads": heads, "from_scores": from_scores}, prefix,
+                                           large_call)
+    _same_io(gl, gg, "large-call and general graphs")
+    _has_inputs(gg, "large-call", ((ids_input, 2), (keys_input, 2)))
+    if _digest(gl.initializer) != _digest(gg.initializer):
+        raise ExportError("the large-call and general lowerings differ in their weights; export one of them")
+    return _if_model(large, general, tags=("large", "general"), overload=None,
+                     cond_nodes=batch_nodes + new_nodes + key_nodes + large_nodes, cond=large_call,
+                     initializers=list(gg.initializer) + consts, then_initializers=gl.initializer, domain=domain)
 
 
 def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | None = None,
@@ -454,8 +480,8 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
     merge_short_call, merge and merge_large_call build into the graph, evaluated on the shapes, in
     the order export() nests the merges (the near-cache step's If outermost, then the decode step's,
-    the short call's and the masked short call's; short-call, dense and large-call dispatch never
-    together, and large-call dispatch alone).
+    the short call's, the masked short call's by sample and the masked short call's; short-call, dense
+    and large-call dispatch never together, and large-call dispatch alone).
     decode_step, short_call, dense, large_call: the artifact's metadata entries of those names
     ("dispatch" for dense), or None where it has none."""
     path = []
@@ -471,17 +497,28 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
         if step:
             return tuple(path)
     if short_call:
-        keys, prefill = shapes[short_call["keys_input"]][1], shapes[short_call["cache_input"]][2] == 0
+        batch, keys = shapes[short_call["keys_input"]][:2]
+        prefill = shapes[short_call["cache_input"]][2] == 0
         path.append(bool(keys <= short_call["max_keys"] and prefill))
-        if not path[-1] and short_call.get("masked_keys"):  # the masked short-call program's If, inside
-            path.append(bool(keys <= short_call["masked_keys"] and prefill))
+        if not path[-1] and short_call.get("masked_keys"):  # the masked short-call programs' Ifs, inside
+            masked = keys <= short_call["masked_keys"] and prefill
+            if short_call.get("masked_large_call"):  # attention by sample, outside the plain one's If
+                path.append(bool(masked and _large(batch, keys, keys, short_call["masked_large_call"])))
+                if path[-1]:
+                    return tuple(path)
+            path.append(bool(masked))
     elif dense:
         rows = shapes[dense["rows_input"]]
         path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
     elif large_call:
         (batch, new), keys = shapes[large_call["ids_input"]][:2], shapes[large_call["keys_input"]][1]
-        path.append(bool(batch > 1 and batch * new * keys * large_call["heads"] >= large_call["from_scores"]))
+        path.append(_large(batch, new, keys, large_call))
     return tuple(path)
+
+
+def _large(batch: int, new: int, keys: int, large: dict) -> bool:
+    """_large_call_cond's condition on the call's sizes."""
+    return bool(batch > 1 and batch * new * keys * large["heads"] >= large["from_scores"])
 
 
 def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:

@@ -304,7 +304,11 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
     by the next, into If(functions.large_batch) -> a Loop over axis 0 (a sample a time) | the nodes as
     they were. A Transpose that makes k^T and is read only by the MatMul goes with them (so ONNX
     Runtime still fuses it into the MatMul). A 4-D operand whose first axis may be 1 (a mask shared by
-    the batch) is broadcast. Returns how many it rewrote."""
+    the batch) is broadcast; one that a Gather (axis 0) or GatherND (batch_dims 0) makes, read only
+    by the chain, with indices whose first axis is the batch (elastic decoders' masked short-call
+    program: each head's bias plane picked by its mode, _per_sample_gather), goes with them too, and
+    the Loop gathers a sample's planes by its own indices: the (B, H, T, S) tensor is never made.
+    Returns how many it rewrote."""
     from adaptex.exporter.targets.onnx.functions import _Body, _name_output, large_batch
 
     g = proto.graph
@@ -364,6 +368,9 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
         if found is None or any(id(n) in drop for n in found[0]):
             continue
         nodes, q, keys, axis = found
+        gathers = {id(p) for p in (_per_sample_gather(v, nodes, producers, only, shapes, shapes[q][0])
+                                   for n in nodes for v in n.input if rank4(v)) if p is not None}
+        nodes = [n for n in g.node if id(n) in gathers] + nodes  # in graph order, before the chain
         count += 1
         stem = f"by_sample{count}_"
         while any(n.startswith(stem) for n in taken):
@@ -373,11 +380,13 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
         out = nodes[-1].output[0]
         b = _Body(stem)
 
+        whole = {x for n in nodes if id(n) in gathers for x in n.input}  # a gather's data and indices
+
         def one(i: str) -> str:  # sample i of every 4-D operand (the first axis of a mask may be 1)
             i1 = b("Unsqueeze", i, b.const([0]))
             rename = {}
             for v in operands:
-                if not rank4(v):
+                if not rank4(v) or v in whole:
                     continue
                 s0 = shapes[v][0]
                 at = i1 if s0 is not None and s0 == shapes[q][0] and s0 != 1 else \
@@ -387,6 +396,8 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
                 c = onnx.NodeProto()
                 c.CopyFrom(n)
                 c.name = f"{stem}{n.name}" if n.name else ""
+                if id(n) in gathers:  # the sample's own indices: its (1, ...) planes
+                    rename[n.input[1]] = b("Slice", n.input[1], i1, b("Add", i1, b.const([1])), b.const([0]))
                 c.input[:] = [rename.get(x, x) for x in n.input]
                 for k, o in enumerate(n.output):
                     rename[o] = c.output[k] = f"{stem}{o}"
@@ -425,6 +436,25 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
     del g.value_info[:]
     g.value_info.extend(kept_info)
     return count
+
+
+def _per_sample_gather(v: str, chain: list, producers: dict, only, shapes: dict, batch):
+    """The node that makes `v`, an operand of an attention chain, where a by-sample Loop can make
+    sample i's slice of it by gathering with sample i's indices: a Gather on axis 0 or a GatherND
+    with batch_dims 0, read only by the chain, whose indices' first axis is the batch (the same
+    dimension as q's, a symbol or a number other than 1) and, for GatherND, whose index tuples pick
+    along the data's first axis only; None otherwise."""
+    p = producers.get(v)
+    if p is None or p.domain not in ("", "ai.onnx") or p.op_type not in ("Gather", "GatherND") \
+            or not any(only(v) is n for n in chain):
+        return None
+    attrs = {a.name: a.i for a in p.attribute}
+    idx = shapes.get(p.input[1]) or ()
+    if attrs.get("axis" if p.op_type == "Gather" else "batch_dims", 0) != 0 or len(idx) < 2:
+        return None
+    if p.op_type == "GatherND" and idx[-1] != 1:
+        return None
+    return p if batch is not None and batch != 1 and idx[0] == batch else None
 
 
 SOFTMAX_FLOOR = 80.0  # e^-80 = 1.8e-35 is a normal float32; from about -87 on, exp's result is subnormal
