@@ -105,9 +105,18 @@ def test_a_bias_gathered_by_sample_is_gathered_in_the_loop(op, tmp_path, monkeyp
             assert ran[op] == (batch if batch > 1 and not read_again else 1), ran  # one a sample in the Loop
 
 
-def test_a_gather_on_another_axis_stays_out_of_the_rewrite():
+@pytest.mark.parametrize("change", ["axis 1", "the chain reads the planes"])
+def test_a_gather_the_loop_cannot_make_a_sample_at_a_time_stays_out_of_the_rewrite(change):
     model = _gathered_bias("Gather")
-    next(n for n in model.graph.node if n.op_type == "Gather").attribute.append(helper.make_attribute("axis", 1))
+    gather = next(n for n in model.graph.node if n.op_type == "Gather")
+    if change == "axis 1":
+        gather.attribute.append(helper.make_attribute("axis", 1))
+    else:  # the chain reads the gather's data itself, (H, t, t) broadcast: the Loop needs it whole there
+        planes = next(i for i in model.graph.input if i.name == "planes")
+        planes.CopyFrom(helper.make_tensor_value_info("planes", TensorProto.FLOAT, [H, "t", "t"]))
+        at = next(k for k, n in enumerate(model.graph.node) if n.op_type == "Softmax")
+        model.graph.node[at].input[0] = "sbp"
+        model.graph.node.insert(at, helper.make_node("Add", ["sb", "planes"], ["sbp"]))
     assert attention_by_sample(model) == 1
     assert [n.op_type for n in model.graph.node][0] == "Gather"  # still in the main graph, before the If
 

@@ -443,10 +443,11 @@ def _per_sample_gather(v: str, chain: list, producers: dict, only, shapes: dict,
     sample i's slice of it by gathering with sample i's indices: a Gather on axis 0 or a GatherND
     with batch_dims 0, read only by the chain, whose indices' first axis is the batch (the same
     dimension as q's, a symbol or a number other than 1) and, for GatherND, whose index tuples pick
-    along the data's first axis only; None otherwise."""
+    along the data's first axis only, its data and indices read by no node of the chain (the Loop
+    reads them whole); None otherwise."""
     p = producers.get(v)
     if p is None or p.domain not in ("", "ai.onnx") or p.op_type not in ("Gather", "GatherND") \
-            or not any(only(v) is n for n in chain):
+            or not any(only(v) is n for n in chain) or any(x in n.input for n in chain for x in p.input):
         return None
     attrs = {a.name: a.i for a in p.attribute}
     idx = shapes.get(p.input[1]) or ()
