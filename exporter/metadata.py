@@ -117,12 +117,15 @@ def validate(meta, where) -> dict:
                                        for k in ("new_tokens_input", "cache_input")):
         raise AdaptexError(f"{where}: metadata 'decode_step' needs new_tokens_input and cache_input (names of "
                            "inputs); re-export it with adaptex")
-    if stepped is not None and ("near_keys" in stepped or "near_cells" in stepped):
-        counts = [stepped.get("near_keys")] + ([stepped["near_cells"]] if "near_cells" in stepped else [])
+    near_counts = ("near_keys", "near_cells", "near_keys_cells")
+    if stepped is not None and any(k in stepped for k in near_counts):
+        counts = [stepped.get("near_keys")] + [stepped[k] for k in near_counts[1:] if k in stepped]
         if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts) \
+                or ("near_keys_cells" in stepped and "near_cells" not in stepped) \
                 or not (isinstance(stepped.get("keys_input"), str) and stepped["keys_input"] in meta["inputs"]):
-            raise AdaptexError(f"{where}: metadata 'decode_step' with near_keys (and near_cells) needs whole numbers "
-                               ">= 1 and keys_input (an input name); re-export it with adaptex")
+            raise AdaptexError(f"{where}: metadata 'decode_step' with near_keys (and near_cells, then "
+                               "near_keys_cells) needs whole numbers >= 1 and keys_input (an input name); re-export "
+                               "it with adaptex")
     within = meta.get("short_call")
     if within is not None:
         keys = within.get("max_keys")

@@ -268,18 +268,20 @@ def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse
 
 
 def test_a_near_cache_step_executes_every_key(artifacts):
-    """An elastic decoder's step after at most near_keys keys (or near_cells batch x keys) runs the
-    near-cache step graph, which attends every key masked: bench counts it so, and names it; a step
-    past both limits gathers."""
+    """An elastic decoder's step after at most near_keys keys (and near_keys_cells batch x keys; or
+    near_cells batch x keys) runs the near-cache step graph, which attends every key masked: bench
+    counts it so, and names it; a step past the limits gathers."""
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.runtimes.bench import ran_graph
 
     model = artifacts.model("eldec")
     contract = family_contract(model)
     meta = read_onnx_metadata(artifacts("eldec"))
-    near, cells = meta["decode_step"]["near_keys"], meta["decode_step"]["near_cells"]
+    near, cells, capped = (meta["decode_step"][k] for k in ("near_keys", "near_cells", "near_keys_cells"))
     for batch, past, graph in ((5, near - 1, "near-cache decode-step"), (5, near, "decode-step"),
-                               (2, cells // 2 - 1, "near-cache decode-step"), (2, cells // 2, "decode-step")):
+                               (2, cells // 2 - 1, "near-cache decode-step"), (2, cells // 2, "decode-step"),
+                               (capped // near, near - 1, "near-cache decode-step"),
+                               (capped // near + 1, near - 1, "decode-step")):
         out = {f"decisions.layer{i}.sa": np.ones((batch, model.cfg.num_kv_heads), bool)
                for i in range(model.cfg.num_layers)}
         assert ran_graph(meta, 1, past, batch) == graph

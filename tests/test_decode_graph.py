@@ -86,10 +86,13 @@ def _ran(path, feeds, tmp_path) -> set[str]:
 # longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within MIXED_CALL_MASKED_UP_TO) the
 # masked short-call graph, or from batch x 4 heads x T x T = 2^22 scores (fx.BY_SAMPLE_FROM: B64 at
 # T = 128) its form that attends a sample at a time, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x
-# 10) or 60 batch x keys (fx.NEAR_STEP_CELLS x 10) the near-cache step graph
+# 10) and 640 batch x keys (fx.NEAR_STEP_KEYS_CELLS x 10), or 60 batch x keys (fx.NEAR_STEP_CELLS x
+# 10), the near-cache step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
     (1, 1, 9, "near"),      # a decode step after a short cache
     (5, 1, 19, "near"),     # 20 keys
+    (32, 1, 19, "near"),    # 20 keys, 640 cells
+    (33, 1, 19, "step"),    # 660 cells: past the key count's cap
     (5, 1, 20, "step"),     # a decode step: 21 keys, 105 cells
     (3, 1, 20, "step"),     # 21 keys, 63 cells
     (1, 1, 59, "near"),     # 60 cells
@@ -327,7 +330,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
                                   "masked_keys": 128, "masked_large_call": {"heads": 4, "from_scores": 1 << 22}}
     assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
-    assert meta["decode_step"]["near_cells"] == 60
+    assert meta["decode_step"]["near_cells"] == 60 and meta["decode_step"]["near_keys_cells"] == 640
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     top = {a.name: a.g for a in proto.graph.node[-1].attribute}
@@ -433,6 +436,8 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
     step = meta["decode_step"]
     for bad in ({**step, "near_keys": "20"}, {**step, "near_keys": 0}, {**step, "near_keys": False},
                 {**step, "near_cells": 0}, {**step, "near_cells": 8.0}, {**step, "near_cells": None},
+                {**step, "near_keys_cells": 0}, {**step, "near_keys_cells": "640"},
+                {k: v for k, v in step.items() if k != "near_cells"},
                 {k: v for k, v in step.items() if k != "near_keys"},
                 {**step, "keys_input": "nope"}, {k: v for k, v in step.items() if k != "keys_input"}):
         with pytest.raises(AdaptexError, match="decode_step' with near_keys"):
@@ -464,3 +469,6 @@ def test_bench_names_the_graph_a_call_runs():
         assert ran_graph(near, seq, past, batch) == "near-cache decode-step"
     assert ran_graph(near, 1, 80) == ran_graph(near, 1, 25, batch=4) == "decode-step"
     assert ran_graph(near, 4, 19, batch=9) == "general"
+    capped = {**near, "decode_step": {**near["decode_step"], "near_keys_cells": 100}}
+    assert ran_graph(capped, 1, 19, batch=5) == ran_graph(capped, 1, 79) == "near-cache decode-step"
+    assert ran_graph(capped, 1, 19, batch=6) == "decode-step"  # 120 cells: the key count no longer counts

@@ -64,10 +64,12 @@ PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True),
 
 # the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys, masked short calls to its
 # 128 positions, by sample from batch x 4 heads x T x T = 2^22 scores; near-cache steps: at most 20
-# keys or 60 batch x keys); dense dispatch at 8 rows
+# keys and 640 batch x keys, or 60 batch x keys); dense dispatch at 8 rows
 @pytest.mark.parametrize("artifact, batch, seq, past, program", [
     ("eldec", 1, 1, 9, "near"),
     ("eldec", 5, 1, 19, "near"),   # 20 keys
+    ("eldec", 32, 1, 19, "near"),  # 640 cells: the key count's cap
+    ("eldec", 33, 1, 19, "step"),
     ("eldec", 5, 1, 20, "step"),
     ("eldec", 1, 1, 59, "near"),   # 60 cells
     ("eldec", 1, 1, 60, "step"),

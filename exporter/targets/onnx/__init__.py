@@ -373,14 +373,14 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
         reach = contract.short_call_keys()
         if reach is not None and variant == "sparse":  # an elastic decoder: steps after a short cache
-            near, cells = fx.NEAR_STEP_KEYS * reach, fx.NEAR_STEP_CELLS * reach
-            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys, or batch x keys "
-                f"at most {cells}) ...")
+            near, cells, capped = (n * reach for n in (fx.NEAR_STEP_KEYS, fx.NEAR_STEP_CELLS, fx.NEAR_STEP_KEYS_CELLS))
+            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys and {capped} batch x "
+                f"keys, or at most {cells} batch x keys) ...")
             near_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
                                         step=True, near=True)
             proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
-                                               keys=(keys_input, near, cells), domain=fx.DOMAIN)
-            stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells)
+                                               keys=(keys_input, near, cells, capped), domain=fx.DOMAIN)
+            stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, near_keys_cells=capped)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},

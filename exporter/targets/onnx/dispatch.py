@@ -313,13 +313,14 @@ def _squeezed_axis(name: str, axis: int, tag: str) -> tuple[list, str]:
 
 
 def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_input: str, past_input: str,
-                      keys: tuple[str, int] | tuple[str, int, int] | None = None,
+                      keys: tuple[str, int] | tuple[str, int, int] | tuple[str, int, int, int] | None = None,
                       domain: str = "adaptex") -> onnx.ModelProto:
     """One model that runs `step`'s graph (a decoder's decode-step program: one new token after a
     non-empty cache) for such calls, `general`'s for every other: the If reads the new tokens of
-    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n[, cells]): the
-    near-cache step program, for steps whose `input` (the attention mask) has at most n columns, or
-    at most `cells` batch x columns; `general` is then the model with the other steps' program. The
+    `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n[, cells[,
+    capped]]): the near-cache step program, for steps whose `input` (the attention mask) has at most
+    n columns (and at most `capped` batch x columns), or at most `cells` batch x columns; `general`
+    is then the model with the other steps' program. The
     two are traces of one model: an initializer of the step graph equal to one of the general graph's
     (a weight) is stored once; one that shares a name but not its values (a trace's constant) is
     renamed.
@@ -361,10 +362,19 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
                                  name=f"{prefix}ReduceProd_cells", keepdims=0),
                 helper.make_node("LessOrEqual", [f"{prefix}cells", cells.name], [f"{prefix}few_cells"],
                                  name=f"{prefix}LessOrEqual_cells"),
-                helper.make_node("Or", [few, f"{prefix}few_cells"], [f"{prefix}few_keys_or_cells"],
-                                 name=f"{prefix}Or_cells"),
             ]
-            few, limits = f"{prefix}few_keys_or_cells", [limit, cells]
+            limits = [limit, cells]
+            if len(keys) > 3:  # the key count's rule only up to `capped` cells
+                capped = numpy_helper.from_array(np.array(keys[3], dtype=np.int64), f"{prefix}keys_cells_limit")
+                cond_nodes += [
+                    helper.make_node("LessOrEqual", [f"{prefix}cells", capped.name], [f"{prefix}not_many_cells"],
+                                     name=f"{prefix}LessOrEqual_keys_cells"),
+                    helper.make_node("And", [few, f"{prefix}not_many_cells"], [f"{prefix}few_keys_capped"],
+                                     name=f"{prefix}And_keys_cells")]
+                few, limits = f"{prefix}few_keys_capped", limits + [capped]
+            cond_nodes.append(helper.make_node("Or", [few, f"{prefix}few_cells"], [f"{prefix}few_keys_or_cells"],
+                                               name=f"{prefix}Or_cells"))
+            few = f"{prefix}few_keys_or_cells"
         cond_nodes.append(helper.make_node("And", [is_step, few], [f"{prefix}near_step"], name=f"{prefix}And_near"))
         is_step = f"{prefix}near_step"
     return _if_model(step_model, general, tags=(tag, "general"), overload=overload, cond_nodes=cond_nodes,
@@ -489,8 +499,9 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
         step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
         if decode_step.get("near_keys"):  # the near-cache step program's If, outermost
             batch, keys = shapes[decode_step["keys_input"]][:2]
-            cells = decode_step.get("near_cells")
-            path.append(bool(step and (keys <= decode_step["near_keys"] or (cells and batch * keys <= cells))))
+            cells, capped = decode_step.get("near_cells"), decode_step.get("near_keys_cells")
+            few_keys = keys <= decode_step["near_keys"] and (not capped or batch * keys <= capped)
+            path.append(bool(step and (few_keys or (cells and batch * keys <= cells))))
             if path[-1]:
                 return tuple(path)
         path.append(bool(step))

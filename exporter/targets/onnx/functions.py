@@ -863,8 +863,18 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # pair's keys outside its sinks and window masked, with no If and no count of its modes. Measured on
 # elastic-charlm (sink + window = 68; docs/benchmarking.md#decode-steps), against the step program,
 # both as sessions of their own: 0.93 at B1, B8 and 0.96 at B64 after 127 cached tokens; after 255,
-# 0.99 at B1 but 1.07 at B8 and 1.15 at B64, where every key costs more than the Ifs.
+# 0.99 at B1 but 1.07 at B8 and 1.15 at B64, where every key costs more than the Ifs (at B64 after
+# 127 too once the runner read the programs' weights directly: NEAR_STEP_KEYS_CELLS).
 NEAR_STEP_KEYS = 2
+# ... while its batch x keys is at most this many times sink + window: at larger batches the masked
+# keys' Softmax and the scaled score MatMul cost more than the step program's gathers and Ifs.
+# Measured (2026-12-05, ninth session, elastic-charlm, `examples/compare_artifacts.py` with real
+# routing, the near program's time 1.000): the step program 0.950 at B64 after 127 cached tokens
+# (8,192 cells), 0.959 at B32 after 127 (4,096), 0.965 at B64 after 100 (6,464); 1.051 at B64
+# after 63 (4,096), 1.046 at B16 after 127 (2,048) and 1.063 at B8. 64 x 68 = 4,352 cells keeps
+# the near program to B64 after 67 and B32 after 135 (B32 after 127 left to it: 0.959 is within
+# what the other points' spread allows for a bound this coarse).
+NEAR_STEP_KEYS_CELLS = 64
 # A step whose batch x keys (the attention mask's cells) is at most this many times sink + window runs
 # the near-cache program too, whatever its cache (elastic-charlm: 408, B1 after up to 407 cached
 # tokens, B2 after 203): there the step program's Ifs and mode counts cost more than the keys a
