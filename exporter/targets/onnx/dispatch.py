@@ -320,10 +320,9 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     `ids_input` (axis 1) and the cached ones of `past_input` (axis 2). keys=(input, n[, cells[,
     capped]]): the near-cache step program, for steps whose `input` (the attention mask) has at most
     n columns (and at most `capped` batch x columns), or at most `cells` batch x columns; `general`
-    is then the model with the other steps' program. The
-    two are traces of one model: an initializer of the step graph equal to one of the general graph's
-    (a weight) is stored once; one that shares a name but not its values (a trace's constant) is
-    renamed.
+    is then the model with the other steps' program. The two are traces of one model: an initializer
+    of the step graph equal to one of the general graph's (a weight) is stored once; one that shares
+    a name but not its values (a trace's constant) is renamed.
     `general` may itself be a merged model (merge_short_call, or this function's): its branches then
     keep their own copies of the weights, folded from the main graph's."""
     tag, overload = ("near", NEAR_OVERLOAD) if keys else ("step", STEP_OVERLOAD)

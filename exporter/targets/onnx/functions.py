@@ -872,8 +872,8 @@ NEAR_STEP_KEYS = 2
 # routing, the near program's time 1.000): the step program 0.950 at B64 after 127 cached tokens
 # (8,192 cells), 0.959 at B32 after 127 (4,096), 0.965 at B64 after 100 (6,464); 1.051 at B64
 # after 63 (4,096), 1.046 at B16 after 127 (2,048) and 1.063 at B8. 64 x 68 = 4,352 cells keeps
-# the near program to B64 after 67 and B32 after 135 (B32 after 127 left to it: 0.959 is within
-# what the other points' spread allows for a bound this coarse).
+# the near program to B64 after 67 and B32 after 135: B32 after 127 stays with it (4,096 cells, as
+# many as B64 after 63, where the near program wins), so a cells bound alone cannot take both.
 NEAR_STEP_KEYS_CELLS = 64
 # A step whose batch x keys (the attention mask's cells) is at most this many times sink + window runs
 # the near-cache program too, whatever its cache (elastic-charlm: 408, B1 after up to 407 cached
