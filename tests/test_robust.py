@@ -443,8 +443,9 @@ def test_usage_errors_are_one_line_not_the_usage_block(capsys, argv, match):
 
 
 def test_cli_export_refuses_example_ids_outside_the_models_vocabulary(artifacts, tmp_path, capsys):
-    """--inputs as a checkpoint's example inputs: an id past its embedding table, or a row past its
-    positions, is named on one line before any tracing (the CLI fuzz found the raw IndexError)."""
+    """--inputs as a checkpoint's example inputs: an id past its embedding table, a row past its
+    positions, or ids that are not whole numbers, is named on one line before any tracing (the CLI
+    fuzz found the raw IndexError and RuntimeError)."""
     ckpt = artifacts.checkpoints / "tsa"
     cfg = artifacts.model("tsa").cfg
     ids = np.full((2, 6), cfg.vocab_size, np.int64)
@@ -456,3 +457,7 @@ def test_cli_export_refuses_example_ids_outside_the_models_vocabulary(artifacts,
     np.savez(tmp_path / "long.npz", input_ids=long, attention_mask=long)
     err = one_line_error(capsys, "export", ckpt, "--target", "onnx", "-o", out, "--inputs", tmp_path / "long.npz")
     assert f"takes at most {cfg.max_len}" in err and not out.exists()
+    # float ids (the CLI fuzz found PyTorch's raw RuntimeError from the embedding)
+    np.savez(tmp_path / "float.npz", input_ids=np.ones((2, 6), np.float32), attention_mask=np.ones((2, 6), np.float32))
+    err = one_line_error(capsys, "export", ckpt, "--target", "onnx", "-o", out, "--inputs", tmp_path / "float.npz")
+    assert "input_ids is float32" in err and "int64" in err and not out.exists()

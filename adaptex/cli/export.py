@@ -73,14 +73,18 @@ def run(args) -> int:
 
 
 def _ids_fit(model, path: str, arrays: dict) -> None:
-    """--inputs for a model whose config names its vocabulary and length: input_ids within both, or a
-    one-line error (an id past the embedding table fails deep in PyTorch otherwise)."""
+    """--inputs for a model whose config names its vocabulary and length: input_ids of whole numbers
+    within both, or a one-line error (a float id or one past the embedding table fails deep in
+    PyTorch otherwise)."""
     import numpy as np
 
     cfg, ids = getattr(model, "cfg", None), arrays.get("input_ids")
     vocab, longest = getattr(cfg, "vocab_size", None), getattr(cfg, "max_len", None)
-    if ids is None or not np.issubdtype(ids.dtype, np.integer) or not ids.size:
-        return  # other dtypes and shapes are the export's to refuse
+    if ids is not None and not np.issubdtype(ids.dtype, np.integer):  # an embedding's indices: whole numbers
+        raise UsageError(f"--inputs {path}: input_ids is {ids.dtype}, and token ids are whole numbers; write them "
+                         "as int64 (np.int64)")
+    if ids is None or not ids.size:
+        return  # other shapes are the export's to refuse
     if isinstance(vocab, int) and (ids.min() < 0 or ids.max() >= vocab):
         raise UsageError(f"--inputs {path}: input_ids holds ids from {ids.min()} to {ids.max()}, and this model's "
                          f"vocabulary has ids 0 to {vocab - 1}; write ids in that range")
