@@ -33,6 +33,10 @@ class ArtifactReference:
         self.runner, self.eager = runner, eager
         self.contract, self.mode, self.model = eager.contract, eager.mode, eager.model
 
+    def input_metadata(self) -> dict:
+        """The eager model's inputs: what --inputs are made to look like, for both artifacts."""
+        return self.eager.input_metadata()
+
     def reference(self, feeds: dict, force: dict | None = None) -> Reference:
         e = self.eager.reference(feeds)
         specs = self.runner.input_metadata()

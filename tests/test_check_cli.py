@@ -42,6 +42,17 @@ def test_against_catches_a_different_artifact(pair, tmp_path, capsys):
     assert "another source" in capsys.readouterr().err
 
 
+def test_against_takes_the_users_inputs(pair, tmp_path, capsys):
+    """--against with --inputs: the arrays made to look like the eager model's inputs, for both
+    artifacts (the CLI fuzz found an AttributeError here)."""
+    ids = np.random.default_rng(1).integers(1, 50, size=(4, 10)).astype(np.int32)  # int32: converted
+    np.savez(tmp_path / "x.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    code = main(["check", str(pair / "a.onnx"), "--against", str(pair / "a.onnx"), "--inputs",
+                 str(tmp_path / "x.npz"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["samples"] == 4 and report["unexcused_flips"] == 0
+
+
 def test_user_inputs_and_tolerance_are_used_and_printed(pair, tmp_path, capsys):
     ids = np.random.default_rng(0).integers(1, 50, size=(3, 12)).astype(np.int64)
     np.savez(tmp_path / "x.npz", input_ids=ids, attention_mask=np.ones_like(ids))
