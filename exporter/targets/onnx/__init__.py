@@ -215,10 +215,11 @@ def describe(meta: dict, what: str = "") -> str:
 LARGE_CALL_BATCH = 64
 
 
-def _may_run_by_sample(contract, rows: int) -> bool:
-    """Whether a call of at most `rows` token rows may reach attention_by_sample's threshold: its
-    scores (B H T S) are at most rows x heads x the model's longest sequence. Unknown sizes: True."""
-    heads, longest = getattr(contract.cfg, "num_heads", None), contract.max_sequence
+def _may_run_by_sample(contract, rows: int, keys: int | None = None) -> bool:
+    """Whether a call of at most `rows` token rows over at most `keys` keys (default: the model's
+    longest sequence) may reach attention_by_sample's threshold: its scores (B H T S) are at most
+    rows x heads x keys. Unknown sizes: True."""
+    heads, longest = getattr(contract.cfg, "num_heads", None), keys or contract.max_sequence
     return not (heads and longest) or rows * heads * longest >= fx.BY_SAMPLE_FROM
 
 
@@ -346,7 +347,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
             proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                               max_keys=longer, domain=fx.DOMAIN, masked=True)
             within["masked_keys"] = longer
-            if isinstance(heads, int) and heads > 0 and LARGE_CALL_BATCH * heads * longer * longer >= fx.BY_SAMPLE_FROM:
+            if isinstance(heads, int) and heads > 0 and _may_run_by_sample(contract, LARGE_CALL_BATCH * longer, longer):
                 # its large batches a sample at a time (the bias planes gathered in the Loop), behind an If
                 # of their own: the masked program's smaller calls pay no If a layer
                 big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
