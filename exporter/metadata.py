@@ -129,12 +129,11 @@ def validate(meta, where) -> dict:
     within = meta.get("short_call")
     if within is not None:
         keys = within.get("max_keys")
-        named = ("keys_input", "cache_input") if meta.get("decoder") else ("keys_input",)  # an encoder has no cache
         if not isinstance(keys, int) or isinstance(keys, bool) or keys < 1 \
-                or not all(isinstance(within.get(k), str) and within[k] in meta["inputs"] for k in named) \
-                or ("cache_input" in within and "cache_input" not in named):
-            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1), keys_input and, "
-                               "for a decoder only, cache_input (input names); re-export it with adaptex")
+                or not all(isinstance(within.get(k), str) and within[k] in meta["inputs"]
+                           for k in ("keys_input", "cache_input")):
+            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1), keys_input and "
+                               "cache_input (input names); re-export it with adaptex")
         longer = within.get("masked_keys")
         if longer is not None and (not isinstance(longer, int) or isinstance(longer, bool) or longer <= keys):
             raise AdaptexError(f"{where}: metadata 'short_call' masked_keys must be a whole number above max_keys "

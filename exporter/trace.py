@@ -29,10 +29,10 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     if step and not contract.decoder:
         raise ExportError("a decode-step program is a decoder's (a model with a KV cache); this model has none")
     if short and contract.short_call_keys() is None:
-        raise ExportError("this model has no short-call program (an elastic model's: calls within its streaming "
+        raise ExportError("this model has no short-call program (an elastic decoder's: calls within its streaming "
                           "heads' sinks and window)")
     if masked and (not short or contract.masked_call_keys() is None):
-        raise ExportError("this model has no masked short-call program (an elastic model's, where its general "
+        raise ExportError("this model has no masked short-call program (an elastic decoder's, where its general "
                           "body attends a prefill masked beyond the streaming heads' reach)")
     model.eval()
     wrapper = contract.wrapper(model, mode)

@@ -30,8 +30,7 @@ from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.nn.record import masked_call_traced, short_call_traced
-from adaptex.graphs.ops.elastic_attention import NEG, masked_call_keys, outside_reach, runs_masked
+from adaptex.graphs.ops.elastic_attention import runs_masked
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -125,28 +124,10 @@ class ElasticEncoder(nn.Module):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         decisions: list[dict] = []
-        # a short-call program (traced for calls of at most window // 2 + 1 tokens, where every
-        # head's streaming attention is its full attention) attends every head as dense attention
-        # does, through one padding bias for every layer; the routers still decide. Its masked form
-        # (calls a little longer: ElasticFamily.masked_call_keys) gives the streaming heads a
-        # second bias, the first plus the keys outside their sinks and window, also made once (both
-        # in one tensor, from which each layer gathers a head's by its mode)
-        bias = far = None
-        if torch.compiler.is_exporting() and short_call_traced() and mode != "full":
-            T = input_ids.shape[1]
-            bias = torch.where(attention_mask != 0, 0.0, NEG)[:, None, None, :]  # (B, 1, 1, S)
-            if masked_call_traced():
-                full = bias.expand(-1, -1, T, -1)  # (B, 1, T, S)
-                far = torch.cat([full, full + outside_reach(T, self.cfg.sink, self.cfg.window, False,
-                                                            input_ids.device)], 1)
 
         def attention(li: int, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
-            if bias is not None:
-                o, dec = self.routers[li].attend_within_reach(q, k, v, key_mask, bias, far)
-            else:
-                force = force_sa[li] if force_sa is not None else None
-                o, dec = self.routers[li](q, k, v, key_mask, mode=mode, force_sa=force, tau=tau,
-                                          return_decisions=True)
+            force = force_sa[li] if force_sa is not None else None
+            o, dec = self.routers[li](q, k, v, key_mask, mode=mode, force_sa=force, tau=tau, return_decisions=True)
             decisions.append(dec)
             return o
 
@@ -379,14 +360,6 @@ class ElasticFamily(Contract):
         batch = torch.export.Dim("batch", min=1, max=4096)
         seq = torch.export.Dim("sequence", min=1, max=self.cfg.max_len)
         return (({0: batch, 1: seq}, {0: batch, 1: seq}),)
-
-    def short_call_keys(self) -> int | None:
-        # a streaming head sees its sinks and every key within window // 2 of its query: within
-        # window // 2 + 1 keys (or the sinks) that is every key, what a full head sees
-        return max(self.cfg.window // 2 + 1, self.cfg.sink) if self.cfg.adaptive else None
-
-    def masked_call_keys(self) -> int | None:
-        return masked_call_keys(self.cfg.num_heads, self.cfg.max_len, self.short_call_keys())
 
     def routing_meta(self) -> dict:
         cfg = self.cfg

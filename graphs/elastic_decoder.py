@@ -30,6 +30,7 @@ keeps a router O(N) whatever the length.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -45,7 +46,7 @@ from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_famil
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits
-from adaptex.graphs.ops.elastic_attention import NEG, masked_call_keys, outside_reach, runs_masked
+from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -250,7 +251,7 @@ class ElasticDecoder(nn.Module):
         if short_program:  # the cache is empty there: the mask's columns are the new tokens'
             key_ok = key_ok[:, -T:]
         bias = _dense_bias(key_ok, T) if short_program else None
-        far = torch.cat([bias, bias + outside_reach(T, cfg.sink, cfg.window, True, key_ok.device)], 1) \
+        far = torch.cat([bias, bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device)], 1) \
             if short_program and masked_call_traced() else None
         modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
         decisions, presents = [], []
@@ -292,6 +293,15 @@ def _dense_bias(key_ok: Tensor, T: int) -> Tensor:
     a = torch.arange(T, device=key_ok.device) + (S - T)  # the queries' positions
     pad = torch.where(key_ok, 0.0, NEG)[:, None, None, :]  # (B, 1, 1, S)
     return pad + torch.where(j[None, :] > a[:, None], NEG, 0.0)  # + (T, S)
+
+
+def _outside_reach(T: int, sink: int, window: int, device=None) -> Tensor:
+    """(T, T) additive bias of a causal prefill's streaming heads: NEG on a key outside the query's
+    sinks and window that causality leaves visible, 0 elsewhere (the op's masked body hides the
+    same keys; a key after its query is the causal bias's)."""
+    a = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return torch.where((j < sink) | (a - j < window), 0.0, NEG)
 
 
 def attention_flops(cfg: ElasticDecoderConfig, sa: np.ndarray, seq: int, past: int = 0) -> tuple[float, float]:
@@ -488,7 +498,9 @@ class ElasticDecoderFamily(DecoderContract):
         # attends masked (runs_masked): up to there the masked program computes the same without
         # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.97 of the general graph
         # at T = 100 to 181; docs/benchmarking.md#short-calls); None where that is within the reach
-        return masked_call_keys(self.cfg.num_heads, self.cfg.max_len, self.short_call_keys())
+        reach = self.short_call_keys()
+        longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
+        return longest if reach is not None and longest > reach else None
 
     def routing_meta(self) -> dict:
         cfg = self.cfg

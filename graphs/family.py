@@ -164,13 +164,13 @@ class Contract:
 
     # --- family knowledge (a user model has none of these) -------------------------------------------
     def short_call_keys(self) -> int | None:
-        """Elastic models with a short-call program (graphs.nn.record.traced_short_call): the most
-        tokens a prefill may have to run it; None for models without one."""
+        """Decoders with a short-call program (graphs.nn.record.traced_short_call): the most tokens a
+        prefill may have to run it; None for models without one."""
         return None
 
     def masked_call_keys(self) -> int | None:
-        """Elastic models with a masked short-call program (traced_short_call's masked): the most
-        tokens a prefill may have to run it (more than short_call_keys()); None for models without one."""
+        """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
+        prefill may have to run it (more than short_call_keys()); None for models without one."""
         return None
 
     @property

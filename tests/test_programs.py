@@ -104,6 +104,20 @@ def test_the_runner_takes_the_program_the_files_ifs_take_and_computes_the_same(a
             np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=1e-6, err_msg=name)
 
 
+def test_one_runner_follows_each_calls_shapes(artifacts):
+    """The runner looks a call's program up by the shapes its Ifs read (evaluated once for each):
+    a call of other shapes takes its own program, one of shapes seen before the same program again."""
+    path = artifacts("eldec")
+    runner = OnnxRuntimeRunner(path, threads=1)
+    calls = ((2, 10, 0, "short"), (2, 11, 0, "masked"), (2, 3, 5, "long"), (1, 1, 9, "near"), (2, 10, 0, "short"),
+             (2, 11, 0, "masked"), (1, 1, 60, "step"))
+    for batch, seq, past, program in calls:
+        feeds = _feeds(path, batch, seq, past)
+        runner.infer(feeds)
+        assert runner.programs.taken(feeds) == PATHS[program]
+    assert set(runner.programs.sessions) == {PATHS[p] for *_, p in calls}
+
+
 def _outer_reads(nodes) -> set[str]:
     """The values `nodes` read from their graph's scope: their inputs, and what their subgraphs (an
     attention-by-sample If's branches and Loop body) read that the subgraph neither makes nor takes

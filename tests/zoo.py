@@ -55,14 +55,14 @@ def tiny_tsa(seed: int = 0, spread: float = 20.0, head_scale: float = 20.0, **ov
 TINY_ELASTIC = dict(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_positions=64)
 
 
-def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 6, positions: int | None = None):
+def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 6):
     """A tiny random encoder (an inline backbone: the checkpoint carries its weights) with routers
-    scaled so that head modes vary across inputs. positions: its longest input (default 64)."""
+    scaled so that head modes vary across inputs."""
     from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
     from adaptex.graphs.minilm import MiniLMConfig, MiniLMEncoder
 
     torch.manual_seed(seed)
-    bcfg = MiniLMConfig(**{**TINY_ELASTIC, **({"max_positions": positions} if positions else {})})
+    bcfg = MiniLMConfig(**TINY_ELASTIC)
     cfg = ElasticConfig(backbone="inline", backbone_config=bcfg.to_dict(), num_layers=bcfg.num_layers,
                         num_heads=bcfg.num_heads, head_dim=bcfg.d_model // bcfg.num_heads, vocab_size=bcfg.vocab_size,
                         max_len=bcfg.max_positions, sink=sink, window=window, pool_tokens=8, router_hidden=16)

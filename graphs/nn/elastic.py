@@ -225,19 +225,20 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
 
     def attend_within_reach(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor,
                             bias: Tensor, far: Tensor | None = None) -> tuple[Tensor, dict]:
-        """A call without a cache whose every key lies within each SA query's sinks and window (a
-        decoder's prefill of at most sink + window keys, an encoder's of at most window // 2 + 1): SA
-        computes what FA does there, so every head attends as dense attention does, the scores plus
-        `bias` (B, 1, T or 1, S: the padding mask, and a decoder's causal mask, made once for every
-        layer by the caller). far (B, 2, T, S): for a longer call, `bias` and
+        """A prefill (empty cache) whose every key lies within each SA query's sinks and window
+        (causal, at most sink + window keys): SA computes what FA does there, so every head attends
+        as dense attention does, the scores plus `bias` (B, 1, T, S: the padding and causal mask,
+        made once for every layer by the caller). far (B, 2, T, S): for a longer prefill, `bias` and
         `bias` plus NEG on the keys outside the sinks and window (those the op's masked body hides),
         which the SA heads add instead: a layer takes each head's plane by one Gather of whole (T, S)
         planes (0.94 to 0.97 of a Where between the two, whole artifact, T = 128;
-        docs/benchmarking.md#short-calls). The router still decides: its decisions are outputs (a
-        decoder's decode steps after this call read them). Returns (o, decisions) as the hard
+        docs/benchmarking.md#short-calls). The router still decides: its decisions are outputs, and
+        the decode steps after this call read them. Returns (o, decisions) as the hard
         op path does. The exporter's short-call programs (graphs.nn.record.traced_short_call) run
         it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the
         artifact's graphs against each other in tests/test_decode_graph.py)."""
+        if not self.causal:
+            raise ValueError("attend_within_reach serves causal (decoder) calls")
         key_mask = key_mask.bool()
         logits = self.route(k, key_mask, expand=False)
         sa = _choice(logits)

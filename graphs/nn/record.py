@@ -131,25 +131,25 @@ def decode_step_traced() -> bool:
 
 @contextlib.contextmanager
 def traced_short_call(enabled: bool = True, masked: bool = False) -> Iterator[None]:
-    """Inside the block, an elastic model being traced is traced for its short calls only: prefills
-    (a decoder's with an empty cache) whose every key lies within each streaming head's sinks and
-    window (a decoder's at most sink + window tokens, an encoder's window // 2 + 1), where streaming
-    attention computes what full attention does. It then attends every head as dense attention does
-    and keeps its routers (their decisions are outputs). masked: prefills a little longer (the
-    contract's masked_call_keys()), where its streaming heads attend through one bias that hides the
-    keys outside their sinks and window, made once for every layer."""
+    """Inside the block, a decoder being traced is traced for its short calls only: prefills (an
+    empty cache) whose every key lies within each streaming head's sinks and window (at most
+    sink + window tokens), where streaming attention computes what full attention does. An elastic
+    decoder then attends every head as dense attention does and keeps its routers (their decisions
+    are outputs). masked: prefills a little longer (the contract's masked_call_keys()), where an
+    elastic decoder's streaming heads attend through one bias that hides the keys outside their
+    sinks and window, made once for every layer."""
     with _pushed(_SHORT_CALL, "masked" if enabled and masked else enabled):
         yield
 
 
 def short_call_traced() -> bool:
-    """Whether the model traced now is an elastic model's short-call program, masked or not (see
+    """Whether the model traced now is a decoder's short-call program, masked or not (see
     traced_short_call)."""
     return _top(_SHORT_CALL)
 
 
 def masked_call_traced() -> bool:
-    """Whether the model traced now is an elastic model's masked short-call program (traced_short_call's
+    """Whether the model traced now is a decoder's masked short-call program (traced_short_call's
     masked)."""
     return bool(_SHORT_CALL) and _SHORT_CALL[-1] == "masked"
 

@@ -44,25 +44,6 @@ NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, ne
 MIXED_CALL_MASKED_UP_TO = 1 << 17
 
 
-def masked_call_keys(heads: int, longest: int, reach: int | None) -> int | None:
-    """The longest call a family's masked short-call program serves (graphs.nn.record.traced_short_call):
-    one whose every (head, query, key) score the op's general body attends masked (runs_masked), so the
-    program computes what the op does, up to the model's `longest`; None where there is no short-call
-    program (`reach` None) or that is within its `reach`."""
-    n = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // heads), longest)
-    return n if reach is not None and n > reach else None
-
-
-def outside_reach(T: int, sink: int, window: int, causal: bool, device=None) -> Tensor:
-    """(T, T) additive bias of a call's streaming heads over its own T keys (no cache): NEG on a key
-    the full heads see (causality aside) and a streaming head does not, outside its sinks and window;
-    0 elsewhere (a key after its query is the causal bias's). The op's masked body hides the same keys."""
-    a = torch.arange(T, device=device)[:, None]
-    j = torch.arange(T, device=device)[None, :]
-    near = (a - j < window) if causal else ((j - a).abs() <= window // 2)  # causal: true after the query too
-    return torch.where((j < sink) | near, 0.0, NEG)
-
-
 def runs_masked(pairs: int, T: int, S: int) -> bool:
     """Whether ONNX Runtime's general body attends a call of T > 1 new tokens over S keys, `pairs` (B, H)
     pairs a sample, every pair over every key (SA keys masked): what it then executes is full attention."""

@@ -254,8 +254,8 @@ def decode_graph_option(value, contract) -> bool:
 
 
 def short_graph_option(value, contract) -> bool:
-    """The short_graph option as a bool; None for on where the model has a short-call program (a
-    shipped elastic model)."""
+    """The short_graph option as a bool; None for on where the model has a short-call program (an
+    elastic decoder)."""
     return _on_off(value, "--short-graph", contract.short_call_keys() is not None)
 
 
@@ -265,8 +265,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
     the calls of one new token after a non-empty cache (dispatch.merge_decode_step). short_graph
-    (elastic models): one graph more, traced for prefills within the streaming heads' reach (a
-    decoder's sink + window tokens with no cache, an encoder's window // 2 + 1), which runs those calls (dispatch.merge_short_call), and
+    (elastic decoders): one graph more, traced for prefills within the streaming heads' reach (at
+    most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call), and
     where the model has one (contract.masked_call_keys()) its masked form for the prefills a little
     longer."""
     precision = precision or "fp32"
@@ -290,8 +290,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     explicit_short = short_graph is not None
     short = short_graph_option(short_graph, contract)
     if short and explicit_short and contract.short_call_keys() is None:
-        raise ExportError("--short-graph is for the shipped elastic models (calls within their streaming heads' "
-                          "sinks and window); this model has no short-call program: leave it off")
+        raise ExportError("--short-graph is for elastic decoders (calls within their streaming heads' sinks and "
+                          "window); this model has no short-call program: leave it off")
     if short and explicit_short and variant != "sparse":
         raise ExportError(f"--short-graph serves the sparse lowering; with --variant {variant} leave it off")
     if short and explicit_short and rows is not None:
@@ -335,9 +335,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
     if short:
         keys, longer = contract.short_call_keys(), contract.masked_call_keys()
-        keys_input = contract.input_names()[1]
-        cache_input = contract.input_names()[2] if contract.decoder else None  # an encoder has no cache
-        within = {"keys_input": keys_input, "max_keys": keys} | ({"cache_input": cache_input} if cache_input else {})
+        keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
+        within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
         # short calls: an attention-by-sample If would only cost (by_sample=False)
         if longer is not None:  # the inner If: prefills up to `longer` tokens, the masked program
             say(f"tracing and lowering the masked short-call graph too (prefills of {keys + 1} to {longer} "
@@ -411,11 +410,10 @@ TARGET = register_target(Target(
                                       "one general graph (default: on for elastic decoders, else off; "
                                       "docs/benchmarking.md#decode-steps)",
                     variants=("sparse",)),
-             Option("--short-graph", "elastic models: on puts two more graphs in the artifact, traced for "
-                                     "prefills within the streaming heads' reach (a decoder's sink + window "
-                                     "tokens, an encoder's window / 2 + 1), where every head attends as dense "
-                                     "attention does and the routers still decide, and for longer prefills the "
-                                     "op attends masked (the streaming heads' far keys hidden by one bias for "
-                                     "every layer); off: neither (default: on for elastic models; "
-                                     "docs/benchmarking.md#short-calls)",
+             Option("--short-graph", "elastic decoders: on puts two more graphs in the artifact, traced for "
+                                     "prefills of at most sink + window tokens, where every head attends "
+                                     "as dense attention does and the routers still decide, and for longer "
+                                     "prefills the op attends masked (the streaming heads' far keys hidden by "
+                                     "one bias for every layer); off: neither (default: on for elastic "
+                                     "decoders; docs/benchmarking.md#short-calls)",
                     variants=("sparse",)))))

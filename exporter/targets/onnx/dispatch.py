@@ -381,15 +381,14 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
                      other_local=not _dispatches(general))
 
 
-def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str | None,
+def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
                      max_keys: int, domain: str = "adaptex", masked: bool = False,
                      large: dict | None = None) -> onnx.ModelProto:
-    """One model that runs `short`'s graph (an elastic model's short-call program: a call where every
+    """One model that runs `short`'s graph (a decoder's short-call program: a prefill where every
     head attends as dense attention does, which streaming attention equals where every key lies
-    within its sinks and window) for calls of at most `max_keys` keys (the length of `keys_input`'s
-    axis 1, the attention mask, at most max_keys, and for a decoder `cache_input`'s axis 2, the
-    cache, empty: a prefill; an encoder has no cache, None), and `general`'s for every other call.
-    Weights stored once, as in
+    within its sinks and window) for prefills of at most `max_keys` keys (the length of
+    `keys_input`'s axis 1, the attention mask, at most max_keys, and `cache_input`'s axis 2, the
+    cache, empty), and `general`'s for every other call. Weights stored once, as in
     merge_decode_step. masked: `short` is the masked short-call program (its streaming heads' keys
     beyond their reach masked, for the prefills a little longer); its If's own values are then
     dispatch.masked_*, and the short-call program's If goes on top of this model.
@@ -405,7 +404,7 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
         raise ExportError(f"{what} dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
     _same_io(gs, gg, f"{what} and general graphs")
-    _has_inputs(gg, what, ((keys_input, 2),) + (((cache_input, 3),) if cache_input is not None else ()))
+    _has_inputs(gg, what, ((keys_input, 2), (cache_input, 3)))
     tag = ("masked_large" if large else "masked") if masked else "short"
     short_model, inits, read = _share_weights(short, gg, tag)
     sub = f"{tag}_" if masked else ""  # the masked Ifs' own values: dispatch.masked_*, dispatch.masked_large_*
@@ -413,18 +412,14 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     limit = numpy_helper.from_array(np.array(max_keys, dtype=np.int64), f"{prefix}short_keys")
     none = numpy_helper.from_array(np.array(0, dtype=np.int64), f"{prefix}no_cache")
     key_nodes, keys = _squeezed_axis(keys_input, 1, f"{sub}keys")
-    few = helper.make_node("LessOrEqual", [keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual_keys")
-    if cache_input is None:  # an encoder: every call is a prefill
-        cond_nodes, within, consts = key_nodes + [few], few.output[0], [limit]
-    else:
-        cache_nodes, cached = _squeezed_axis(cache_input, 2, f"{sub}prefill_cache")
-        within = f"{prefix}within_reach"
-        cond_nodes = key_nodes + cache_nodes + [
-            few,
-            helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache"),
-            helper.make_node("And", [f"{prefix}few_keys", f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"),
-        ]
-        consts = [limit, none]
+    cache_nodes, cached = _squeezed_axis(cache_input, 2, f"{sub}prefill_cache")
+    within = f"{prefix}within_reach"
+    cond_nodes = key_nodes + cache_nodes + [
+        helper.make_node("LessOrEqual", [keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual_keys"),
+        helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache"),
+        helper.make_node("And", [f"{prefix}few_keys", f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"),
+    ]
+    consts = [limit, none]
     if large is not None:
         batch_nodes, batch = _squeezed_axis(keys_input, 0, f"{sub}batch")
         large_nodes, large_consts = _large_call_cond(batch, keys, keys, large, prefix, f"{prefix}large")
@@ -513,7 +508,7 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
             return tuple(path)
     if short_call:
         batch, keys = shapes[short_call["keys_input"]][:2]
-        prefill = "cache_input" not in short_call or shapes[short_call["cache_input"]][2] == 0  # an encoder: always
+        prefill = shapes[short_call["cache_input"]][2] == 0
         path.append(bool(keys <= short_call["max_keys"] and prefill))
         if not path[-1] and short_call.get("masked_keys"):  # the masked short-call programs' Ifs, inside
             masked = keys <= short_call["masked_keys"] and prefill
