@@ -82,8 +82,8 @@ class Programs:
             raise AdaptexError(f"{self.path}: not a readable ONNX model ({str(e).splitlines()[0]})") from None
 
     def taken(self, feeds: dict) -> tuple[bool, ...]:
-        """The path, looked up by the shapes it reads (dispatch.taken evaluated once for each: at a
-        B1 decode step its 9 us were 2% of the call)."""
+        """The path, looked up by the shapes it reads (dispatch.taken evaluated once for each: the
+        runner's own cost at a B1 decode step of elastic-charlm went from 13 to 9 us of 0.49 ms)."""
         shapes = tuple(np.shape(feeds[k]) for k in self.reads)
         path = self._paths.get(shapes)
         if path is None:

@@ -108,7 +108,10 @@ def test_one_runner_follows_each_calls_shapes(artifacts):
     """The runner looks a call's program up by the shapes its Ifs read (evaluated once for each):
     a call of other shapes takes its own program, one of shapes seen before the same program again."""
     path = artifacts("eldec")
-    runner = OnnxRuntimeRunner(path, threads=1)
+    runner = OnnxRuntimeRunner(path, threads=1).activate()
+    evaluated = []
+    real = runner.programs._taken
+    runner.programs._taken = lambda shapes, **conds: evaluated.append(shapes) or real(shapes, **conds)
     calls = ((2, 10, 0, "short"), (2, 11, 0, "masked"), (2, 3, 5, "long"), (1, 1, 9, "near"), (2, 10, 0, "short"),
              (2, 11, 0, "masked"), (1, 1, 60, "step"))
     for batch, seq, past, program in calls:
@@ -116,6 +119,7 @@ def test_one_runner_follows_each_calls_shapes(artifacts):
         runner.infer(feeds)
         assert runner.programs.taken(feeds) == PATHS[program]
     assert set(runner.programs.sessions) == {PATHS[p] for *_, p in calls}
+    assert len(evaluated) == 5  # the five sets of shapes, each once
 
 
 def _outer_reads(nodes) -> set[str]:
