@@ -398,7 +398,7 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     values are dispatch.masked_large_*, and the masked program's If (merged with `general` before)
     holds the other masked calls."""
     gs, gg = short.graph, general.graph
-    what = "masked short-call" + (" (large)" if large else "") if masked else "short-call"
+    what = ("masked short-call (large)" if large else "masked short-call") if masked else "short-call"
     if large is not None and not masked:
         raise ExportError("short-call dispatch: `large` is for the masked short-call program")
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
