@@ -10,14 +10,26 @@ import sys
 import numpy as np
 
 
+def proc_mb(path: str, field: str) -> float | None:
+    """One figure of Linux's procfs in MB (it writes kB): `field` of /proc/self/status (VmRSS, VmHWM)
+    or of /proc/meminfo (MemAvailable). None where there is no such file or field (not Linux)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def _hwm_mb() -> float:
     """Peak resident set of this process image. getrusage's ru_maxrss would be wrong here: Linux
     carries it across exec, so a child started by a large parent reports the parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status: peak memory needs Linux's procfs")
+    mb = proc_mb("/proc/self/status", "VmHWM")
+    if mb is None:
+        raise RuntimeError("no VmHWM in /proc/self/status: peak memory needs Linux's procfs")
+    return mb
 
 
 def _coreml(path: str, inputs: str, units: str) -> None:

@@ -15,6 +15,9 @@ How it times (medians of interleaved runs, because these machines are shared and
 - a dense candidate whose warm-up (interleaved too, after one allocating run each) is far behind the
   fastest one is dropped before timing (reported with its warm-up figure), so the time goes to the
   graphs that can be the yardstick;
+- a point too large for every graph's session to hold its memory at once (a large batch of long
+  sequences) is warmed up one graph at a time, each session released before the next, and only the
+  graphs whose sessions fit in the memory available together are timed (`fit_memory`);
 - peak memory is measured per graph in a process of its own, so one session does not hide another's.
 """
 from __future__ import annotations
@@ -33,12 +36,20 @@ import numpy as np
 from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
+from adaptex.runtimes._memworker import proc_mb
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
 
 PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
 # The artifact run as one session (an artifact with programs: runtimes/onnxruntime.py): what an app
 # that loads the file in ONNX Runtime itself gets, timed beside the runner's way
 ONE_SESSION = "adaptive-one-session"
+# How many times the adaptive artifact's memory a dense candidate may need at the same point: at
+# elastic-minilm's B64, T = 512 the candidates' sessions peaked at up to 3.7 times the artifact's
+# (8.1 GB against 2.2 GB, each in a process of its own: the stock exports hold every head's scores at
+# once, the artifact attends a sample at a time). A point where the artifact's first run grew this
+# process by more than the memory available / (graphs x this) is warmed up one graph at a time.
+HEAVIEST_OVER_ADAPTIVE = 4
+MEMORY_SHARE = 0.85  # of the memory available, what the sessions timed together may take
 
 
 @dataclass
@@ -298,14 +309,36 @@ class Bench:
         graph through the positions, so the order falls into the interval over blocks instead of into
         one graph's figure (the adaptive artifact's, created first)."""
         self.say(f"block {block + 1}: new sessions, the order rotated by {block % len(live)} ...")
-        for key in [k for k in self._fns if k[1] == threads]:  # the pruned graphs' sessions too
-            del self._fns[key]
-        fns.clear()
-        gc.collect()  # the previous block's sessions go before the new ones take their memory
+        self._release(threads, fns)  # the previous block's sessions go before the new ones take their memory
         order = live[block % len(live):] + live[:block % len(live)]
         for t in order:
             fns[t.name] = self._fn(t, threads)
             fns[t.name](feeds)
+
+    def _release(self, threads: int, fns: dict) -> None:
+        """Drop every session of `threads` threads (the pruned graphs' too) and the callables in `fns`."""
+        for key in [k for k in self._fns if k[1] == threads]:
+            del self._fns[key]
+        fns.clear()
+        gc.collect()
+
+    def _warm_alone(self, live: list[Timing], threads: int, feeds: dict, warmup: int, fns: dict,
+                    prune: bool) -> tuple[list[Timing], dict[str, float]]:
+        """The warm-up of a point too large for every session to hold its memory at once: each graph's
+        session is made, warmed up and released in turn, what it took measured as the growth of this
+        process's resident set. After the slow candidates are pruned, the graphs timed are those
+        whose sessions fit in the memory available together (`fit_memory`). (graphs, warm-up ms)"""
+        self._release(threads, fns)
+        budget = MEMORY_SHARE * proc_mb("/proc/meminfo", "MemAvailable")
+        warm, need = {}, {}
+        for t in live:
+            base = proc_mb("/proc/self/status", "VmRSS")
+            warm.update(warm_up([t], {t.name: self._fn(t, threads)}, feeds, warmup))
+            need[t.name] = proc_mb("/proc/self/status", "VmRSS") - base
+            self._release(threads, fns)
+        if prune and warmup >= 3:
+            live = prune_slow(live, warm)
+        return fit_memory(live, warm, need, budget), warm
 
     # --- the inputs --------------------------------------------------------------------------------
     def _feeds(self, batch: int, seq: int, past: int, feeds: dict | None, specs: dict) -> tuple[dict, int, int]:
@@ -375,13 +408,22 @@ class Bench:
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         feeds = self._fill_cache(feeds, fns["adaptive"])
+        before = proc_mb("/proc/self/status", "VmRSS")
         adaptive_out = fns["adaptive"](feeds)
+        after, available = proc_mb("/proc/self/status", "VmRSS"), proc_mb("/proc/meminfo", "MemAvailable")
 
         live = [t for t in graphs if t.name in fns]
-        say(f"warming up {len(live)} graphs ({warmup} runs each) ...")
-        warm = warm_up(live, fns, feeds, warmup)
-        if prune and warmup >= 3:
-            live = prune_slow(live, warm)
+        bounded = (self.kind == "onnx" and None not in (before, after, available)
+                   and (after - before) * len(live) * HEAVIEST_OVER_ADAPTIVE > available)
+        if bounded:
+            say(f"the artifact's first run took {after - before:.0f} MB: warming up the {len(live)} graphs one at "
+                f"a time ({warmup} runs each) and timing those whose sessions fit in memory together ...")
+            live, warm = self._warm_alone(live, threads, feeds, warmup, fns, prune)
+        else:
+            say(f"warming up {len(live)} graphs ({warmup} runs each) ...")
+            warm = warm_up(live, fns, feeds, warmup)
+            if prune and warmup >= 3:
+                live = prune_slow(live, warm)
         per_round = sum(warm[t.name] for t in live) / 1e3
         n = runs or int(min(500, max(min_runs, time_budget_s / max(per_round, 1e-6))))
         nblocks = max(1, min(blocks, n // 5))
@@ -389,7 +431,7 @@ class Bench:
         say(f"timing {n} rounds of {len(live)} graphs in {nblocks} interleaved blocks ...")
         rng = np.random.default_rng(0)
         for b, size in enumerate(sizes):
-            if b and self.kind == "onnx":
+            if (b or bounded) and self.kind == "onnx":  # bounded: the warm-up released every session
                 self._fresh_sessions(live, b, threads, feeds, fns)
             for _ in range(size):
                 for i in rng.permutation(len(live)):
@@ -399,6 +441,8 @@ class Bench:
                     wall = (time.perf_counter_ns() - t0) / 1e6
                     t.times_ms.append(self._clocks[t.name]() if t.name in self._clocks else wall)
                     t.block_of.append(b)
+        if bounded:  # the profile's and the memory workers' sessions take their memory alone too
+            self._release(threads, fns)
         profiles = None
         if profile:
             if self.kind != "onnx":
@@ -451,6 +495,30 @@ def prune_slow(live: list[Timing], warm: dict[str, float]) -> list[Timing]:
             t.reason = (f"not timed: {warm[t.name]:.2f} ms in warm-up, {warm[t.name] / best:.2f}x the "
                         f"fastest dense candidate (pruned above {PRUNE_FACTOR}x)")
     return [t for t in live if t.reason is None]
+
+
+def fit_memory(live: list[Timing], warm: dict[str, float], need: dict[str, float], budget_mb: float) -> list[Timing]:
+    """The graphs whose sessions fit in `budget_mb` together (`need`: each one's MB at this point),
+    chosen in this order: the adaptive artifact, the dense candidates fastest first (`warm`: warm-up
+    ms), then the graphs reported beside them (naive, the artifact in one session). One left out
+    records why in its reason. Raises AdaptexError when the artifact and the fastest dense
+    candidate do not fit on their own: then there is no ratio to measure here."""
+    order = sorted(live, key=lambda t: (t.name != "adaptive", not t.dense, warm[t.name]))
+    used, kept = 0.0, []
+    for t in order:
+        if used + need[t.name] <= budget_mb:
+            kept.append(t.name)
+            used += need[t.name]
+        else:
+            t.reason = (f"not timed: its session took {need[t.name]:.0f} MB at this point, and beside the "
+                        f"{used:.0f} MB of the graphs timed before it that is more than the {budget_mb:.0f} MB "
+                        f"the timed sessions may take together")
+    essential = [t for t in order if t.name == "adaptive"] + [t for t in order if t.dense][:1]
+    if any(t.name not in kept for t in essential):
+        raise AdaptexError(f"this point needs about {sum(need[t.name] for t in essential):.0f} MB for the artifact "
+                           f"and the fastest dense graph together, more than the {budget_mb:.0f} MB available for "
+                           f"them here; lower --batch or --seq")
+    return [t for t in live if t.name in kept]
 
 
 def _fastest(graphs: list[Timing]) -> Timing | None:

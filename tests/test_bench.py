@@ -18,7 +18,8 @@ from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_ca
 from adaptex.exporter.targets.onnx.passes import SOFTMAX_FLOOR, by_sample_ifs, layernorm_rows, softmax_floor
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
-from adaptex.runtimes.bench import Bench, Timing, _report, prune_slow, warm_up
+from adaptex.graphs.errors import AdaptexError
+from adaptex.runtimes.bench import Bench, Timing, _report, fit_memory, prune_slow, warm_up
 
 
 class _Meta:
@@ -89,6 +90,64 @@ def test_warm_up_is_interleaved_and_a_burst_of_load_does_not_prune_the_fastest()
     kept = prune_slow(live, warm)
     assert [t.name for t in kept] == ["adaptive", "fast", "close"]  # 1.10x stays, 1.5x goes
     assert "1.50x the fastest dense candidate" in live[1].reason and live[2].reason is None
+
+
+def test_fit_memory_keeps_the_artifact_then_the_fastest_dense_candidates():
+    """The sessions timed together at a large point: the artifact first, then the dense candidates
+    fastest first, then the graphs reported beside them; one that does not fit says so and why."""
+    live = [Timing("adaptive", "a", dense=False), Timing("slow", "s"), Timing("naive", "n", dense=False),
+            Timing("fast", "f"), Timing("mid", "m")]
+    warm = {"adaptive": 1.0, "slow": 3.0, "naive": 0.5, "fast": 1.0, "mid": 2.0}
+    need = {"adaptive": 200.0, "slow": 100.0, "naive": 100.0, "fast": 300.0, "mid": 400.0}
+    kept = fit_memory(live, warm, need, 1000.0)
+    assert [t.name for t in kept] == ["adaptive", "slow", "fast", "mid"]  # in the order they came
+    naive = live[2]
+    assert naive.reason.startswith("not timed: its session took 100 MB") and "beside the 1000 MB" in naive.reason
+    assert "more than the 1000 MB" in naive.reason and all(t.reason is None for t in kept)
+    with pytest.raises(AdaptexError, match="about 500 MB for the artifact and the fastest dense graph.*lower --batch"):
+        fit_memory([Timing("adaptive", "a", dense=False), Timing("fast", "f")], warm, need, 450.0)
+
+
+def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkpoint, tiny_onnx, monkeypatch):
+    """The memory of each session is faked (procfs readings computed from the sessions alive that
+    have run): the artifact's first run grows the process enough to take the bounded way, the
+    warm-up holds one session at a time, and only the artifact and the fastest dense candidate fit
+    together, so the other graphs say why they were not timed."""
+    from adaptex.runtimes import bench as bench_mod
+
+    ran, alive_at_runs, real = set(), [], bench_mod._ort_runner
+    per_session, base = 100.0, 1000.0
+
+    def fake_runner(path, threads, programs=False):
+        fn = real(path, threads, programs)
+
+        def run(feeds):
+            ran.add(id(run))
+            alive_at_runs.append(sum(id(f) in ran for f in b._fns.values()))
+            return fn(feeds)
+        return run
+
+    def fake_proc(path, field):
+        if field == "MemAvailable":
+            return 2.5 * per_session / bench_mod.MEMORY_SHARE  # room for two sessions and a half
+        return base + per_session * sum(id(f) in ran for f in b._fns.values())
+
+    monkeypatch.setattr(bench_mod, "_ort_runner", fake_runner)
+    monkeypatch.setattr(bench_mod, "proc_mb", fake_proc)
+    model, info = checkpoint.load(tiny_checkpoint)
+    said = []
+    with Bench(tiny_onnx["sparse"], model, info, progress=said.append) as b:
+        b._build()
+        n_graphs = len([t for t in b.graphs if t.path and t.reason is None])
+        r = b.run(seq=8, runs=10, blocks=2, warmup=3, memory=False)
+    assert n_graphs >= 3 and any("warming up the" in m and "one at a time" in m for m in said), said
+    warm_up_runs = alive_at_runs[1:1 + 3 * n_graphs]  # after the artifact's first run
+    assert len(warm_up_runs) == 3 * n_graphs and max(warm_up_runs) == 1  # one session alive at a time
+    timed = [name for name, st in r["stats"].items() if st]
+    assert len(timed) == 2 and "adaptive" in timed and r["latency_ratio"] is not None
+    untimed = [c for c in r["candidates"] if c["name"] not in timed]
+    assert untimed and all(c["reason"] for c in untimed) and any("took 100 MB" in c["reason"] for c in untimed)
+    assert max(alive_at_runs[1 + 3 * n_graphs:]) <= 2  # the timed blocks hold the two that fit
 
 
 def test_layernorm_rows_keeps_the_values_and_stops_the_skip_layernorm_fusion(tmp_path):
