@@ -11,7 +11,9 @@ interleaved bench (runtimes/bench.py): every graph once per round in shuffled or
 blocks, ratios as the median and min-max over blocks. Every dense candidate is warmed up at every
 point and the bench times those within 1.15x of the fastest in warm-up (the fastest at batch 1 is not
 always the fastest at batch 8: the 2026-12-05 run, which timed only batch 1's three fastest at larger
-batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a full bench beat by 19%). Writes docs/results/latency.md (the tables), latency.csv (every graph
+batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a full bench beat by 19%).
+A point too large for every graph's session at once (elastic-minilm's B64, T = 512) is warmed up one
+graph at a time and times the graphs that fit in memory together (runtimes/bench.py). Writes docs/results/latency.md (the tables), latency.csv (every graph
 at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
 takes about half an hour on 2 cores (`--threads 1,2` adds a column of runs).
 """
