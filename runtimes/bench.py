@@ -510,8 +510,8 @@ def fit_memory(live: list[Timing], warm: dict[str, float], need: dict[str, float
             kept.append(t.name)
             used += need[t.name]
         else:
-            t.reason = (f"not timed: its session took {need[t.name]:.0f} MB at this point, and beside the "
-                        f"{used:.0f} MB of the graphs timed before it that is more than the {budget_mb:.0f} MB "
+            t.reason = (f"not timed: its session took {need[t.name]:.0f} MB at this point; beside the "
+                        f"{used:.0f} MB of the graphs chosen before it, more than the {budget_mb:.0f} MB "
                         f"the timed sessions may take together")
     essential = [t for t in order if t.name == "adaptive"] + [t for t in order if t.dense][:1]
     if any(t.name not in kept for t in essential):
