@@ -16,6 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
+from adaptex.runtimes.chunks import CHUNK_ROWS
+
 
 def load(name_or_dir: str | Path | None = None):
     """A shipped model by name ('adaptex models' lists them) or a checkpoint directory, in eval mode.
@@ -173,13 +175,14 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
 
 def bench(path, model=None, inputs: Iterable | None = None, *, batch: int = 1, seq: int = 128, past: int = 0,
           threads: int = 1, warmup: int = 10, runs: int | None = None, blocks: int = 5, profile: bool = False,
-          progress=None) -> dict:
+          progress=None, chunk_rows: int | None = CHUNK_ROWS) -> dict:
     """Latency of the artifact at `path` against every dense graph of the same weights, the fastest
     being the yardstick, as `adaptex bench` prints it (a dict). inputs: the inputs to time (the first is
-    used; a shipped model makes its own of `batch` x `seq`)."""
+    used; a shipped model makes its own of `batch` x `seq`). chunk_rows: a call of more token rows
+    runs in chunks of whole samples, every graph alike, as adaptex's runner runs it (None: whole)."""
     from adaptex.runtimes.bench import run_bench
 
     runner, reference, feeds, info = _reference(path, model, inputs, threads)
     return run_bench(path, reference.model, info, batch=batch, seq=seq, threads=threads, warmup=warmup, runs=runs,
                      progress=progress, past=past, feeds=feeds[0] if feeds else None, contract=reference.contract,
-                     blocks=blocks, profile=profile)
+                     blocks=blocks, profile=profile, chunk_rows=chunk_rows)

@@ -1,13 +1,17 @@
 """Peak resident memory of one ONNX Runtime session or Core ML model, in a process of its own.
 
-Run as `python -m runtimes._memworker MODEL.onnx|MODEL.mlpackage INPUTS.npz THREADS [COMPUTE_UNITS]`;
-prints one JSON line. For ONNX it imports only numpy and onnxruntime, so the figure is the session's
-and not torch's; for Core ML (macOS) it imports coremltools, whose import is reported as import_rss_mb.
+Run as `python -m runtimes._memworker MODEL.onnx|MODEL.mlpackage INPUTS.npz THREADS [COMPUTE_UNITS
+[ROWS_INPUT ROWS]]` (ROWS: an ONNX call of more token rows runs in chunks of whole samples, as
+adaptex's runner runs it: runtimes/chunks.py); prints one JSON line. For ONNX it imports only numpy
+and onnxruntime, so the figure is the session's and not torch's; for Core ML (macOS) it imports
+coremltools, whose import is reported as import_rss_mb.
 """
 import json
 import sys
 
 import numpy as np
+
+from adaptex.runtimes.chunks import run_in_chunks, sample_chunks
 
 
 def proc_mb(path: str, field: str) -> float | None:
@@ -60,8 +64,9 @@ def main() -> None:
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     takes = {i.name for i in sess.get_inputs()}  # a dense counterpart has no head_modes inputs
     feeds = {k: v for k, v in np.load(inputs).items() if k in takes}
+    chunks = sample_chunks(feeds, sys.argv[5], int(sys.argv[6])) if len(sys.argv) > 6 else None
     for _ in range(3):
-        sess.run(None, feeds)
+        run_in_chunks(lambda f: sess.run(None, f), feeds, chunks)
     print(json.dumps({"peak_rss_mb": _hwm_mb(), "import_rss_mb": base}))
 
 

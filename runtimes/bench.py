@@ -37,6 +37,7 @@ from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes._memworker import proc_mb
+from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
 
 PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
@@ -80,9 +81,12 @@ class Timing:
                 "p99_ms": self.pct(99), "max_ms": float(t.max())}
 
 
-def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all") -> float | None:
-    r = subprocess.run([sys.executable, "-m", "adaptex.runtimes._memworker", path, inputs, str(threads), compute_units],
-                       capture_output=True, text=True, timeout=600)
+def _peak_rss(path: str, inputs: str, threads: int, compute_units: str = "all",
+              chunks: tuple[str, int] | None = None) -> float | None:
+    """chunks=(rows input, rows): the worker runs the call in chunks of samples, as bench timed it."""
+    extra = [chunks[0], str(chunks[1])] if chunks else []
+    r = subprocess.run([sys.executable, "-m", "adaptex.runtimes._memworker", path, inputs, str(threads), compute_units,
+                        *extra], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mb"]
@@ -95,20 +99,26 @@ def _size_mb(path: str) -> float:
     return p.stat().st_size / 2**20
 
 
-def _ort_runner(path: str, threads: int, programs: bool = False):
+def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[str, int] | None = None):
     """A callable from feeds to outputs by name: one session of the file, or with programs=True the
     adaptex runner's way (runtimes.onnxruntime.Programs: a session per program of a dispatching
-    artifact)."""
+    artifact). chunks=(rows input, rows): a call of more rows runs in chunks of whole samples
+    (runtimes/chunks.py), whichever the graph, as the runner runs the artifact."""
     import onnxruntime as ort
 
+    rows_input, rows = chunks or (None, None)
     if programs:
-        runner = OnnxRuntimeRunner(path, threads).activate()
+        runner = OnnxRuntimeRunner(path, threads, chunk_rows=rows).activate()
         names, takes = runner.output_names(), set(runner.input_metadata())
         return lambda feeds: dict(zip(names, runner.run_raw({k: v for k, v in feeds.items() if k in takes})))
     sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     takes = {i.name for i in sess.get_inputs()}  # a dense graph takes no decisions (head_modes)
-    return lambda feeds: dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in takes})))
+
+    def run(feeds: dict) -> dict:
+        mine = {k: v for k, v in feeds.items() if k in takes}
+        return dict(zip(names, run_in_chunks(lambda f: sess.run(None, f), mine, sample_chunks(mine, rows_input, rows))))
+    return run
 
 
 def _typed(feeds: dict, specs: dict) -> dict:
@@ -164,12 +174,18 @@ class Bench:
     then timed at any number of (batch, seq, past, threads) points. Use as a context manager."""
 
     def __init__(self, artifact: str | Path, model, info: dict, *, contract=None, compute_units: str = "all",
-                 progress=None, cache: bool = True):
+                 progress=None, cache: bool = True, chunk_rows: int | None = CHUNK_ROWS):
+        """chunk_rows (ONNX): a call of more token rows runs in chunks of whole samples of at most that
+        many, every graph alike, as adaptex's runner runs the artifact (runtimes/chunks.py; None or 0:
+        every call whole)."""
         from adaptex.runtimes.open import artifact_kind, read_metadata
 
         self.artifact, self.model, self.info = str(artifact), model, info or {}
         self.kind = artifact_kind(artifact)
         self.meta = read_metadata(artifact)
+        rows_input = next(iter(self.meta.get("inputs", {})), None)
+        self.chunks = (rows_input, chunk_rows) if chunk_rows and self.kind == "onnx" and batch_first(self.meta) \
+            else None
         self.contract = contract or family_contract(model)
         self.compute_units, self.cache = compute_units, cache
         self.say = progress or (lambda msg: None)
@@ -281,7 +297,7 @@ class Bench:
             return self._fns.get((t.name, None))
         key = (t.name, threads)
         if key not in self._fns:
-            self._fns[key] = _ort_runner(t.path, threads, programs=t.name == "adaptive")
+            self._fns[key] = _ort_runner(t.path, threads, programs=t.name == "adaptive", chunks=self.chunks)
         return self._fns[key]
 
     def _ran(self, t: Timing, feeds: dict) -> str:
@@ -408,6 +424,13 @@ class Bench:
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         feeds = self._fill_cache(feeds, fns["adaptive"])
+        chunks = sample_chunks(feeds, *self.chunks) if self.chunks else None
+        # one call as the runner makes it (a chunk of a large batch): the program it takes, its profile
+        call = {k: v[chunks[0]] for k, v in feeds.items()} if chunks else feeds
+        call_batch = _batch_seq(call, batch, seq)[0] if chunks else batch
+        if chunks:
+            say(f"every graph runs this batch in calls of at most {call_batch} samples ({self.chunks[1]} token "
+                "rows: --chunk-rows) ...")
         before = proc_mb("/proc/self/status", "VmRSS")
         adaptive_out = fns["adaptive"](feeds)
         after, available = proc_mb("/proc/self/status", "VmRSS"), proc_mb("/proc/meminfo", "MemAvailable")
@@ -449,7 +472,7 @@ class Bench:
                 raise AdaptexError("--profile reads ONNX Runtime's profiler: it applies to .onnx artifacts")
             say("profiling the adaptive graph and the fastest dense graph ...")
             fastest = _fastest(graphs)
-            profiles = {t.name: profile_onnx(self._ran(t, feeds), feeds, threads, self.tmp)
+            profiles = {t.name: profile_onnx(self._ran(t, call), call, threads, self.tmp)
                         for t in graphs if t.name == "adaptive" or (fastest and t.name == fastest.name)}
         if memory:
             say("measuring peak memory in separate processes ...")
@@ -459,13 +482,13 @@ class Bench:
             for t in live:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
-                    t.peak_rss_mb = _peak_rss(self._ran(t, feeds), str(npz), threads, self.compute_units)
-        near = ran_graph(self.meta, seq, past, batch) == "near-cache decode-step"  # an elastic decoder's
-        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(batch, seq),
+                    t.peak_rss_mb = _peak_rss(self._ran(t, call), str(npz), threads, self.compute_units, self.chunks)
+        near = ran_graph(self.meta, seq, past, call_batch) == "near-cache decode-step"  # an elastic decoder's
+        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(call_batch, seq),
                                seq, past, target=self.meta.get("target", "onnx"),
                                **({"near_step": True} if near else {})) or {}
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
-                       blocks=nblocks, profiles=profiles)
+                       blocks=nblocks, profiles=profiles, call_batch=call_batch)
 
 
 def warm_up(live: list[Timing], fns: dict, feeds: dict, warmup: int, clock=time.perf_counter) -> dict[str, float]:
@@ -531,11 +554,13 @@ def _interval(values: list[float]) -> list[float] | None:
 
 
 def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past, threads, warmup, blocks,
-            profiles) -> dict:
+            profiles, call_batch=None) -> dict:
     """FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
     artifact (the dense variant everything; the sparse one, in a batch, the batch's largest count for
     every sample). Realisation is measured against the decisions, so work a lowering wastes counts
-    against it; ratios per block, reported as the median and the min-max over blocks."""
+    against it; ratios per block, reported as the median and the min-max over blocks. call_batch: the
+    samples a call held (fewer than batch where every graph ran the batch in chunks)."""
+    call_batch = call_batch or batch
     flops = dict(flops)
     flop_ratio = flops.pop("flop_ratio", None)
     executed_ratio = flops.pop("executed_flop_ratio", None)
@@ -579,8 +604,10 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
         return t.pct(q) if t is not None else None
     return {
         "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
-        "ran_variant": ran_variant(bench.meta, batch, seq),
-        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past, batch),
+        "ran_variant": ran_variant(bench.meta, call_batch, seq),
+        "chunk_samples": call_batch if call_batch < batch else None,
+        "chunk_rows": bench.chunks[1] if bench.chunks else None,
+        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past, call_batch),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
@@ -607,10 +634,11 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
 def run_bench(artifact: str | Path, model, info: dict, *, batch: int = 1, seq: int = 128, threads: int = 1,
               warmup: int = 10, runs: int | None = None, time_budget_s: float = 8.0,
               progress=None, compute_units: str = "all", past: int = 0, feeds: dict | None = None,
-              contract=None, blocks: int = 5, profile: bool = False, cache: bool = True) -> dict:
+              contract=None, blocks: int = 5, profile: bool = False, cache: bool = True,
+              chunk_rows: int | None = CHUNK_ROWS) -> dict:
     """Time the artifact against every dense candidate and the naive export, interleaved, at one point."""
     with Bench(artifact, model, info, contract=contract, compute_units=compute_units, progress=progress,
-               cache=cache) as b:
+               cache=cache, chunk_rows=chunk_rows) as b:
         return b.run(batch=batch, seq=seq, past=past, threads=threads, feeds=feeds, warmup=warmup, runs=runs,
                      blocks=blocks, time_budget_s=time_budget_s, profile=profile)
 

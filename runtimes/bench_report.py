@@ -28,7 +28,9 @@ def format_bench(r: dict) -> str:
     lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
-             f"(order shuffled each round), after {r['warmup']} warm-up runs each",
+             f"(order shuffled each round), after {r['warmup']} warm-up runs each"
+             + (f"; every graph ran the batch in calls of at most {r['chunk_samples']} samples "
+                f"({r['chunk_rows']} token rows; --chunk-rows off: whole)" if r.get("chunk_samples") else ""),
              f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "
              f"{'vs fastest':>10} {'size MB':>8} {'peak RSS MB':>11}"]
     untimed = []

@@ -5,8 +5,9 @@ graphs, --dense-rows: exporter/targets/onnx/dispatch.py) holds several programs 
 Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph (3 to
 10% of a B1 decode step: docs/benchmarking.md#one-session-per-program), so the runner runs each
 program as a session of its own (Programs): it chooses the program from the call's input shapes as
-the Ifs would, and loads a program's session when a call first takes it. programs=False runs the
-file in one session, Ifs and all, as an app that loads it with ONNX Runtime itself does."""
+the Ifs would, and loads a program's session when a call first takes it. A large call runs in
+chunks of whole samples (runtimes/chunks.py). programs=False runs the file in one session, Ifs and
+all, every call whole, as an app that loads it with ONNX Runtime itself does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from adaptex.exporter.metadata import read_onnx_metadata
 from adaptex.graphs.errors import AdaptexError
 from adaptex.runtimes.base import IOSpec, Runner, check_threads, limits_of
+from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks
 
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool)": "bool",
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
@@ -109,12 +111,18 @@ class OnnxRuntimeRunner(Runner):
     name = "onnxruntime"
 
     def __init__(self, path: str | Path, threads: int | None = None, require_metadata: bool = True,
-                 programs: bool = True):
+                 programs: bool = True, chunk_rows: int | None = CHUNK_ROWS):
+        """chunk_rows: with programs (the runner's way), a call of more token rows runs in chunks of
+        whole samples of at most that many (runtimes.chunks.CHUNK_ROWS; None or 0: every call
+        whole), where the artifact's metadata has every input and output batch-first. programs=False
+        runs every call whole, as an app that loads the file itself does."""
         check_threads(threads)
         self.path = Path(path)
         self.meta = read_onnx_metadata(self.path) if require_metadata else {}
         super().__init__(limits_of(self.meta))
         self.threads = threads
+        self.chunk_rows = chunk_rows if programs and batch_first(self.meta) else None
+        self.rows_input = next(iter(self.meta.get("inputs", {})), None)
         self.split = programs and has_programs(self.meta)
         if not programs and has_programs(self.meta):
             self.name = "onnxruntime (one session)"
@@ -146,8 +154,10 @@ class OnnxRuntimeRunner(Runner):
 
     def _infer(self, feeds):
         names = self.output_names()
-        return dict(zip(names, self.session_for(feeds).run(names, feeds)))
+        return dict(zip(names, self.run_raw(feeds, names)))
 
-    def run_raw(self, feeds):
-        """Run without validation (for timing loops, after one validated call)."""
-        return self.session_for(feeds).run(None, feeds)
+    def run_raw(self, feeds, names: list[str] | None = None):
+        """Run without validation (for timing loops, after one validated call): the outputs in
+        `names`' order (default: the graph's), a large call in chunks of samples (chunk_rows)."""
+        return run_in_chunks(lambda f: self.session_for(f).run(names, f), feeds,
+                             sample_chunks(feeds, self.rows_input, self.chunk_rows))

@@ -23,7 +23,7 @@ from adaptex.runtimes.bench import Bench, Timing, _report, fit_memory, prune_slo
 
 
 class _Meta:
-    artifact, runtime, meta = "a.onnx", "test", {"variant": "sparse", "family": "t"}
+    artifact, runtime, meta, chunks = "a.onnx", "test", {"variant": "sparse", "family": "t"}, None
 
 
 def _timing(name, per_block, dense=True, n=4):
@@ -118,8 +118,8 @@ def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkp
     ran, alive_at_runs, real = set(), [], bench_mod._ort_runner
     per_session, base = 100.0, 1000.0
 
-    def fake_runner(path, threads, programs=False):
-        fn = real(path, threads, programs)
+    def fake_runner(path, threads, programs=False, **kw):
+        fn = real(path, threads, programs, **kw)
 
         def run(feeds):
             ran.add(id(run))
@@ -464,9 +464,9 @@ def test_each_block_creates_its_sessions_in_a_rotated_order(tiny_checkpoint, tin
 
     created, real = [], bench_mod._ort_runner
 
-    def recording(path, threads, programs=False):
+    def recording(path, threads, programs=False, **kw):
         created.append(path)
-        return real(path, threads, programs)
+        return real(path, threads, programs, **kw)
     monkeypatch.setattr(bench_mod, "_ort_runner", recording)
     model, info = checkpoint.load(tiny_checkpoint)
     with Bench(tiny_onnx["sparse"], model, info) as b:
@@ -498,3 +498,80 @@ def test_profile_counts_kernels_inside_dispatch_branches_as_adaptive(artifacts, 
     assert ops.get("MatMul (adaptive)", 0) > 0, sorted(ops)
     assert "FusedGemm" in ops and "FusedGemm (adaptive)" not in ops, sorted(ops)
     assert prof["total_ms"] == pytest.approx(sum(ops.values()))
+
+
+def test_sample_chunks_split_only_a_large_batch_into_whole_samples():
+    from adaptex.runtimes.chunks import run_in_chunks, sample_chunks
+
+    ids = {"ids": np.zeros((10, 8), np.int64)}
+    assert sample_chunks(ids, "ids", None) is None and sample_chunks(ids, "ids", 80) is None  # off; 80 rows
+    assert sample_chunks({"ids": np.zeros((1, 4096), np.int64)}, "ids", 512) is None  # one sample: whole
+    assert sample_chunks(ids, "ids", 32) == [slice(0, 4), slice(4, 8), slice(8, 12)]  # 4 samples of 8 rows
+    assert sample_chunks(ids, "ids", 5) == [slice(i, i + 1) for i in range(10)]  # at least one sample
+    feeds = {"ids": np.arange(30).reshape(10, 3), "mask": np.ones((10, 3))}
+    calls = []
+
+    def run(f):
+        calls.append(len(f["ids"]))
+        return [f["ids"] * 2, f["mask"].sum(1)]
+    got = run_in_chunks(run, feeds, sample_chunks(feeds, "ids", 12))
+    assert calls == [4, 4, 2] and np.array_equal(got[0], feeds["ids"] * 2) and np.array_equal(got[1], np.full(10, 3.0))
+
+
+def test_the_runner_runs_a_large_call_in_chunks_and_computes_what_the_whole_call_does(tiny_onnx, monkeypatch):
+    from adaptex.runtimes import chunks
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+
+    path = tiny_onnx["sparse"]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 60, (6, 16)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0  # a padded row
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    seen, real = [], chunks.run_in_chunks
+
+    def recording(run, f, c):
+        seen.append(c)
+        return real(run, f, c)
+    monkeypatch.setattr("adaptex.runtimes.onnxruntime.run_in_chunks", recording)
+    got = OnnxRuntimeRunner(path, threads=1, chunk_rows=32).infer(feeds)  # 2 samples of 16 tokens a call
+    whole = OnnxRuntimeRunner(path, threads=1, programs=False).infer(feeds)  # the app's way: whole
+    assert seen == [[slice(0, 2), slice(2, 4), slice(4, 6)], None]
+    assert got.keys() == whole.keys()
+    for name, want in whole.items():
+        if want.dtype.kind in "biu":
+            assert np.array_equal(got[name], want), name
+        else:
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_bench_runs_every_graph_of_a_large_point_in_the_same_chunks(tiny_checkpoint, tiny_onnx, monkeypatch, tmp_path):
+    """What the runner does to the artifact bench does to every dense candidate too, so the yardstick
+    is not timed the slower way; the report says so, and off runs every call whole."""
+    from adaptex.runtimes import bench as bench_mod
+
+    sizes, real = set(), bench_mod.run_in_chunks
+
+    def counting(run, feeds, c):
+        def one(f):
+            sizes.add(len(next(iter(f.values()))))
+            return run(f)
+        return real(one, feeds, c)
+    monkeypatch.setattr(bench_mod, "run_in_chunks", counting)
+    model, info = checkpoint.load(tiny_checkpoint)
+    with Bench(tiny_onnx["sparse"], model, info, chunk_rows=16) as b:
+        r = b.run(batch=4, seq=8, runs=5, warmup=1, memory=False, prune=False)
+    timed = [name for name, st in r["stats"].items() if st and name != "adaptive"]
+    assert timed and r["chunk_samples"] == 2 and r["chunk_rows"] == 16
+    assert sizes == {2}  # every dense call held 2 samples (the artifact's go through the runner)
+    with Bench(tiny_onnx["sparse"], model, info, chunk_rows=None) as b:
+        whole = b.run(batch=4, seq=8, runs=5, warmup=1, memory=False)
+    assert whole["chunk_samples"] is None and whole["chunk_rows"] is None
+    from adaptex.runtimes.bench_report import format_bench
+
+    assert "in calls of at most 2 samples (16 token rows" in format_bench(r)
+    assert "in calls of at most" not in format_bench(whole)
+    npz = tmp_path / "inputs.npz"  # the peak-memory worker runs the call in the same chunks
+    np.savez(npz, input_ids=np.ones((4, 8), np.int64), attention_mask=np.ones((4, 8), np.int64))
+    peak = bench_mod._peak_rss(str(tiny_onnx["sparse"]), str(npz), 1, "all", ("input_ids", 16))
+    assert isinstance(peak, float) and peak > 0

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from adaptex.cli._util import UsageError, at_least, load_model, progress_bar, read_inputs, say, set_threads
 from adaptex.runtimes.base import check_threads
+from adaptex.runtimes.chunks import CHUNK_ROWS
 
 
 def add_parser(sub) -> None:
@@ -38,6 +39,9 @@ def add_parser(sub) -> None:
     s.add_argument("--plot", default=None, metavar="PNG",
                    help="draw latency against sequence length (adaptive, yardstick, naive) with the realisation")
     s.add_argument("--csv", default=None, metavar="CSV", help="write every graph's figures at every point")
+    s.add_argument("--chunk-rows", default=str(CHUNK_ROWS), metavar="N|off",
+                   help="ONNX: a call of more token rows (batch x seq) runs in chunks of whole samples, every graph "
+                        f"alike, as adaptex's runner runs the artifact (default {CHUNK_ROWS}; off: every call whole)")
     s.add_argument("--no-cache", action="store_true",
                    help="export the dense graphs again instead of reading them from the cache "
                         "(~/.cache/adaptex, or $ADAPTEX_CACHE_DIR)")
@@ -72,6 +76,10 @@ def run(args) -> int:
     batches = _ints("--batch", args.batch, 1, "1,8,64")
     pasts = _ints("--past", args.past, 0, "127,511")
     threads = _ints("--threads", args.threads, 0, "1,2")
+    chunk_rows = None if str(args.chunk_rows).strip().lower() == "off" else \
+        _ints("--chunk-rows", args.chunk_rows, 1, "512")
+    if chunk_rows is not None and len(chunk_rows) > 1:
+        raise UsageError(f"--chunk-rows {args.chunk_rows!r}: give one number of token rows, or off")
     for t in threads:  # every value before any point is timed
         check_threads(t)
     kind = artifact_kind(args.artifact)
@@ -100,7 +108,7 @@ def run(args) -> int:
     rows, skipped = [], []
     points = [(t, b, s, p) for t in threads for b in batches for p in pasts for s in seqs]
     with Bench(args.artifact, model, info, contract=contract, compute_units=args.compute_units or "all",
-               progress=progress, cache=not args.no_cache) as bench, \
+               progress=progress, cache=not args.no_cache, chunk_rows=chunk_rows[0] if chunk_rows else None) as bench, \
             progress_bar("bench", total=len(points), unit="point",
                          enabled=len(points) > 1 and progress is not None) as bar:
         for i, (thr, B, T, past) in enumerate(points):
