@@ -37,7 +37,7 @@ from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes._memworker import proc_mb
-from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks
+from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks, samples
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
 
 PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
@@ -429,7 +429,7 @@ class Bench:
         call = {k: v[chunks[0]] for k, v in feeds.items()} if chunks else feeds
         call_batch = _batch_seq(call, batch, seq)[0] if chunks else batch
         if chunks:
-            say(f"every graph runs this batch in calls of at most {call_batch} samples ({self.chunks[1]} token "
+            say(f"every graph runs this batch in calls of at most {samples(call_batch)} ({self.chunks[1]} token "
                 "rows: --chunk-rows) ...")
         before = proc_mb("/proc/self/status", "VmRSS")
         adaptive_out = fns["adaptive"](feeds)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from adaptex.graphs.errors import AdaptexError
 from adaptex.runtimes.bench import ONE_SESSION
+from adaptex.runtimes.chunks import samples
 
 # --- printing ----------------------------------------------------------------------------------------
 
@@ -29,7 +30,7 @@ def format_bench(r: dict) -> str:
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
              f"(order shuffled each round), after {r['warmup']} warm-up runs each"
-             + (f"; every graph ran the batch in calls of at most {r['chunk_samples']} samples "
+             + (f"; every graph ran the batch in calls of at most {samples(r['chunk_samples'])} "
                 f"({r['chunk_rows']} token rows; --chunk-rows off: whole)" if r.get("chunk_samples") else ""),
              f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "
              f"{'vs fastest':>10} {'size MB':>8} {'peak RSS MB':>11}"]

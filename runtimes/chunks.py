@@ -43,3 +43,8 @@ def batch_first(meta: dict) -> bool:
     axis (the condition for running a call in chunks of samples)."""
     specs = [s for side in ("inputs", "outputs") for s in meta.get(side, {}).values()]
     return bool(specs) and all(isinstance(s, dict) and s.get("shape", [None])[:1] == ["batch"] for s in specs)
+
+
+def samples(n: int) -> str:
+    """'1 sample', 'n samples' (bench's words for a chunk)."""
+    return f"{n} sample{'' if n == 1 else 's'}"
