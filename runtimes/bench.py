@@ -37,7 +37,7 @@ from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes._memworker import proc_mb
-from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks, samples
+from adaptex.runtimes.chunks import CHUNK_ROWS, chunk_plan, run_in_chunks, sample_chunks, samples
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
 
 PRUNE_FACTOR = 1.15  # a dense candidate this much slower than the fastest in warm-up is not timed
@@ -106,9 +106,8 @@ def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[s
     (runtimes/chunks.py), whichever the graph, as the runner runs the artifact."""
     import onnxruntime as ort
 
-    rows_input, rows = chunks or (None, None)
     if programs:
-        runner = OnnxRuntimeRunner(path, threads, chunk_rows=rows).activate()
+        runner = OnnxRuntimeRunner(path, threads, chunk_rows=chunks[1] if chunks else None).activate()
         names, takes = runner.output_names(), set(runner.input_metadata())
         return lambda feeds: dict(zip(names, runner.run_raw({k: v for k, v in feeds.items() if k in takes})))
     sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
@@ -117,7 +116,8 @@ def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[s
 
     def run(feeds: dict) -> dict:
         mine = {k: v for k, v in feeds.items() if k in takes}
-        return dict(zip(names, run_in_chunks(lambda f: sess.run(None, f), mine, sample_chunks(mine, rows_input, rows))))
+        split = sample_chunks(mine, *chunks) if chunks else None
+        return dict(zip(names, run_in_chunks(lambda f: sess.run(None, f), mine, split)))
     return run
 
 
@@ -183,9 +183,7 @@ class Bench:
         self.artifact, self.model, self.info = str(artifact), model, info or {}
         self.kind = artifact_kind(artifact)
         self.meta = read_metadata(artifact)
-        rows_input = next(iter(self.meta.get("inputs", {})), None)
-        self.chunks = (rows_input, chunk_rows) if chunk_rows and self.kind == "onnx" and batch_first(self.meta) \
-            else None
+        self.chunks = chunk_plan(self.meta, chunk_rows) if self.kind == "onnx" else None
         self.contract = contract or family_contract(model)
         self.compute_units, self.cache = compute_units, cache
         self.say = progress or (lambda msg: None)

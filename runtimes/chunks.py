@@ -38,11 +38,15 @@ def run_in_chunks(run, feeds: dict, chunks: list[slice] | None) -> list:
     return [np.concatenate(same, axis=0) for same in zip(*parts)]
 
 
-def batch_first(meta: dict) -> bool:
-    """Whether every input and output of an artifact with this metadata has the batch as its first
-    axis (the condition for running a call in chunks of samples)."""
+def chunk_plan(meta: dict, rows: int | None) -> tuple[str, int] | None:
+    """(the input whose axis 1 counts a call's token rows, rows) for an artifact with this metadata,
+    or None (no rows given, or not every input and output batch-first: its calls run whole).
+    sample_chunks(feeds, *plan) then splits a call."""
     specs = [s for side in ("inputs", "outputs") for s in meta.get(side, {}).values()]
-    return bool(specs) and all(isinstance(s, dict) and s.get("shape", [None])[:1] == ["batch"] for s in specs)
+    if not rows or not specs or not all(isinstance(s, dict) and s.get("shape", [None])[:1] == ["batch"]
+                                        for s in specs):
+        return None
+    return next(iter(meta["inputs"])), rows
 
 
 def samples(n: int) -> str:

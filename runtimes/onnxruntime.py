@@ -17,7 +17,7 @@ import numpy as np
 from adaptex.exporter.metadata import read_onnx_metadata
 from adaptex.graphs.errors import AdaptexError
 from adaptex.runtimes.base import IOSpec, Runner, check_threads, limits_of
-from adaptex.runtimes.chunks import CHUNK_ROWS, batch_first, run_in_chunks, sample_chunks
+from adaptex.runtimes.chunks import CHUNK_ROWS, chunk_plan, run_in_chunks, sample_chunks
 
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool)": "bool",
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
@@ -121,8 +121,7 @@ class OnnxRuntimeRunner(Runner):
         self.meta = read_onnx_metadata(self.path) if require_metadata else {}
         super().__init__(limits_of(self.meta))
         self.threads = threads
-        self.chunk_rows = chunk_rows if programs and batch_first(self.meta) else None
-        self.rows_input = next(iter(self.meta.get("inputs", {})), None)
+        self.chunks = chunk_plan(self.meta, chunk_rows) if programs else None
         self.split = programs and has_programs(self.meta)
         if not programs and has_programs(self.meta):
             self.name = "onnxruntime (one session)"
@@ -160,4 +159,4 @@ class OnnxRuntimeRunner(Runner):
         """Run without validation (for timing loops, after one validated call): the outputs in
         `names`' order (default: the graph's), a large call in chunks of samples (chunk_rows)."""
         return run_in_chunks(lambda f: self.session_for(f).run(names, f), feeds,
-                             sample_chunks(feeds, self.rows_input, self.chunk_rows))
+                             sample_chunks(feeds, *self.chunks) if self.chunks else None)
