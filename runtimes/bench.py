@@ -151,9 +151,11 @@ def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     x `seq` new tokens after `past` cached runs ("near-cache decode-step", "decode-step",
     "short-call", "masked short-call (attention by sample)", "masked short-call", "large-call
     (attention by sample)", else "general"), as its top-level Ifs choose (dispatch.taken); None for
-    an artifact with none of them."""
+    an artifact with none of them, and for a call its dense dispatch sends to the dense graph
+    (ran_variant says so)."""
     step, within, large = meta.get("decode_step"), meta.get("short_call"), meta.get("large_call")
-    if not step and not within and not large:
+    rows = dense_rows(meta)
+    if not step and not within and not large or (rows is not None and batch * seq <= rows):
         return None
     from adaptex.exporter.targets.onnx.dispatch import taken
 

@@ -17,6 +17,21 @@ def load(path) -> onnx.ModelProto:
     return onnx.load(str(path))
 
 
+def general(path) -> onnx.ModelProto:
+    """The artifact at `path`, or where it holds a large-call program too (a decoder's, exported with
+    no other dispatch) its general program, the one every call these tests make runs, as an artifact
+    of its own: the file's metadata without the large-call entry."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.exporter.targets.onnx import dispatch, stamp
+
+    proto, meta = load(path), read_onnx_metadata(path)
+    if not meta.get("large_call"):
+        return proto
+    program = dispatch.program(proto, (False,))
+    stamp(program, {k: v for k, v in meta.items() if k != "large_call"}, proto.doc_string)
+    return program
+
+
 def save(proto: onnx.ModelProto, path) -> Path:
     onnx.save_model(proto, str(path))
     return Path(path)

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx.passes import attention_by_sample, by_sample_ifs
 from tests import planted
@@ -169,11 +170,13 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
     cfg = model.cfg
     monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
     for rows, dense_ifs in ((8, 0), (9, 1)):
-        zoo.export(model, info, tmp_path / f"merged{rows}.onnx", dense_rows=rows)
-        branches = {a.name: a.g for a in onnx.load(tmp_path / f"merged{rows}.onnx").graph.node[-1].attribute}
-        dense, sparse = sorted(branches.values(), key=lambda g: any(n.domain == fx.DOMAIN for n in g.node))
-        assert not any(n.domain == fx.DOMAIN for n in dense.node) and any(n.domain == fx.DOMAIN for n in sparse.node)
-        assert (by_sample_ifs(dense.node), by_sample_ifs(sparse.node)) == (dense_ifs, 1), rows
+        path = tmp_path / f"merged{rows}.onnx"
+        zoo.export(model, info, path, dense_rows=rows)
+        # the sparse branch holds the large-call If: its general program and the large-call one
+        dense, general, large = (dispatch.program(onnx.load(path), p) for p in ((True,), (False, False), (False, True)))
+        assert not any(n.domain == fx.DOMAIN for n in dense.graph.node)
+        assert any(n.domain == fx.DOMAIN for n in general.graph.node)
+        assert [by_sample_ifs(g.graph.node) for g in (dense, general, large)] == [dense_ifs, 1, 1], rows
 
 
 @pytest.mark.parametrize("modes", ["mixed", "fa"])

@@ -112,7 +112,7 @@ def test_a_decode_step_runs_no_router(artifacts, model):
     TensorRT-bound graphs compute both and select (no If in their main graph)."""
     from tests import planted
 
-    proto = planted.load(artifacts("eldec", decode_graph="off", short_graph="off"))
+    proto = planted.general(artifacts("eldec", decode_graph="off", short_graph="off"))
     assert sum(n.op_type == "If" for n in proto.graph.node) == model.cfg.num_layers
     probes = planted.expose_branches(proto, "MatMul")
     L, H, dh = model.cfg.num_layers, model.cfg.num_heads, model.cfg.head_dim

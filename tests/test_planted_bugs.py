@@ -50,7 +50,8 @@ def _check(capsys, path, family) -> tuple[int, dict]:
 
 def _artifact(artifacts, family: str, target: str):
     """The export a bug is planted in: an elastic decoder's general graph alone (the bugs are planted
-    in its main graph; tests/test_decode_graph.py plants them in the decode-step graph)."""
+    in its main graph; tests/test_decode_graph.py plants them in the decode-step graph): its file
+    holds a large-call graph too, which planted.general leaves out."""
     alone = {"decode_graph": "off", "short_graph": "off"}
     return artifacts(family, target, **(alone if (family, target) == ("eldec", "onnx") else {}))
 
@@ -59,7 +60,7 @@ def _artifact(artifacts, family: str, target: str):
                          ids=[f"{f}-{t}-{b.__name__}" for f, t, _, b in VALUE_BUGS])
 def test_right_decisions_computed_wrong_fail_on_values(artifacts, family, target, fname, bug, tmp_path, capsys):
     clean = _artifact(artifacts, family, target)
-    proto = planted.in_last_call(planted.load(clean), fname, bug)
+    proto = planted.in_last_call(planted.general(clean), fname, bug)
     code, r = _check(capsys, planted.save(proto, tmp_path / "planted.onnx"), family)
     assert code == 1 and not r["passed"]
     assert r["unexcused_flips"] == 0 and r["excused_flips"] == 0 and r["decisions_vary"]
@@ -74,7 +75,7 @@ def test_right_decisions_computed_wrong_fail_on_values(artifacts, family, target
 @pytest.mark.parametrize("family, target, bug, decision", DECISION_BUGS,
                          ids=[f"{f}-{t}-{b.__name__}" for f, t, b, _ in DECISION_BUGS])
 def test_a_wrong_decision_fails_with_unexcused_flips(artifacts, family, target, bug, decision, tmp_path, capsys):
-    proto = bug(planted.load(_artifact(artifacts, family, target)))
+    proto = bug(planted.general(_artifact(artifacts, family, target)))
     code, r = _check(capsys, planted.save(proto, tmp_path / "planted.onnx"), family)
     assert code == 1 and not r["passed"]
     assert r["decisions"][decision]["unexcused"] > 0, r["decisions"][decision]

@@ -183,14 +183,14 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
         return path
 
     for variant in ("sparse", "dense"):
-        proto = planted.load(export(variant))
+        proto = planted.general(export(variant))
         body = planted.function(proto, "ElasticAttention")
         fused = any(n.op_type == "MultiHeadAttention" for _, n in planted.walk(body.node))
         probes = planted.expose(proto, "ElasticAttention", "Softmax")
         out = planted.run(proto, feeds)
         kernel_runs = [[]] * len(probes)  # per call, the fused kernel's (output, keys) that ran
         if fused:  # the same run with the kernel's outputs and keys exposed (one op type a copy)
-            kproto = planted.load(export(variant))
+            kproto = planted.general(export(variant))
             kernels = planted.expose(kproto, "ElasticAttention", "MultiHeadAttention", rank=3)
             keys = planted.expose(kproto, "ElasticAttention", "MultiHeadAttention", rank=3, port=1)
             kout = planted.run(kproto, feeds)

@@ -44,7 +44,7 @@ def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx", ep=None, step: bool = False, short: bool = False, masked: bool = False,
           decode_graph: bool = False, by_sample: bool = True, near: bool = False,
-          floor: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          floor: bool = True, ops_by_sample: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
@@ -53,7 +53,8 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     short: the masked short-call program (the streaming heads' keys beyond their reach masked);
     decode_graph: the general program of an artifact that holds the step program too. by_sample:
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
-    graph whose calls are known to stay below its threshold. near: with step, the near-cache step
+    graph whose calls are known to stay below its threshold; ops_by_sample=False does the same in
+    the ops' bodies (their own attention-by-sample Ifs). near: with step, the near-cache step
     program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS). floor: False leaves out
     passes.softmax_floor, for a graph that serves only small calls (a step graph never has it:
     three kernels more a layer, where a step's one query row has nothing masked to speed up)."""
@@ -61,7 +62,7 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph,
-                          near=near)
+                          near=near, by_sample=ops_by_sample)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         entry = lookup(op_name(node), target, variant, node)
@@ -302,22 +303,26 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
     ep = trace_for(model, contract, decode_graph=step)  # one trace, lowered once per variant
-    # a decoder's main graph serves its decode steps too, where an attention-by-sample If per layer
-    # costs more than a one-token call has (charlm-dense's B1 steps: 1.16 to 1.19x): only the sparse
-    # branch of --dense-rows, which sees calls of more than N rows alone, and the large-call graph
-    # (below) get it there
-    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
-                                          decode_graph=step, by_sample=not contract.decoder or rows is not None)
-    routed, stepped, within, large = None, None, None, None
     heads = getattr(contract.cfg, "num_heads", None)
     longest = contract.max_sequence
-    if contract.decoder and variant == "sparse" and rows is None and not step and not short \
-            and isinstance(heads, int) and heads > 0 and longest \
-            and _may_run_by_sample(contract, LARGE_CALL_BATCH * longest):
-        # the same graph with attention by sample, for the calls large enough to take it; the
-        # general one keeps serving decode steps and short prompts without an If a layer
+    # a decoder's main graph serves its decode steps and short prompts too, where an attention-by-
+    # sample If per layer costs more than a small call has (charlm-dense's B1 steps: 1.16 to 1.19x;
+    # tsa-charlm's sparse program at B1, T = 128 0.95 without the op bodies' Ifs): where no
+    # decode-step or short-call graph dispatches at the top, the op bodies leave them out, and so
+    # does the main graph unless the dense branch of --dense-rows takes the small calls (with its
+    # If, the sparse program at B1, T = 512 ran 0.91 of itself without: docs/benchmarking.md#large-calls);
+    # the calls large enough run a second program of the same weights that has them all (the
+    # large-call program, in the sparse branch where there is a dense one)
+    split = contract.decoder and variant == "sparse" and not step and not short \
+        and isinstance(heads, int) and heads > 0 and bool(longest) \
+        and _may_run_by_sample(contract, LARGE_CALL_BATCH * longest)
+    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
+                                          decode_graph=step, ops_by_sample=not split,
+                                          by_sample=not contract.decoder or rows is not None)
+    routed, stepped, within, large = None, None, None, None
+    if split:
         big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True)
-        if passes.by_sample_ifs(big.graph.node):
+        if passes.attends_by_sample(big):
             say("the graph for large calls too (attention a sample at a time) ...")
             ids_input, keys_input = contract.input_names()[:2]
             large = {"ids_input": ids_input, "keys_input": keys_input, "heads": heads,

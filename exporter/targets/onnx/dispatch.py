@@ -1,8 +1,13 @@
 """Run-time dispatch at the top of an artifact's graph (ONNX Runtime): one If over two graphs of the
-same weights. Two uses:
+same weights, nested where a graph is itself such an If. Its uses:
 
 - dense dispatch (`merge`, `--dense-rows N`): the sparse and the dense lowering of one trace; the
   dense graph runs the small calls (below);
+- the large-call graph (`merge_large_call`, a decoder's): the lowering with attention by sample, for
+  the calls that reach its threshold, beside the general graph without those Ifs (in the sparse
+  branch of dense dispatch where there is one);
+- the short-call graphs (`merge_short_call`, an elastic decoder's): prefills within, or a little
+  past, the streaming heads' reach;
 - the decode-step graph (`merge_decode_step`, `--decode-graph`, an elastic decoder's default): the
   model traced a second time for a decode step (one new token after a non-empty cache: no router,
   the ops' step bodies, SkipLayerNormalization; graphs.nn.record.traced_decode_step), which runs
@@ -57,6 +62,7 @@ STEP_OVERLOAD = "step"
 NEAR_OVERLOAD = "near"
 SHORT_OVERLOAD = "short"
 MASKED_OVERLOAD = "masked"
+LARGE_OVERLOAD = "large"
 RESERVED = "dispatch."  # prefix of the merged graph's own values and of the branches' renamed values
 # A main-graph initializer of at most this many elements (an axis list, a shape, a scalar) is copied
 # into each branch that reads it rather than folded there: ONNX Runtime's fusions that want a
@@ -230,12 +236,19 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
           domain: str = "adaptex") -> onnx.ModelProto:
     """One model that runs `dense`'s graph when rows(rows_input) <= dense_rows and `sparse`'s
     otherwise, where rows is the product of rows_input's first two axes (batch x sequence). Both
-    must be lowerings of one trace: the same inputs, outputs and initializers."""
+    must be lowerings of one trace: the same inputs, outputs and initializers. `sparse` may be a
+    merged model itself (merge_large_call's): its If then sits in the sparse branch."""
     gs, gd = sparse.graph, dense.graph
     if isinstance(dense_rows, bool) or not isinstance(dense_rows, int) or dense_rows < 1:
         raise ExportError(f"dense dispatch: dense_rows must be a whole number of at least 1, got {dense_rows!r}")
-    _same_io(gs, gd, "sparse and dense lowerings")
-    if _digest(gs.initializer) != _digest(gd.initializer):
+    _same_io(gd, gs, "dense and sparse lowerings")
+    # a merged sparse model keeps in its main graph only what its branches read from there: the
+    # small tensors each branch copied (COPIED_UP_TO) come from the dense lowering's
+    stored = _digest(t for t in gs.initializer if not t.name.startswith(RESERVED))
+    own = _digest(gd.initializer)
+    copied = [t for t in gd.initializer if t.name not in stored and np.prod(t.dims) <= COPIED_UP_TO] \
+        if _dispatches(sparse) else []
+    if stored != {k: v for k, v in own.items() if k not in {t.name for t in copied}}:
         raise ExportError("the sparse and dense lowerings differ in their weights; export one variant")
     vi = next((v for v in gs.input if v.name == rows_input), None)
     if vi is None:
@@ -257,8 +270,8 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
     dense = shared_subexpressions(dense)
     masks_once(dense)
     return _if_model(dense, sparse, tags=("dense", "sparse"), overload=DENSE_OVERLOAD,
-                     cond_nodes=cond_nodes, cond=small, initializers=list(gs.initializer) + [limit],
-                     then_initializers=gs.initializer, domain=domain)
+                     cond_nodes=cond_nodes, cond=small, initializers=list(gs.initializer) + copied + [limit],
+                     then_initializers=list(gs.initializer) + copied, domain=domain, other_local=not _dispatches(sparse))
 
 
 def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> tuple[onnx.ModelProto, list, list]:
@@ -465,7 +478,9 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     so the large program's layers all attend by sample and the general program is what their Ifs'
     other branch holds: the same outputs, and a decode step or a short prompt pays no If a layer
     (a decoder's main graph, which serves both: docs/benchmarking.md#large-calls). Both lowerings of
-    one trace: the same weights, stored once."""
+    one trace: the same weights, stored once. Where the op bodies differ (the general program's
+    without their own by-sample Ifs), the large program's calls read theirs as the overload
+    LARGE_OVERLOAD."""
     gl, gg = large.graph, general.graph
     prefix = f"{RESERVED}large_"
     batch_nodes, batch = _squeezed_axis(ids_input, 0, "large_batch")
@@ -478,7 +493,9 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     _has_inputs(gg, "large-call", ((ids_input, 2), (keys_input, 2)))
     if _digest(gl.initializer) != _digest(gg.initializer):
         raise ExportError("the large-call and general lowerings differ in their weights; export one of them")
-    return _if_model(large, general, tags=("large", "general"), overload=None,
+    same_bodies = sorted(f.SerializeToString() for f in large.functions) == \
+        sorted(f.SerializeToString() for f in general.functions)
+    return _if_model(large, general, tags=("large", "general"), overload=None if same_bodies else LARGE_OVERLOAD,
                      cond_nodes=batch_nodes + new_nodes + key_nodes + large_nodes, cond=large_call,
                      initializers=list(gg.initializer) + consts, then_initializers=gl.initializer, domain=domain)
 
@@ -489,8 +506,8 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
     merge_short_call, merge and merge_large_call build into the graph, evaluated on the shapes, in
     the order export() nests the merges (the near-cache step's If outermost, then the decode step's,
-    the short call's, the masked short call's by sample and the masked short call's; short-call, dense
-    and large-call dispatch never together, and large-call dispatch alone).
+    the short call's, the masked short call's by sample and the masked short call's; the dense
+    dispatch's, then the large call's in its sparse branch; short-call dispatch never with either).
     decode_step, short_call, dense, large_call: the artifact's metadata entries of those names
     ("dispatch" for dense), or None where it has none."""
     path = []
@@ -517,10 +534,13 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
                 if path[-1]:
                     return tuple(path)
             path.append(bool(masked))
-    elif dense:
+        return tuple(path)
+    if dense:
         rows = shapes[dense["rows_input"]]
         path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
-    elif large_call:
+        if path[-1]:
+            return tuple(path)
+    if large_call:
         (batch, new), keys = shapes[large_call["ids_input"]][:2], shapes[large_call["keys_input"]][1]
         path.append(_large(batch, new, keys, large_call))
     return tuple(path)
@@ -539,7 +559,8 @@ def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
     outputs and functions, no metadata. ONNX Runtime runs a branch's nodes slower than the same
     nodes in a main graph (B1 decode steps of elastic-charlm: 1.07 to 1.10x in the Ifs; of
     tsa-charlm's dense branch 1.03 to 1.08x; docs/benchmarking.md#one-session-per-program), so
-    runtimes.onnxruntime runs each program as a session of its own."""
+    runtimes.onnxruntime runs each program as a session of its own. The program reuses (and
+    renames) `proto`'s nodes: read the file again for another."""
     g = proto.graph
     nodes, value_info, inits = list(g.node), list(g.value_info), list(g.initializer)
     target = {o.name: o.name for o in g.output}  # a value of the current level -> the graph output it is

@@ -26,6 +26,7 @@ class LoweringContext:
     step: bool = False  # the decode-step program: every call one causal token after a non-empty cache
     decode_graph: bool = False  # the general program of an artifact whose decode steps run the step program
     near: bool = False  # the near-cache step program (fx.NEAR_STEP_KEYS), with step
+    by_sample: bool = True  # False: a program whose calls never reach attention by sample's threshold
 
 
 @dataclass
@@ -126,7 +127,8 @@ def conditional_attention_onnx_sparse(ctx, node):
     Runtime, If nodes on the kept count skip the query side when no token is kept and drop the
     gather when all are."""
     return OnnxLowering(conditional_attention_node,
-                        [fx.conditional_attention_function("sparse", dispatch=ctx.target == "onnx")])
+                        [fx.conditional_attention_function("sparse", dispatch=ctx.target == "onnx",
+                                                           by_sample=ctx.by_sample)])
 
 
 @lowering("adaptex::conditional_attention", target="tensorrt", variant="sparse", priority=10)
@@ -168,7 +170,7 @@ def elastic_attention_onnx_sparse(ctx, node):
     ort = ctx.target == "onnx"
     return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
         "sparse", causal_flag(node), dispatch=ort, decode_step=ort and not ctx.decode_graph, fused=ort,
-        head_dim=head_dim_of(node))])
+        head_dim=head_dim_of(node), by_sample=ctx.by_sample)])
 
 
 @lowering("adaptex::elastic_attention", target=BOTH, variant="dense")

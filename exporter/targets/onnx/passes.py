@@ -514,6 +514,14 @@ def by_sample_ifs(nodes) -> int:
                                          for a in n.attribute) for n in nodes)
 
 
+def attends_by_sample(proto: onnx.ModelProto) -> bool:
+    """Whether `proto` attends a sample at a time anywhere for a large call: an attention_by_sample
+    If in its main graph, or functions._by_sample's in an op body (inside the body's own Ifs too)."""
+    def walk(nodes) -> bool:
+        return by_sample_ifs(nodes) > 0 or any(walk(g.node) for n in nodes for g in subgraphs(n))
+    return walk(proto.graph.node) or any(walk(f.node) for f in proto.functions)
+
+
 def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True, floor: bool = True) -> int:
     """The passes every ONNX Runtime artifact gets (not a decode-step graph's), in place, and the
     `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows; unless by_sample is
