@@ -14,7 +14,10 @@ several and times them all (runtimes/bench.py):
   fused something (SkipLayerNormalization, BiasGelu, Attention, ...); `+ortopt+rows` the same with its
   SkipLayerNormalization fusions off and adaptex's artifact passes after (fused attention and the
   faster Add + LayerNormalization together; a large batch's attention a sample at a time; a masked
-  Softmax kept off subnormal floats);
+  Softmax kept off subnormal floats); `dense+rows` those passes on `dense` alone;
+- `+rows-batched`: each `+rows` candidate without attention_by_sample's If (every call's attention
+  batched), built where that pass rewrites something: an artifact's programs for calls below its
+  threshold leave the If out of their op bodies, so a dense graph may leave it out too;
 - `naive`: the model's plain inference path (the decisions taken, everything computed and the
   skipped work masked: what a stock exporter makes of the model without adaptex). Not a yardstick:
   it is what adaptex replaces.
@@ -122,15 +125,40 @@ def _dynamic_axes(ep, example, input_names) -> dict:
     return axes
 
 
-def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, rows: bool = False) -> Graph:
+def _rows_name_how(base: str, how: str, batched: bool) -> tuple[str, str]:
+    """The name and description of a `+rows` candidate (adaptex's artifact passes on `base`);
+    batched: without attention_by_sample's If (`+rows-batched`)."""
+    if batched:
+        return f"{base}+rows-batched", (f"{how}adaptex's layernorm_rows and softmax_floor passes (attention "
+                                        "batched at every size: no attention_by_sample If)")
+    return f"{base}+rows", f"{how}adaptex's layernorm_rows, attention_by_sample and softmax_floor passes"
+
+
+def _no_batched_twin(path) -> str | None:
+    """Why a `+rows-batched` candidate of the graph at `path` would be its `+rows` twin (None: it
+    differs): a graph with no attention for attention_by_sample to rewrite."""
+    import onnx
+
+    from adaptex.exporter.targets.onnx.passes import attention_by_sample
+
+    if attention_by_sample(onnx.load(str(path))):
+        return None
+    return "no batched attention for attention_by_sample to rewrite: the same graph as +rows"
+
+
+def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, rows: bool = False,
+                   batched: bool = False) -> Graph:
     """`graph` through ORT's transformer optimizer: kept when it fused something. rows: with its
     SkipLayerNormalization fusions off and adaptex's rows pass after (`+ortopt+rows`), so that the
     yardstick can have both the optimizer's fused attention and the faster Add + LayerNormalization
-    (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces)."""
-    name = f"{graph.name}+ortopt" + ("+rows" if rows else "")
-    how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}" + \
-        (", SkipLayerNormalization fusion off) and adaptex's layernorm_rows, attention_by_sample and "
-         "softmax_floor passes" if rows else ")")
+    (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces);
+    batched, with rows: without the attention_by_sample If (`+ortopt+rows-batched`)."""
+    opt_how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}"
+    if rows:
+        name, how = _rows_name_how(f"{graph.name}+ortopt", f"{opt_how}, SkipLayerNormalization fusion off) and ",
+                                   batched)
+    else:
+        name, how = f"{graph.name}+ortopt", f"{opt_how})"
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph to optimise")
     try:
@@ -151,7 +179,10 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
             return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
         path = Path(graph.path).with_name(f"{name}.onnx")
         if rows:
-            if not artifact_passes(opt.model):
+            twin = _no_batched_twin(graph.path) if batched else None
+            if twin:
+                return Graph(name, None, how, reason=twin)
+            if not artifact_passes(opt.model, by_sample=not batched):
                 return Graph(name, None, how,
                              reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
             onnx.save(opt.model, str(path))
@@ -162,19 +193,22 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
         return Graph(name, None, how, reason=f"ORT's transformer optimizer failed: {_first_line(e)}")
 
 
-def _rows(graph: Graph) -> Graph:
+def _rows(graph: Graph, batched: bool = False) -> Graph:
     """`graph` with the passes adaptex's ONNX artifacts get (passes.artifact_passes): the yardstick
-    gets every trick the artifact gets."""
+    gets every trick the artifact gets. batched: without attention_by_sample's If, as the programs
+    of an artifact that serve calls below its threshold run their op bodies (`+rows-batched`)."""
     import onnx
 
     from adaptex.exporter.targets.onnx.passes import artifact_passes
 
-    name = f"{graph.name}+rows"
-    how = f"{graph.how}, then adaptex's layernorm_rows, attention_by_sample and softmax_floor passes"
+    name, how = _rows_name_how(graph.name, f"{graph.how}, then ", batched)
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
+    twin = _no_batched_twin(graph.path) if batched else None
+    if twin:
+        return Graph(name, None, how, reason=twin)
     proto = onnx.load(graph.path)
-    if not artifact_passes(proto):
+    if not artifact_passes(proto, by_sample=not batched):
         return Graph(name, None, how, reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")
     onnx.save(proto, str(path))
@@ -211,16 +245,17 @@ def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
                                original.output_names, workdir / "original", ("original", "original-legacy"),
                                original.source, original.legacy_module, original.legacy_source)
         graphs += more
-    graphs.append(_rows(graphs[0]))
+    graphs += [_rows(graphs[0]), _rows(graphs[0], batched=True)]
     model_type = getattr(contract, "ort_model_type", None)
     if model_type:
         say("applying ONNX Runtime's transformer optimizer ...")
         heads, hidden = _heads_hidden(contract)
-        opt = [_ort_optimized(g, model_type, heads, hidden, rows) for g in graphs
-               if g.name in ("dense", "dense-legacy") for rows in (False, True)]
+        kinds = ((False, False), (True, False), (True, True))  # (rows, batched)
+        opt = [_ort_optimized(g, model_type, heads, hidden, rows, batched) for g in graphs
+               if g.name in ("dense", "dense-legacy") for rows, batched in kinds]
         if original is not None:
-            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows)
-                    for g in graphs if g.name in ("original", "original-legacy") for rows in (False, True)]
+            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows, batched)
+                    for g in graphs if g.name in ("original", "original-legacy") for rows, batched in kinds]
         graphs += opt
     naive_mode = contract.counterpart_modes.get("naive")
     if naive_mode:

@@ -269,16 +269,20 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
     """The yardstick must be the same weights: each dense candidate's output is the model's dense mode."""
     model, graphs = candidates
     names = {g.name for g in graphs}
-    assert {"dense", "dense-legacy", "dense+rows", "naive"} <= names
+    assert {"dense", "dense-legacy", "dense+rows", "dense+rows-batched", "naive"} <= names
     assert {g.name for g in graphs if "+ortopt" in g.name} == {
-        "dense+ortopt", "dense-legacy+ortopt", "dense+ortopt+rows", "dense-legacy+ortopt+rows"}
-    rows = [g for g in graphs if g.name.endswith("+ortopt+rows") and g.path]
-    assert rows, [(g.name, g.reason) for g in graphs]  # the optimizer's fusions with Add + LayerNormalization
+        "dense+ortopt", "dense-legacy+ortopt", "dense+ortopt+rows", "dense-legacy+ortopt+rows",
+        "dense+ortopt+rows-batched", "dense-legacy+ortopt+rows-batched"}
+    rows = [g for g in graphs if "+ortopt+rows" in g.name and g.path]
+    assert len(rows) == 4, [(g.name, g.reason) for g in graphs]  # the optimizer's fusions, Add + LayerNormalization
     for g in rows:
         ops = {n.op_type for n in onnx.load(g.path).graph.node}
         assert "SkipLayerNormalization" not in ops and "LayerNormalization" in ops, (g.name, ops)
-    for g in (g for g in graphs if g.name.endswith("+rows") and g.path):  # the artifact's attention by sample
-        assert by_sample_ifs(onnx.load(g.path).graph.node), g.name
+    # the artifact's attention by sample, and each +rows graph's twin without it (its attention batched)
+    built = {g.name: onnx.load(g.path).graph.node for g in graphs if "+rows" in g.name and g.path}
+    assert {n for n in built if n.endswith("-batched")} == {f"{n}-batched" for n in built if n.endswith("+rows")}
+    for name, nodes in built.items():
+        assert bool(by_sample_ifs(nodes)) != name.endswith("-batched"), name
     rng = np.random.default_rng(0)
     ids = rng.integers(1, model.cfg.vocab_size, size=(3, 20)).astype(np.int64)
     mask = np.ones_like(ids)
@@ -297,6 +301,25 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-4, err_msg=g.name)
         timed += 1
     assert timed >= 3
+
+
+def test_a_graph_with_no_attention_to_batch_gets_no_batched_twin(tmp_path):
+    """+rows-batched is built only where attention_by_sample rewrites something; otherwise it would
+    time the +rows graph twice, and says so."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from adaptex.exporter.counterparts import Graph, _rows
+
+    x, w = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8]), numpy_helper.from_array(
+        np.ones(8, np.float32), "w")
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["h"]),
+                               helper.make_node("LayerNormalization", ["h", "w", "w"], ["y"], axis=-1)],
+                              "g", [x], [y], initializer=[w])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    twin = _rows(Graph("g", str(path), "a graph"), batched=True)
+    assert twin.name == "g+rows-batched" and twin.path is None and "the same graph as +rows" in twin.reason
 
 
 def test_the_cache_serves_a_second_bench_and_rebuilds_a_damaged_entry(tiny_checkpoint, tmp_path, monkeypatch):
