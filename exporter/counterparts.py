@@ -134,14 +134,17 @@ def _rows_name_how(base: str, how: str, batched: bool) -> tuple[str, str]:
     return f"{base}+rows", f"{how}adaptex's layernorm_rows, attention_by_sample and softmax_floor passes"
 
 
-def _no_batched_twin(path) -> str | None:
-    """Why a `+rows-batched` candidate of the graph at `path` would be its `+rows` twin (None: it
-    differs): a graph with no attention for attention_by_sample to rewrite."""
+def _no_batched_twin(proto) -> str | None:
+    """Why a `+rows-batched` candidate of `proto` (a ModelProto, left as it is) would be its `+rows`
+    twin (None: it differs): a graph with no attention for attention_by_sample to rewrite (ONNX
+    Runtime's optimizer may have fused it into one kernel)."""
     import onnx
 
     from adaptex.exporter.targets.onnx.passes import attention_by_sample
 
-    if attention_by_sample(onnx.load(str(path))):
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    if attention_by_sample(copy):
         return None
     return "no batched attention for attention_by_sample to rewrite: the same graph as +rows"
 
@@ -179,7 +182,7 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
             return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
         path = Path(graph.path).with_name(f"{name}.onnx")
         if rows:
-            twin = _no_batched_twin(graph.path) if batched else None
+            twin = _no_batched_twin(opt.model) if batched else None
             if twin:
                 return Graph(name, None, how, reason=twin)
             if not artifact_passes(opt.model, by_sample=not batched):
@@ -204,10 +207,10 @@ def _rows(graph: Graph, batched: bool = False) -> Graph:
     name, how = _rows_name_how(graph.name, f"{graph.how}, then ", batched)
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
-    twin = _no_batched_twin(graph.path) if batched else None
+    proto = onnx.load(graph.path)
+    twin = _no_batched_twin(proto) if batched else None
     if twin:
         return Graph(name, None, how, reason=twin)
-    proto = onnx.load(graph.path)
     if not artifact_passes(proto, by_sample=not batched):
         return Graph(name, None, how, reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")

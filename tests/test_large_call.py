@@ -52,6 +52,22 @@ def large_rows(family_checkpoints, tmp_path_factory):
     return _export(family_checkpoints, tmp_path_factory, dense_rows=8)
 
 
+def _runs_as_the_file(artifact, batch: int, seq: int, past: int, path: tuple[bool, ...]) -> None:
+    """adaptex's runner runs a call of these sizes through the program `path`, the one the file's
+    own Ifs choose, and computes what the file does in one session."""
+    feeds = _feeds(artifact, batch, seq, past)
+    runner = OnnxRuntimeRunner(artifact, threads=1, chunk_rows=None)  # every call whole, as the Ifs see it
+    got = runner.infer(feeds)
+    assert list(runner.programs.sessions) == [path]
+    assert _conditions(onnx.load(str(artifact)), feeds, path) == list(path)
+    want = OnnxRuntimeRunner(artifact, threads=1, programs=False).infer(feeds)
+    for name in want:
+        if want[name].dtype.kind in "biu":
+            assert np.array_equal(got[name], want[name]), name
+        else:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def _bodies_by_sample(model: onnx.ModelProto) -> dict[str, bool]:
     """For each ConditionalAttention body in `model` (by overload), whether it attends by sample."""
     return {f.overload: attends_by_sample(helper.make_model(helper.make_graph([], "g", [], []), functions=[f]))
@@ -106,17 +122,7 @@ def test_the_runner_takes_the_nested_program_and_computes_what_the_file_does(lar
     from adaptex.runtimes.bench import ran_graph
 
     artifact, meta = large_rows
-    feeds = _feeds(artifact, batch, seq, past)
-    runner = OnnxRuntimeRunner(artifact, threads=1, chunk_rows=None)
-    got = runner.infer(feeds)
-    assert list(runner.programs.sessions) == [path]
-    assert _conditions(onnx.load(str(artifact)), feeds, path) == list(path)
-    want = OnnxRuntimeRunner(artifact, threads=1, programs=False).infer(feeds)
-    for name in want:
-        if want[name].dtype.kind in "biu":
-            assert np.array_equal(got[name], want[name]), name
-        else:
-            np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    _runs_as_the_file(artifact, batch, seq, past, path)
     assert ran_graph(meta, seq=seq, past=past, batch=batch) == \
         {(True,): None, (False, True): "large-call (attention by sample)", (False, False): "general"}[path]
 
@@ -131,17 +137,7 @@ def test_the_runner_takes_the_nested_program_and_computes_what_the_file_does(lar
 ])
 def test_the_runner_takes_the_program_the_files_if_takes_and_computes_the_same(large, batch, seq, past, big):
     path, _ = large
-    feeds = _feeds(path, batch, seq, past)
-    runner = OnnxRuntimeRunner(path, threads=1)
-    got = runner.infer(feeds)
-    assert list(runner.programs.sessions) == [(big,)]
-    assert _conditions(onnx.load(str(path)), feeds, (big,)) == [big]
-    want = OnnxRuntimeRunner(path, threads=1, programs=False).infer(feeds)
-    for name in want:
-        if want[name].dtype.kind in "biu":
-            assert np.array_equal(got[name], want[name]), name
-        else:
-            np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    _runs_as_the_file(path, batch, seq, past, (big,))
 
 
 def test_parity_passes_on_prefill_and_decode_steps(large, family_checkpoints):
