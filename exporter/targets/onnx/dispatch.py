@@ -197,6 +197,11 @@ def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
         raise ExportError(f"dispatch: the graph already has a value named {taken[0]!r}")
 
 
+def _same_bodies(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    """Whether two lowerings carry the same function bodies."""
+    return sorted(f.SerializeToString() for f in a.functions) == sorted(f.SerializeToString() for f in b.functions)
+
+
 def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str, str], overload: str | None,
               cond_nodes: list, cond: str, initializers: list, then_initializers: list, domain: str,
               other_local: bool = True) -> onnx.ModelProto:
@@ -216,8 +221,7 @@ def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str,
     graph = helper.make_graph(nodes, other.graph.name, list(other.graph.input), outputs,
                               initializer=[t for t in initializers if t.name in read])
     graph.doc_string = other.graph.doc_string
-    if overload is None and sorted(f.SerializeToString() for f in then.functions) != \
-            sorted(f.SerializeToString() for f in other.functions):
+    if overload is None and not _same_bodies(then, other):
         raise ExportError(f"the {tags[0]} and {tags[1]} lowerings differ in their op bodies; export one of them")
     model = helper.make_model(graph, opset_imports=list(other.opset_import), ir_version=other.ir_version)
     known = {o.domain for o in model.opset_import}
@@ -493,9 +497,8 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     _has_inputs(gg, "large-call", ((ids_input, 2), (keys_input, 2)))
     if _digest(gl.initializer) != _digest(gg.initializer):
         raise ExportError("the large-call and general lowerings differ in their weights; export one of them")
-    same_bodies = sorted(f.SerializeToString() for f in large.functions) == \
-        sorted(f.SerializeToString() for f in general.functions)
-    return _if_model(large, general, tags=("large", "general"), overload=None if same_bodies else LARGE_OVERLOAD,
+    return _if_model(large, general, tags=("large", "general"),
+                     overload=None if _same_bodies(large, general) else LARGE_OVERLOAD,
                      cond_nodes=batch_nodes + new_nodes + key_nodes + large_nodes, cond=large_call,
                      initializers=list(gg.initializer) + consts, then_initializers=gl.initializer, domain=domain)
 
