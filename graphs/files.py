@@ -126,9 +126,19 @@ class Terminated(BaseException):
     """SIGTERM, raised where the process is, so that `finally` blocks clean up."""
 
 
+_TERMINATED = []  # set once SIGTERM arrived: a library that catches every exception (torch's tracing
+# wraps one raised in the code it traces) may turn Terminated into an error of its own
+
+
+def terminated() -> bool:
+    """Whether this process received SIGTERM (after terminate_cleanly)."""
+    return bool(_TERMINATED)
+
+
 def terminate_cleanly() -> None:
     """Turn SIGTERM into an exception (the CLI installs this; an interrupted write then unwinds)."""
     def handler(signum, frame):
+        _TERMINATED.append(signum)
         raise Terminated()
     try:
         signal.signal(signal.SIGTERM, handler)

@@ -245,3 +245,30 @@ def test_check_refuses_a_reference_that_is_not_the_artifacts_source(tiny_onnx, t
     assert main(["check", str(tiny_onnx["sparse"]), "--model", str(edited), "--samples", "2"]) == 2
     assert "its config.json changed since the export" in capsys.readouterr().err
     assert main(["check", str(tiny_onnx["sparse"]), "--model", src["checkpoint"], "--samples", "2"]) == 0
+
+
+def test_sigterm_that_a_library_wraps_in_its_own_error_still_exits_as_terminated(monkeypatch, capsys):
+    """torch's tracing and exporters catch what the code they run raises and raise their own error:
+    a SIGTERM arriving there must still end the command as terminated (143), not as a failed export."""
+    import signal as sig
+
+    from adaptex import cli
+    from adaptex.graphs import files
+
+    def wrapped(args):
+        try:
+            sig.getsignal(sig.SIGTERM)(sig.SIGTERM, None)  # the handler main() installed
+        except BaseException as e:
+            raise RuntimeError("torch.onnx.export failed") from e
+
+    class Cmd:
+        def add_parser(self, sub):
+            sub.add_parser("boom").set_defaults(run=wrapped)
+    monkeypatch.setattr(cli, "COMMANDS", [Cmd()])
+    monkeypatch.setattr(files, "_TERMINATED", [])
+    previous = sig.getsignal(sig.SIGTERM)
+    try:
+        assert cli.main(["boom"]) == 143
+    finally:
+        sig.signal(sig.SIGTERM, previous)
+    assert "terminated" in capsys.readouterr().err

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
         return args.run(args)
     except AdaptexError as e:  # UsageError included
+        if files.terminated():  # SIGTERM that a library turned into an error (torch.onnx.export's)
+            err("terminated")
+            return 143
         err(str(e))
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:  # a bug or an environment failure: still one line, never a traceback
+        if files.terminated():  # SIGTERM that a library caught and raised again as its own error
+            err("terminated")
+            return 143
         first = (str(e).strip().splitlines() or [""])[0]
         err(f"unexpected {type(e).__name__}: {first} (set ADAPTEX_DEBUG=1 for the traceback)")
         if os.environ.get("ADAPTEX_DEBUG"):
