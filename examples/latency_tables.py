@@ -15,7 +15,7 @@ batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a fu
 A point too large for every graph's session at once (elastic-minilm's B64, T = 512) is warmed up one
 graph at a time and times the graphs that fit in memory together (runtimes/bench.py). Writes docs/results/latency.md (the tables), latency.csv (every graph
 at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
-takes about half an hour on 2 cores (`--threads 1,2` adds a column of runs).
+takes about 50 minutes on 2 cores, each model in its own process (2026-12-06; `--threads 1,2` adds a column of runs).
 """
 from __future__ import annotations
 
@@ -124,7 +124,9 @@ def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> N
         f"{__import__('os').cpu_count()} CPUs, ONNX Runtime {onnxruntime.__version__}, adaptex {adaptex.__version__}). "
         "Each row is one interleaved bench: the adaptive ONNX artifact against the fastest of the dense graphs "
         "of the same weights (the yardstick column names it; docs/benchmarking.md lists the candidates), "
-        "medians, and the latency ratio and realisation as the median and [min, max] over 5 blocks. "
+        "medians, and the latency ratio and realisation as the median and [min, max] over blocks (5, or one "
+        "per 5 rounds where fewer rounds fit a point's time: 2 at the largest points; latency.csv's `n` is "
+        "each point's rounds). "
         "`past` > 0 rows are decode steps (one new token after `past` cached). The naive column is the "
         "stock export of the model's masked inference path, what a user gets without adaptex.",
         "",
