@@ -15,7 +15,8 @@ batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a fu
 A point too large for every graph's session at once (elastic-minilm's B64, T = 512) is warmed up one
 graph at a time and times the graphs that fit in memory together (runtimes/bench.py). Writes docs/results/latency.md (the tables), latency.csv (every graph
 at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
-takes about 50 minutes on 2 cores, each model in its own process (2026-12-06; `--threads 1,2` adds a column of runs).
+takes about 50 minutes on 2 cores (2026-12-06, one `--models NAME` run per model; `--threads 1,2`
+adds a column of runs).
 """
 from __future__ import annotations
 
