@@ -155,7 +155,7 @@ def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     (ran_variant says so)."""
     step, within, large = meta.get("decode_step"), meta.get("short_call"), meta.get("large_call")
     dense_call = dense_rows(meta) is not None and ran_variant(meta, batch, seq) == "dense"
-    if not step and not within and not large or dense_call:
+    if (not step and not within and not large) or dense_call:
         return None
     from adaptex.exporter.targets.onnx.dispatch import taken
 

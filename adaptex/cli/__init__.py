@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
+
+
+def _terminated() -> int:
+    err("terminated")
+    return EXIT_TERMINATED
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -50,23 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except AdaptexError as e:  # UsageError included
         if files.terminated():  # SIGTERM that a library turned into an error (torch.onnx.export's)
-            err("terminated")
-            return 143
+            return _terminated()
         err(str(e))
         return EXIT_ERROR
     except KeyboardInterrupt:
         err("interrupted")
         return 130
     except files.Terminated:
-        err("terminated")
-        return 143
+        return _terminated()
     except BrokenPipeError:  # output piped into `head` and the like: the reader left, not an error
         sys.stderr.close()
         return 0
     except Exception as e:  # a bug or an environment failure: still one line, never a traceback
         if files.terminated():  # SIGTERM that a library caught and raised again as its own error
-            err("terminated")
-            return 143
+            return _terminated()
         first = (str(e).strip().splitlines() or [""])[0]
         err(f"unexpected {type(e).__name__}: {first} (set ADAPTEX_DEBUG=1 for the traceback)")
         if os.environ.get("ADAPTEX_DEBUG"):

@@ -408,6 +408,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     its size check cost a B1 call at T = 128 about 5%, docs/benchmarking.md#large-calls)."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
+    by_sample = dispatch and by_sample  # the by-sample If: ONNX Runtime's bodies only
     b = _Body("ca_")
     x, hn, keep, gate, k, v, bias, wq, bq, wo, bo = CA_INPUTS
     c0, c1, cm1, one = b.const([0]), b.const([1]), b.const([-1]), b.const(1)
@@ -435,7 +436,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         q = b("Transpose", b("Reshape", q, head_split), perm=[0, 2, 1, 3])  # (B, H, n, dh)
         o = _by_sample(b, q, k, v, lambda: _attention(b, q, k, v, bias_rows()),
                        lambda qi, ki, vi, i1, j1, c: _attention(b, qi, ki, vi, bias_of(i1, j1, c)), counts, n1) \
-            if dispatch and by_sample else _attention(b, q, k, v, bias_rows())  # (B, H, n, dh)
+            if by_sample else _attention(b, q, k, v, bias_rows())  # (B, H, n, dh)
         o = b("Transpose", o, perm=[0, 2, 1, 3])  # (B, n, H, dh)
         return b("Add", b("MatMul", b("Reshape", o, head_merge), W["o"]), bo)  # (B, n, d)
 
@@ -473,7 +474,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
             own = b("Slice", rows, b("Concat", i1, c0, axis=0), b("Concat", j1, c, axis=0), b.const([0, 1]))  # (1, c)
             return b("Unsqueeze", b("Gather", bias_flat, own, axis=0), c1)
         upd = attend(hq, lambda: b("Unsqueeze", b("Gather", bias_flat, rows, axis=0), c1), sample_bias,
-                     b("Reshape", cnt, cm1) if dispatch and by_sample else None, n1)  # (B, n, d)
+                     b("Reshape", cnt, cm1) if by_sample else None, n1)  # (B, n, d)
         gs = b("Unsqueeze", b("Gather", b("Reshape", _masked_gate(b, gate, keep), cm1), rows, axis=0), b.const([2]))  # (B, n, 1)
         new = b("Add", b("Gather", flat, rows, axis=0), b("Mul", upd, gs))  # (B, n, d)
         return b("ScatterND", flat, b("Unsqueeze", rows, b.const([2])), new)  # (B*T, d); indices (B, n, 1)
@@ -568,6 +569,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     by_sample (with dispatch): a large call's plain FA pairs attend a sample at a time
     (_by_sample); False for the body of a program whose calls never reach that threshold."""
     fused = fused and causal_known is False
+    by_sample = dispatch and by_sample  # the by-sample If: ONNX Runtime's bodies only
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
@@ -620,7 +622,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         def attend(qx: str, kx: str, vx: str, bias: str) -> str:  # (B, H, T, dh) over (B, H, S, dh)
             scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 1, 3, 2])), bias)
             return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
-        if not (dispatch and by_sample):
+        if not by_sample:
             return attend(q, k, v, pad_bias())
         bias = pad_bias()  # (B, 1, 1, S)
         return _by_sample(b, q, k, v, lambda: attend(q, k, v, bias),
@@ -640,7 +642,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
             bias = b("Where", b("Unsqueeze", mx, b.const([1])), b.const(0.0, np.float32), b.const(NEG, np.float32))
             scores = b("Add", b("MatMul", b("Mul", qx, scale), b("Transpose", kx, perm=[0, 2, 1])), bias)
             return b("MatMul", b("Softmax", with_causality(scores), axis=-1), vx)
-        if not (dispatch and by_sample):
+        if not by_sample:
             return attend(qx, kx, vx, mx)
         return _by_sample(b, qx, kx, vx, lambda: attend(qx, kx, vx, mx),  # a pair at a time, for a large call
                           lambda qi, ki, vi, i1, j1, c: attend(qi, ki, vi, b("Slice", mx, i1, j1, b.const([0]))),
