@@ -45,7 +45,7 @@ from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
-from adaptex.graphs.nn.elastic import given_mode_logits
+from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
 from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
@@ -254,6 +254,8 @@ class ElasticDecoder(nn.Module):
         far = torch.cat([bias, bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device)], 1) \
             if short_program and masked_call_traced() else None
         modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
+        # within the reach no decision changes the output: the routers run after the last layer, at once
+        route_after = bias is not None and far is None
         decisions, presents = [], []
         for li in range(cfg.num_layers):
             q, k, v = bb.qkv(li, h, ctx)  # (B, H, T, dh), (B, Hkv, T, dh) x 2
@@ -263,7 +265,9 @@ class ElasticDecoder(nn.Module):
             presents.append((k, v))
             modes = modes_of[li] if modes_of is not None else None
             force = force_sa[li] if force_sa is not None else None
-            if bias is not None:  # a prefill: the routers decide (the given modes serve steps)
+            if route_after:
+                o, dec = self.routers[li].attend_biased(q, k, v, bias), None
+            elif bias is not None:  # a prefill: the routers decide (the given modes serve steps)
                 o, dec = self.routers[li].attend_within_reach(q, k, v, key_ok, bias, far)
             else:
                 o, dec = self.routers[li](q, k, v, key_ok, modes, has_past, mode=mode, force_sa=force, tau=tau,
@@ -272,6 +276,9 @@ class ElasticDecoder(nn.Module):
             decisions.append(dec)
             h = bb.attn_out(li, h, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
             h = bb.mlp(li, h)
+        if route_after:
+            routed = route_layers(self.routers, [k for k, _ in presents], key_ok)
+            decisions = [router.routed(*r) for router, r in zip(self.routers, routed)]
         return bb.head(h), decisions, presents
 
 

@@ -202,6 +202,9 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
         assert not any(n.domain == "adaptex" for n in g.node)
         assert {n.op_type for n in g.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
     assert not any(n.op_type == "If" for g in (short, masked) for n in g.node)
+    # the short graph routes every layer in one chain after the last (graphs.nn.elastic.route_layers);
+    # the masked graph's streaming heads read their layer's choice, so each layer routes its own
+    assert [len([n for n in g.node if n.op_type == "ArgMax"]) for g in (short, masked)] == [1, 2]
     # the masked graph makes the streaming heads' bias once (a Where) and picks each layer's planes
     # by its heads' modes (a GatherND in each of the two layers)
     wheres, gathers = ([len([n for n in g.node if n.op_type == op]) for g in (short, masked)]

@@ -249,3 +249,30 @@ def test_within_reach_every_head_attends_as_the_op_does(T, pad):
     assert ((got - want).abs() * real).max() < 1e-5
     with pytest.raises(ValueError, match="causal"):
         ElasticAttention(4, 8, causal=False).attend_within_reach(q, k, v, mask, _dense_bias(mask, T))
+
+
+@pytest.mark.parametrize("kv_groups", [1, 2])
+def test_route_layers_routes_every_layer_as_its_own_router(kv_groups):
+    """route_layers (the short-call program's routers, every layer in one chain after the last
+    layer) gives each layer the logits and choice its own router gives, with left padding, grouped
+    KV heads too; and attend_biased is attend_within_reach's attention."""
+    from adaptex.graphs.elastic_decoder import _dense_bias
+    from adaptex.graphs.nn import ElasticAttention
+    from adaptex.graphs.nn.elastic import _choice, route_layers
+
+    torch.manual_seed(0)
+    routers = [ElasticAttention(2, 8, sink=2, window=8, causal=True, router_hidden=16, pool_tokens=4,
+                                kv_groups=kv_groups).eval() for _ in range(3)]
+    T = 9
+    ks = [torch.randn(3, 2, T, 8) for _ in routers]
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1, :4] = False
+    with torch.no_grad():
+        got = route_layers(routers, ks, mask)
+        for router, k, (logits, sa) in zip(routers, ks, got):
+            want = router.route(k, mask, expand=False)
+            assert logits.shape == want.shape and torch.allclose(logits, want, atol=1e-6)
+            assert torch.equal(sa, _choice(want))
+        q, v = torch.randn(3, 2 * kv_groups, T, 8), torch.randn(3, 2, T, 8)
+        o, _ = routers[0].attend_within_reach(q, ks[0], v, mask, _dense_bias(mask, T))
+        assert torch.equal(routers[0].attend_biased(q, ks[0], v, _dense_bias(mask, T)), o)

@@ -234,23 +234,59 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         planes (0.94 to 0.97 of a Where between the two, whole artifact, T = 128;
         docs/benchmarking.md#short-calls). The router still decides: its decisions are outputs, and
         the decode steps after this call read them. Returns (o, decisions) as the hard
-        op path does. The exporter's short-call programs (graphs.nn.record.traced_short_call) run
-        it; the op computes the same on such calls (tests/test_elastic_decoder.py, and the
-        artifact's graphs against each other in tests/test_decode_graph.py)."""
+        op path does. The exporter's masked short-call program (graphs.nn.record.traced_short_call)
+        runs it; the plain one, whose output no decision changes, runs attend_biased and routes
+        every layer at once after the last (route_layers). The op computes the same on such calls
+        (tests/test_elastic_decoder.py, and the artifact's graphs against each other in
+        tests/test_decode_graph.py)."""
         if not self.causal:
             raise ValueError("attend_within_reach serves causal (decoder) calls")
-        key_mask = key_mask.bool()
-        logits = self.route(k, key_mask, expand=False)
+        logits = self.route(k, key_mask.bool(), expand=False)
         sa = _choice(logits)
-        kq, vq = self._groups(k), self._groups(v)
         if far is not None:  # sample b's plane 2 b for an FA head, 2 b + 1 for an SA head
             B, H, T, S = q.shape[0], q.shape[1], far.shape[2], far.shape[3]
             pick = torch.arange(B, device=q.device)[:, None] * 2 + self._groups(sa).long()  # (B, H)
             bias = far.reshape(B * 2, T, S)[pick]  # (B, H, T, S)
-        scores = (q * (q.shape[-1] ** -0.5)) @ kq.transpose(-1, -2) + bias
-        o = torch.softmax(scores, dim=-1) @ vq
+        return self.attend_biased(q, k, v, bias), self.routed(logits)
+
+    def attend_biased(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Every head as dense attention, the scores plus `bias` (broadcast to (B, H, T, S))."""
+        scores = (q * (q.shape[-1] ** -0.5)) @ self._groups(k).transpose(-1, -2) + bias
+        return torch.softmax(scores, dim=-1) @ self._groups(v)
+
+    def routed(self, logits: Tensor, sa: Tensor | None = None) -> dict:
+        """The decisions of a hard routing by `logits` (B, Hkv, 2) (sa: their choice, where made
+        already), recorded: {sa, logits, g}."""
+        sa = _choice(logits) if sa is None else sa
         self.record({"sa": sa, "logits": logits})
-        return o, {"sa": sa, "logits": logits, "g": sa.float()}
+        return {"sa": sa, "logits": logits, "g": sa.float()}
+
+
+def route_layers(routers, ks: list[Tensor], key_mask: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Every layer's routing at once, each router (of one model: the same pooling and widths) on its
+    layer's keys ks[i] (B, Hkv, S, dh), as HeadRouter.route and _choice make it one layer at a time:
+    [(logits (B, Hkv, 2), sa (B, Hkv))] per layer. The keys are concatenated over the heads and pooled by one MatMul; each Linear is
+    one MatMul of (L, B Hkv, in) rows against the layers' weights stacked (constants of a traced
+    graph): one product of every sample's rows a layer, as a layer's own router runs it. For a call
+    whose output no decision changes (a decoder's short-call program: graphs.elastic_decoder), so
+    that the routers can run after the last layer: one chain for every layer where each layer ran
+    its own."""
+    first, L = routers[0], len(ks)
+    B, H, S, dh = ks[0].shape
+    plan = first.pool_plan(ks[0], key_mask)  # (B, 1, 2, S), the same for every router
+    pooled = (plan @ torch.cat([k.float() for k in ks], 1)).reshape(B, L, H * 2 * dh)  # (B, L, H 2 dh)
+    pooled = pooled.transpose(0, 1).reshape(L, B * H, 2 * dh)
+
+    def linear(x: Tensor, layers) -> Tensor:  # (L, N, in) through each layer's own Linear
+        w = torch.stack([m.weight for m in layers]).transpose(1, 2)  # (L, in, out)
+        return x @ w + torch.stack([m.bias for m in layers])[:, None]  # + (L, 1, out)
+
+    t, r = [m.task for m in routers], [m.router for m in routers]
+    h = first.task[1](linear(pooled, [m[0] for m in t])).reshape(L, B, H, -1)
+    h = (h + torch.stack([m.head_bias for m in routers])[:, None]).reshape(L, B * H, -1)
+    logits = linear(first.router[1](linear(h, [m[0] for m in r])), [m[2] for m in r])  # (L, B Hkv, 2)
+    logits = logits.reshape(L, B, H * 2).transpose(0, 1).reshape(B, L * H, 2)
+    return list(zip(logits.split(H, dim=1), _choice(logits).split(H, dim=1)))
 
 
 def given_mode_logits(modes: Tensor) -> Tensor:
