@@ -112,6 +112,9 @@ def validate(meta, where) -> dict:
                 or not (isinstance(routed.get("rows_input"), str) and routed["rows_input"] in meta["inputs"]):
             raise AdaptexError(f"{where}: metadata 'dispatch' needs dense_rows (a whole number >= 1) and rows_input "
                                "(an input name); re-export it with adaptex")
+        if not isinstance(routed.get("step_graph", False), bool):
+            raise AdaptexError(f"{where}: metadata 'dispatch.step_graph' must be true or false; re-export it with "
+                               "adaptex")
     stepped = meta.get("decode_step")
     if stepped is not None and not all(isinstance(stepped.get(k), str) and stepped[k] in meta["inputs"]
                                        for k in ("new_tokens_input", "cache_input")):

@@ -173,10 +173,11 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
         path = tmp_path / f"merged{rows}.onnx"
         zoo.export(model, info, path, dense_rows=rows)
         # the sparse branch holds the large-call If: its general program and the large-call one
-        dense, general, large = (dispatch.program(onnx.load(path), p) for p in ((True,), (False, False), (False, True)))
-        assert not any(n.domain == fx.DOMAIN for n in dense.graph.node)
+        step, dense, general, large = (dispatch.program(onnx.load(path), p)
+                                       for p in ((True,), (False, True), (False, False, False), (False, False, True)))
+        assert not any(n.domain == fx.DOMAIN for g in (step, dense) for n in g.graph.node)
         assert any(n.domain == fx.DOMAIN for n in general.graph.node)
-        assert [by_sample_ifs(g.graph.node) for g in (dense, general, large)] == [dense_ifs, 1, 1], rows
+        assert [by_sample_ifs(g.graph.node) for g in (step, dense, general, large)] == [dense_ifs, dense_ifs, 1, 1], rows
 
 
 @pytest.mark.parametrize("modes", ["mixed", "fa"])

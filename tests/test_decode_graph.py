@@ -245,16 +245,17 @@ def _softmaxes(model: onnx.ModelProto) -> tuple[int, int]:
 
 def test_the_softmax_floor_goes_where_prefills_run(decoders, artifacts):
     """passes.softmax_floor in the programs that serve prefills (the general graph, the short-call
-    graphs, the sparse branch of --dense-rows, a decoder's one graph, which serves its steps too), not
-    in those that serve only decode steps and small calls (the step graphs, a decoder's dense branch)."""
+    graphs, the sparse branch of --dense-rows and its dense branch for short prompts, a decoder's one
+    graph, which serves its steps too), not in those that serve only decode steps (the step graphs, a
+    decoder's dense step graph)."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
     for path, floored in (((True,), False), ((False, True), False), ((False, False, True), True),
                           ((False, False, False, True), True), ((False, False, False, False), True)):
         total, with_floor = _softmaxes(dispatch.program(proto, path))
         assert total and with_floor == (total if floored else 0), (path, total, with_floor)
     rows = onnx.load(str(artifacts("tsa", dense_rows="8")))
-    dense, sparse = (_softmaxes(dispatch.program(rows, (then,))) for then in (True, False))
-    assert dense[0] and dense[1] == 0 and sparse[1] == sparse[0] > 0
+    step, dense, sparse = (_softmaxes(dispatch.program(rows, p)) for p in ((True,), (False, True), (False, False)))
+    assert step[0] and step[1] == 0 and dense[1] == dense[0] == step[0] and sparse[1] == sparse[0] > 0
     one = _softmaxes(onnx.load(str(decoders["tsa-general.onnx"])))
     assert one[1] == one[0] > 0
 

@@ -1,5 +1,6 @@
 """Dense dispatch (`adaptex export --target onnx --dense-rows N`): one ONNX graph with the sparse and
-the dense lowering of the same weights, running the dense one for calls of at most N token rows.
+the dense lowering of the same weights, running the dense one for calls of at most N token rows
+(a decoder's: its steps the dense lowering without the softmax floor, its short prompts with it).
 Each branch computes what the single-variant artifact computes, the If takes the branch the row
 count names (ORT's profiler shows which nodes ran), parity passes on both, and bad values are
 refused with one line and no file."""
@@ -71,17 +72,19 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
     return {tag for e in events if e.get("cat") == "Node"
-            for tag in ("dense", "sparse") if f"{dispatch.RESERVED}{tag}." in e["name"]}
+            for tag in ("dense_step", "dense", "sparse") if f"{dispatch.RESERVED}{tag}." in e["name"]}
 
 
 @pytest.mark.parametrize("family, batch, seq, past, branch", [
-    ("tsa", 1, 1, 7, "dense"),      # a decode step
-    ("tsa", 8, 1, 7, "dense"),      # 8 rows: the threshold itself
-    ("tsa", 9, 1, 7, "sparse"),     # one row more
-    ("tsa", 2, 5, 0, "sparse"),     # a prompt
+    ("tsa", 1, 1, 7, "dense_step"),  # a decode step: the dense lowering without the softmax floor
+    ("tsa", 8, 1, 7, "dense_step"),  # 8 rows: the threshold itself
+    ("tsa", 9, 1, 7, "sparse"),      # one row more
+    ("tsa", 1, 8, 0, "dense"),       # a prompt of 8 rows: the dense lowering with the floor
+    ("tsa", 2, 5, 0, "sparse"),      # a prompt of 10
     ("bf", 2, 4, 0, "dense"),
     ("bf", 2, 6, 0, "sparse"),
-    ("eldec", 1, 1, 9, "dense"),
+    ("eldec", 1, 1, 9, "dense_step"),
+    ("eldec", 2, 4, 0, "dense"),
     ("eldec", 2, 6, 0, "sparse"),
 ])
 def test_each_call_runs_one_branch_and_matches_that_variants_artifact(merged, artifacts, tmp_path, family, batch,
@@ -114,9 +117,15 @@ def test_parity_passes_on_prefill_and_decode_steps(merged, family_checkpoints, f
     assert report.unexcused_flips == 0 and report.decisions_vary and report.max_abs_err < 1e-4
 
 
-def _dense_branch(proto: onnx.ModelProto) -> onnx.GraphProto:
-    """The then branch of the merged graph's If (its last node): the dense lowering's graph."""
-    return next(a.g for a in proto.graph.node[-1].attribute if a.name == "then_branch")
+def _dense_branches(proto: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The dense lowering's graphs: the then branch of the merged graph's If (its last node), and
+    where that If is a decoder's dense step one (dispatch.merge_dense_step), its else branch's
+    then branch too (the dense lowering with the softmax floor)."""
+    def then(g: onnx.GraphProto, side: str = "then_branch") -> onnx.GraphProto:
+        return next(a.g for a in g.node[-1].attribute if a.name == side)
+    first = then(proto.graph)
+    return [first, then(then(proto.graph, "else_branch"))] if first.name == f"{dispatch.RESERVED}dense_step" \
+        else [first]
 
 
 def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, artifacts):
@@ -125,21 +134,23 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     meta = read_onnx_metadata(merged["tsa"])
     assert meta["variant"] == "sparse"
     assert meta["dispatch"]["dense_rows"] == ROWS and meta["dispatch"]["rows_input"] == "input_ids"
+    assert meta["dispatch"]["step_graph"] is True
     assert set(meta["dispatch"]["dense_lowerings"].values()) == {"conditional_attention_onnx_dense",
                                                                  "conditional_ffn_onnx_dense"}
     proto = onnx.load(str(merged["tsa"]))
     assert dispatch.dense_rows_of(proto) == ROWS
-    assert [n.op_type for n in proto.graph.node] == ["Shape", "ReduceProd", "LessOrEqual", "If"]
+    assert [n.op_type for n in proto.graph.node] == ["Shape", "Squeeze", "Shape", "ReduceProd", "LessOrEqual", "Equal",
+                                                     "And", "If"]
     single = onnx.load(str(artifacts("tsa", "onnx", "sparse")))
-    # the weights once in the main graph (the small tensors each branch copies), and the threshold
+    # the weights once in the main graph (the small tensors each branch copies), and the thresholds
     big = {i.name for i in single.graph.initializer if np.prod(i.dims) > dispatch.COPIED_UP_TO}
-    assert big and {i.name for i in proto.graph.initializer} == big | {f"{dispatch.RESERVED}dense_rows"}
+    assert big and {i.name for i in proto.graph.initializer} == big | {
+        f"{dispatch.RESERVED}{n}" for n in ("dense_rows", "dense_step_rows_limit", "dense_step_one")}
     assert dispatch.dense_rows_of(single) is None
     # the functions are the sparse lowering's; the dense branch holds its bodies inlined
     assert {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"} == {
         ("ConditionalAttention", ""), ("ConditionalFFN", "")}
-    then = _dense_branch(proto)
-    assert not [n for n in then.node if n.domain == "adaptex"]
+    assert all(not [n for n in g.node if n.domain == "adaptex"] for g in _dense_branches(proto))
 
 
 def _repeats(nodes) -> list[str]:
@@ -170,16 +181,16 @@ def test_the_dense_branch_computes_each_value_once(merged, artifacts):
     alone = onnx.inliner.inline_local_functions(onnx.load(str(artifacts("tsa", "onnx", "dense"))))
     assert _repeats(alone.graph.node)  # what there is to merge
     proto = onnx.load(str(merged["tsa"]))
-    then = _dense_branch(proto)
-    assert not _repeats(then.node), _repeats(then.node)[:5]
-    gates = [n for n in then.node if n.op_type == "Where"]
     wheres = [n for n in alone.graph.node if n.op_type == "Where"]
-    assert 0 < len(gates) < len(wheres), (len(gates), len(wheres))
-    # the router masks its gate by keep and no body masks it again (passes.masks_once)
-    made = {o: n for n in then.node for o in n.output}
-    again = [n.name for n in gates if made.get(n.input[1]) is not None and made[n.input[1]].op_type == "Where"
-             and made[n.input[1]].input[0] == n.input[0]]
-    assert not again, again
+    for then in _dense_branches(proto):  # the step's and the short prompts'
+        assert not _repeats(then.node), _repeats(then.node)[:5]
+        gates = [n for n in then.node if n.op_type == "Where"]
+        assert 0 < len(gates) < len(wheres), (len(gates), len(wheres))
+        # the router masks its gate by keep and no body masks it again (passes.masks_once)
+        made = {o: n for n in then.node for o in n.output}
+        again = [n.name for n in gates if made.get(n.input[1]) is not None and made[n.input[1]].op_type == "Where"
+                 and made[n.input[1]].input[0] == n.input[0]]
+        assert not again, again
 
 
 def test_masks_once_drops_a_where_that_masks_by_its_own_condition_again():
@@ -260,11 +271,11 @@ def test_each_branch_carries_its_shapes_and_loads_as_its_graph_alone(merged, art
     decode step of tsa-charlm, docs/benchmarking.md)."""
     proto = onnx.load(str(merged["tsa"]))
     dense = onnx.load(str(artifacts("tsa", "onnx", "dense")))
-    then = _dense_branch(proto)
-    shapes = {v.name: v.type for v in then.value_info}
     made = {o for n in dense.graph.node for o in n.output}
-    for vi in [v for v in dense.graph.value_info if v.name in made]:
-        assert shapes.get(f"{dispatch.RESERVED}dense.{vi.name}") == vi.type, vi.name
+    for then, tag in zip(_dense_branches(proto), ("dense_step", "dense")):
+        shapes = {v.name: v.type for v in then.value_info}
+        for vi in [v for v in dense.graph.value_info if v.name in made]:
+            assert shapes.get(f"{dispatch.RESERVED}{tag}.{vi.name}") == vi.type, (tag, vi.name)
     alone = _loaded_ops(artifacts("tsa", "onnx", "dense"), tmp_path)["main"]
     branch = _loaded_ops(merged["tsa"], tmp_path)["then"]
     assert alone["Split"] > 0 and branch["Split"] == alone["Split"], (branch, alone)
@@ -351,7 +362,8 @@ def test_metadata_with_a_malformed_threshold_is_refused(merged):
 
     meta = read_onnx_metadata(merged["bf"])
     for bad in ({"dense_rows": "8", "rows_input": "input_ids"}, {"dense_rows": 0, "rows_input": "input_ids"},
-                {"dense_rows": 8}, {"dense_rows": 8, "rows_input": "nope"}, "8"):
+                {"dense_rows": 8}, {"dense_rows": 8, "rows_input": "nope"}, "8",
+                {"dense_rows": 8, "rows_input": "input_ids", "step_graph": "yes"}):
         with pytest.raises(AdaptexError, match="dispatch"):
             validate({**meta, "dispatch": bad}, "m.onnx")
 
@@ -384,7 +396,7 @@ def test_the_profile_counts_the_dense_branchs_op_kernels_as_adaptive(merged, tmp
     from adaptex.runtimes.bench import profile_onnx
 
     feeds = _feeds(_session(merged["tsa"]), batch=1, seq=1, past=7)
-    assert _ran(merged["tsa"], feeds, tmp_path) == {"dense"}
+    assert _ran(merged["tsa"], feeds, tmp_path) == {"dense_step"}
     ops = profile_onnx(str(merged["tsa"]), feeds, threads=1, workdir=tmp_path, runs=3)["by_op_ms"]
     assert ops.get("MatMul (adaptive)", 0) > 0, sorted(ops)  # the query side's and the FFN's
     assert "FusedGemm" in ops and "FusedGemm (adaptive)" not in ops, sorted(ops)  # the routers: no op's

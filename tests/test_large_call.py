@@ -102,7 +102,8 @@ def test_under_dense_dispatch_the_sparse_branch_holds_the_large_call_if(large_ro
     assert meta["dispatch"]["dense_rows"] == 8 and meta["large_call"]["from_scores"] == FROM
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path))
-    dense, general, big = (dispatch.program(onnx.load(str(path)), p) for p in ((True,), (False, False), (False, True)))
+    dense, general, big = (dispatch.program(onnx.load(str(path)), p)
+                           for p in ((True,), (False, False, False), (False, False, True)))
     # the general program keeps the main graph's If (the first block's plain attention), not the bodies'
     assert by_sample_ifs(general.graph.node) == 1 and by_sample_ifs(big.graph.node) == 1
     assert _called_overloads(general.graph.node) == {""}
@@ -112,11 +113,12 @@ def test_under_dense_dispatch_the_sparse_branch_holds_the_large_call_if(large_ro
 
 
 @pytest.mark.parametrize("batch, seq, past, path", [
-    (2, 16, 16, (False, True)),   # 1024 cells: the threshold
-    (2, 16, 15, (False, False)),
-    (64, 1, 31, (False, True)),   # a large batch's decode step: 64 rows, 2048 cells
-    (8, 1, 31, (True,)),          # 8 rows: the dense graph
-    (1, 32, 0, (False, False)),   # one sample: nothing to split
+    (2, 16, 16, (False, False, True)),   # 1024 cells: the threshold
+    (2, 16, 15, (False, False, False)),
+    (64, 1, 31, (False, False, True)),   # a large batch's decode step: 64 rows, 2048 cells
+    (8, 1, 31, (True,)),                 # a step of 8 rows: the dense step graph
+    (2, 4, 0, (False, True)),            # a prompt of 8 rows: the dense graph
+    (1, 32, 0, (False, False, False)),   # one sample: nothing to split
 ])
 def test_the_runner_takes_the_nested_program_and_computes_what_the_file_does(large_rows, batch, seq, past, path):
     from adaptex.runtimes.bench import ran_graph
@@ -124,7 +126,8 @@ def test_the_runner_takes_the_nested_program_and_computes_what_the_file_does(lar
     artifact, meta = large_rows
     _runs_as_the_file(artifact, batch, seq, past, path)
     assert ran_graph(meta, seq=seq, past=past, batch=batch) == \
-        {(True,): None, (False, True): "large-call (attention by sample)", (False, False): "general"}[path]
+        {(True,): None, (False, True): None, (False, False, True): "large-call (attention by sample)",
+         (False, False, False): "general"}[path]
 
 
 @pytest.mark.parametrize("batch, seq, past, big", [

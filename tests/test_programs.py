@@ -59,7 +59,8 @@ def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> 
 
 PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True),
          "masked_large": (False, False, False, True), "masked": (False, False, False, False, True),
-         "long": (False, False, False, False, False), "dense": (True,), "sparse": (False,)}
+         "long": (False, False, False, False, False), "dense_step": (True,), "dense": (False, True),
+         "sparse": (False, False)}
 
 
 # the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys, masked short calls to its
@@ -80,7 +81,8 @@ PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True),
     ("eldec", 64, 128, 0, "masked_large"),
     ("eldec", 64, 127, 0, "masked"),
     ("eldec", 2, 3, 5, "long"),    # new tokens after a cache
-    ("tsa-rows", 8, 1, 7, "dense"),
+    ("tsa-rows", 8, 1, 7, "dense_step"),
+    ("tsa-rows", 2, 4, 0, "dense"),  # a prompt of 8 rows: the dense graph with the softmax floor
     ("tsa-rows", 9, 1, 7, "sparse"),
     ("tsa-rows", 2, 5, 0, "sparse"),
 ])

@@ -330,14 +330,21 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
             proto = dispatch.merge_large_call(big, proto, **large, domain=fx.DOMAIN)
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
-        # a decoder's dense branch serves its decode steps and short prompts, where softmax_floor's
-        # three kernels a layer cost more than the masked scores of a short prompt
+        dense_by_sample = _may_run_by_sample(contract, rows)
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
-                                               by_sample=_may_run_by_sample(contract, rows),
-                                               floor=not contract.decoder)
+                                               by_sample=dense_by_sample)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
+        if contract.decoder:
+            # its decode steps take the dense lowering without softmax_floor, whose three kernels a
+            # layer only cost a step; its short prompts keep the floor (a causal mask's scores)
+            say("lowering the dense variant for decode steps too (no softmax floor) ...")
+            step_proto, _, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
+                                        by_sample=dense_by_sample, floor=False)
+            proto = dispatch.merge_dense_step(step_proto, proto, rows_input=rows_input, dense_rows=rows,
+                                              domain=fx.DOMAIN)
+            routed["step_graph"] = True
     if short:
         keys, longer = contract.short_call_keys(), contract.masked_call_keys()
         keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]

@@ -2,7 +2,8 @@
 same weights, nested where a graph is itself such an If. Its uses:
 
 - dense dispatch (`merge`, `--dense-rows N`): the sparse and the dense lowering of one trace; the
-  dense graph runs the small calls (below);
+  dense graph runs the small calls (below); a decoder's decode steps among them run the dense
+  lowering without the softmax floor, one If further out (`merge_dense_step`);
 - the large-call graph (`merge_large_call`, a decoder's): the lowering with attention by sample, for
   the calls that reach its threshold, beside the general graph without those Ifs (in the sparse
   branch of dense dispatch where there is one);
@@ -278,6 +279,37 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
                      then_initializers=list(gs.initializer) + copied, domain=domain, other_local=not _dispatches(sparse))
 
 
+def merge_dense_step(step: onnx.ModelProto, merged: onnx.ModelProto, *, rows_input: str, dense_rows: int,
+                     domain: str = "adaptex") -> onnx.ModelProto:
+    """One model that runs `step`'s graph (a decoder's dense lowering without passes.softmax_floor)
+    for a call of one new token (axis 1 of `rows_input`) and at most `dense_rows` token rows, and
+    `merged` (merge's model: the dense lowering with the floor for the other calls of at most
+    `dense_rows` rows, the sparse one above) for every other call. A step scores one query row a
+    sample, where nothing but padding is masked, so the floor's three kernels a layer only cost it;
+    a short prompt's causal mask sends an unfloored Softmax through subnormal floats
+    (docs/benchmarking.md#never-slower-than-dense). `step` is another lowering of the trace `merged`
+    was lowered from: its weights are stored once."""
+    _same_io(step.graph, merged.graph, "dense step and dense lowerings")
+    step = shared_subexpressions(step)  # as merge does the dense branch's
+    masks_once(step)
+    step_model, inits, read = _share_weights(step, merged.graph, "dense_step")
+    prefix = f"{RESERVED}dense_step_"  # the If's own values (not "dense_step.": the branch's)
+    limit, one = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}")
+                  for v, n in ((dense_rows, "rows_limit"), (1, "one")))
+    new_nodes, new = _squeezed_axis(rows_input, 1, "dense_step_new")
+    cond_nodes = new_nodes + [
+        helper.make_node("Shape", [rows_input], [f"{prefix}batch_sequence"], name=f"{prefix}Shape", start=0, end=2),
+        helper.make_node("ReduceProd", [f"{prefix}batch_sequence"], [f"{prefix}rows"], name=f"{prefix}ReduceProd",
+                         keepdims=0),
+        helper.make_node("LessOrEqual", [f"{prefix}rows", limit.name], [f"{prefix}small"], name=f"{prefix}LessOrEqual"),
+        helper.make_node("Equal", [new, one.name], [f"{prefix}one_new"], name=f"{prefix}Equal"),
+        helper.make_node("And", [f"{prefix}small", f"{prefix}one_new"], [f"{prefix}is_step"], name=f"{prefix}And"),
+    ]
+    return _if_model(step_model, merged, tags=("dense_step", "general"), overload=DENSE_OVERLOAD,
+                     cond_nodes=cond_nodes, cond=f"{prefix}is_step", initializers=inits + [limit, one],
+                     then_initializers=read, domain=domain, other_local=False)
+
+
 def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> tuple[onnx.ModelProto, list, list]:
     """`then` (another trace of the model `other` was traced from) with its initializers equal to
     one of `other`'s (a weight) read from that one: returns (then with its reads renamed, the
@@ -509,8 +541,9 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
     shape), outermost first (True: the then branch): the conditions merge_decode_step,
     merge_short_call, merge and merge_large_call build into the graph, evaluated on the shapes, in
     the order export() nests the merges (the near-cache step's If outermost, then the decode step's,
-    the short call's, the masked short call's by sample and the masked short call's; the dense
-    dispatch's, then the large call's in its sparse branch; short-call dispatch never with either).
+    the short call's, the masked short call's by sample and the masked short call's; a decoder's
+    dense step's, the dense dispatch's, then the large call's in its sparse branch; short-call
+    dispatch never with either).
     decode_step, short_call, dense, large_call: the artifact's metadata entries of those names
     ("dispatch" for dense), or None where it has none."""
     path = []
@@ -540,7 +573,12 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
         return tuple(path)
     if dense:
         rows = shapes[dense["rows_input"]]
-        path.append(bool(rows[0] * rows[1] <= dense["dense_rows"]))
+        small = rows[0] * rows[1] <= dense["dense_rows"]
+        if dense.get("step_graph"):  # merge_dense_step's If, outside the dense dispatch's
+            path.append(bool(small and rows[1] == 1))
+            if path[-1]:
+                return tuple(path)
+        path.append(bool(small))
         if path[-1]:
             return tuple(path)
     if large_call:
@@ -631,6 +669,6 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of",
+__all__ = ["merge", "merge_dense_step", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of",
            "short_keys_of", "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
            "MASKED_OVERLOAD"]
