@@ -476,3 +476,38 @@ def test_bench_names_the_graph_a_call_runs():
     capped = {**near, "decode_step": {**near["decode_step"], "near_keys_cells": 100}}
     assert ran_graph(capped, 1, 19, batch=5) == ran_graph(capped, 1, 79) == "near-cache decode-step"
     assert ran_graph(capped, 1, 19, batch=6) == "decode-step"  # 120 cells: the key count no longer counts
+
+
+def test_a_constant_named_as_a_value_of_the_other_graph_is_renamed():
+    """A graph merged in with its constants stored in the main graph (dispatch._share_weights): one
+    of them named as a value the other graph makes inside a subgraph of its own (exporters name
+    folded constants and values alike, val_N; a by-sample If's branch keeps its names) would sit
+    above that value, which ONNX refuses (not SSA). It is renamed, and each branch computes what its
+    graph does."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    io = [helper.make_tensor_value_info("ids", TensorProto.FLOAT, ["b", "s"]),
+          helper.make_tensor_value_info("past", TensorProto.FLOAT, ["b", 1, "p", 1])]
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s"])]
+
+    def model(nodes, inits):
+        return helper.make_model(helper.make_graph(nodes, "g", io, out, inits),
+                                 opset_imports=[helper.make_opsetid("", 17)])
+
+    def side(name):  # a branch that makes val_1: ids * w + w
+        return helper.make_graph([helper.make_node("Mul", ["ids", "w"], ["val_1"]),
+                                  helper.make_node("Add", ["val_1", "w"], [f"{name}_y"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)])
+    general = model([helper.make_node("If", ["c"], ["y"], then_branch=side("a"), else_branch=side("b"))],
+                    [numpy_helper.from_array(np.array([2.0], np.float32), "w"),
+                     numpy_helper.from_array(np.array(True), "c")])
+    short = model([helper.make_node("ReduceSum", ["val_1"], ["five"], keepdims=0),
+                   helper.make_node("Add", ["ids", "five"], ["y"])],
+                  [numpy_helper.from_array(np.full(100, 0.05, np.float32), "val_1")])  # stays in the main graph
+    merged = dispatch.merge_short_call(short, general, keys_input="ids", cache_input="past", max_keys=4)
+    onnx.checker.check_model(merged, full_check=True)
+    sess = ort.InferenceSession(merged.SerializeToString(), providers=["CPUExecutionProvider"])
+    for s, want in ((3, lambda x: x + 5), (5, lambda x: 2 * x + 2)):
+        x = np.arange(s, dtype=np.float32)[None]
+        got, = sess.run(None, {"ids": x, "past": np.zeros((1, 1, 0, 1), np.float32)})
+        np.testing.assert_allclose(got, want(x), rtol=1e-6)

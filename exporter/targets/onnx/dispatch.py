@@ -314,7 +314,9 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
     """`then` (another trace of the model `other` was traced from) with its initializers equal to
     one of `other`'s (a weight) read from that one: returns (then with its reads renamed, the
     initializers of both, stored once, those `then` reads). An initializer that shares a name but
-    not its values (a trace's constant) is renamed `dispatch.<tag>.c.<name>`."""
+    not its values (a trace's constant) with one of `other`'s, or its name with a value `other`
+    makes (a constant the exporter folded, named as its values are: it would sit in the main graph
+    above that value's branch), is renamed `dispatch.<tag>.c.<name>`."""
     gt = then.graph
     by_content = {_content(t): t.name for t in other.initializer}
     names = {t.name for t in other.initializer}
@@ -327,13 +329,13 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
     if shadow:
         _rename_outputs(graph.node, shadow)
         rename_reads(graph.node, shadow)
-    inits, rename = list(other.initializer), {}
+    inits, rename, made = list(other.initializer), {}, set(_produced(other.node))
     for t in gt.initializer:
         same = by_content.get(_content(t))
         if same is not None:
             rename[t.name] = same
             continue
-        if t.name in names:
+        if t.name in names or t.name in made:
             rename[t.name] = f"{RESERVED}{tag}.c.{t.name}"
         copy = _renamed(t, rename.get(t.name, t.name))
         inits.append(copy)
