@@ -177,7 +177,8 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
                                        for p in ((True,), (False, True), (False, False, False), (False, False, True)))
         assert not any(n.domain == fx.DOMAIN for g in (step, dense) for n in g.graph.node)
         assert any(n.domain == fx.DOMAIN for n in general.graph.node)
-        assert [by_sample_ifs(g.graph.node) for g in (step, dense, general, large)] == [dense_ifs, dense_ifs, 1, 1], rows
+        ifs = [by_sample_ifs(g.graph.node) for g in (step, dense, general, large)]
+        assert ifs == [dense_ifs, dense_ifs, 1, 1], rows
 
 
 @pytest.mark.parametrize("modes", ["mixed", "fa"])

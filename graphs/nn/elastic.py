@@ -265,14 +265,14 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
 def route_layers(routers, ks: list[Tensor], key_mask: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Every layer's routing at once, each router (of one model: the same pooling and widths) on its
     layer's keys ks[i] (B, Hkv, S, dh), as HeadRouter.route and _choice make it one layer at a time:
-    [(logits (B, Hkv, 2), sa (B, Hkv))] per layer. The keys are concatenated over the heads and pooled by one MatMul; each Linear is
-    one MatMul of (L, B Hkv, in) rows against the layers' weights stacked (constants of a traced
-    graph): one product of every sample's rows a layer, as a layer's own router runs it. For a call
-    whose output no decision changes (a decoder's short-call program: graphs.elastic_decoder), so
-    that the routers can run after the last layer: one chain for every layer where each layer ran
-    its own."""
+    [(logits (B, Hkv, 2), sa (B, Hkv))] per layer. The keys are concatenated over the heads and
+    pooled by one MatMul; each Linear is one MatMul of (L, B Hkv, in) rows against the layers'
+    weights stacked (constants of a traced graph): one product of every sample's rows a layer, as a
+    layer's own router runs it. For a call whose output no decision changes (a decoder's short-call
+    program: graphs.elastic_decoder), so that the routers can run after the last layer: one chain
+    for every layer where each layer ran its own."""
     first, L = routers[0], len(ks)
-    B, H, S, dh = ks[0].shape
+    B, H, _, dh = ks[0].shape
     plan = first.pool_plan(ks[0], key_mask)  # (B, 1, 2, S), the same for every router
     pooled = (plan @ torch.cat([k.float() for k in ks], 1)).reshape(B, L, H * 2 * dh)  # (B, L, H 2 dh)
     pooled = pooled.transpose(0, 1).reshape(L, B * H, 2 * dh)

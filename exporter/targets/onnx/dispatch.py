@@ -237,6 +237,15 @@ def _if_model(then: onnx.ModelProto, other: onnx.ModelProto, *, tags: tuple[str,
     return model
 
 
+def _rows_at_most(rows_input: str, limit: str, prefix: str) -> tuple[list, str]:
+    """Nodes that test whether a call's token rows (the product of `rows_input`'s first two axes:
+    batch x sequence) are at most the value `limit`, and that bool's name (`<prefix>small`)."""
+    shape, rows, small = f"{prefix}batch_sequence", f"{prefix}rows", f"{prefix}small"
+    return [helper.make_node("Shape", [rows_input], [shape], name=f"{prefix}Shape", start=0, end=2),
+            helper.make_node("ReduceProd", [shape], [rows], name=f"{prefix}ReduceProd", keepdims=0),
+            helper.make_node("LessOrEqual", [rows, limit], [small], name=f"{prefix}LessOrEqual")], small
+
+
 def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, dense_rows: int,
           domain: str = "adaptex") -> onnx.ModelProto:
     """One model that runs `dense`'s graph when rows(rows_input) <= dense_rows and `sparse`'s
@@ -261,15 +270,8 @@ def merge(sparse: onnx.ModelProto, dense: onnx.ModelProto, *, rows_input: str, d
     if len(vi.type.tensor_type.shape.dim) < 2:
         raise ExportError(f"dense dispatch: input {rows_input!r} has fewer than two axes (batch, sequence); "
                           "export without dense_rows")
-    rows = f"{RESERVED}rows"
     limit = numpy_helper.from_array(np.array(dense_rows, dtype=np.int64), f"{RESERVED}dense_rows")
-    small = f"{RESERVED}small"
-    shape = f"{RESERVED}batch_sequence"
-    cond_nodes = [
-        helper.make_node("Shape", [rows_input], [shape], name=f"{RESERVED}Shape", start=0, end=2),
-        helper.make_node("ReduceProd", [shape], [rows], name=f"{RESERVED}ReduceProd", keepdims=0),
-        helper.make_node("LessOrEqual", [rows, limit.name], [small], name=f"{RESERVED}LessOrEqual"),
-    ]
+    cond_nodes, small = _rows_at_most(rows_input, limit.name, RESERVED)
     # the dense branch's calls inlined, their common work merged and the gate masked once
     # (passes.shared_subexpressions, passes.masks_once)
     dense = shared_subexpressions(dense)
@@ -297,13 +299,10 @@ def merge_dense_step(step: onnx.ModelProto, merged: onnx.ModelProto, *, rows_inp
     limit, one = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}{n}")
                   for v, n in ((dense_rows, "rows_limit"), (1, "one")))
     new_nodes, new = _squeezed_axis(rows_input, 1, "dense_step_new")
-    cond_nodes = new_nodes + [
-        helper.make_node("Shape", [rows_input], [f"{prefix}batch_sequence"], name=f"{prefix}Shape", start=0, end=2),
-        helper.make_node("ReduceProd", [f"{prefix}batch_sequence"], [f"{prefix}rows"], name=f"{prefix}ReduceProd",
-                         keepdims=0),
-        helper.make_node("LessOrEqual", [f"{prefix}rows", limit.name], [f"{prefix}small"], name=f"{prefix}LessOrEqual"),
+    rows_nodes, small = _rows_at_most(rows_input, limit.name, prefix)
+    cond_nodes = new_nodes + rows_nodes + [
         helper.make_node("Equal", [new, one.name], [f"{prefix}one_new"], name=f"{prefix}Equal"),
-        helper.make_node("And", [f"{prefix}small", f"{prefix}one_new"], [f"{prefix}is_step"], name=f"{prefix}And"),
+        helper.make_node("And", [small, f"{prefix}one_new"], [f"{prefix}is_step"], name=f"{prefix}And"),
     ]
     return _if_model(step_model, merged, tags=("dense_step", "general"), overload=DENSE_OVERLOAD,
                      cond_nodes=cond_nodes, cond=f"{prefix}is_step", initializers=inits + [limit, one],
@@ -671,6 +670,6 @@ def dense_rows_of(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-__all__ = ["merge", "merge_dense_step", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program", "dense_rows_of",
-           "short_keys_of", "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
+__all__ = ["merge", "merge_dense_step", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program",
+           "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
            "MASKED_OVERLOAD"]
