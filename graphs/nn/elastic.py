@@ -247,7 +247,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
             B, H, T, S = q.shape[0], q.shape[1], far.shape[2], far.shape[3]
             pick = torch.arange(B, device=q.device)[:, None] * 2 + self._groups(sa).long()  # (B, H)
             bias = far.reshape(B * 2, T, S)[pick]  # (B, H, T, S)
-        return self.attend_biased(q, k, v, bias), self.routed(logits)
+        return self.attend_biased(q, k, v, bias), self.routed(logits, sa)
 
     def attend_biased(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
         """Every head as dense attention, the scores plus `bias` (broadcast to (B, H, T, S))."""
