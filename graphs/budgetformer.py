@@ -24,7 +24,7 @@ from torch import Tensor
 from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import BudgetedAttention, RoutingSchedule, masked_mean  # noqa: F401  (re-exported)
-from adaptex.graphs.ops.budgeted_attention import GROUP_BELOW
+from adaptex.graphs.ops.budgeted_attention import onnx_body
 
 MODES = ("soft", "hard", "naive", "eager", "dense")
 
@@ -273,7 +273,8 @@ class BudgetFormerFamily(Contract):
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
         """The decisions' FLOP ratio per sample, and the executed one: the dense variant computes every
         head; the sparse one, in a batch, the batch's largest k for every sample, except on ONNX
-        Runtime where a batch whose k differ (GROUP_BELOW) is grouped by head and computes its k."""
+        Runtime, whose body (budgeted_attention.onnx_body) computes every head some sample selected
+        for every sample (active heads) or each sample's own k (by head) where it chooses those."""
         cfg = self.cfg
         L, H = cfg.num_layers, cfg.num_heads
         dense = flops_per_sample(cfg, seq, None)
@@ -282,7 +283,11 @@ class BudgetFormerFamily(Contract):
         if variant == "dense":
             executed = [float(H)] * L
         else:
-            grouped = [target == "onnx" and c.mean() < GROUP_BELOW * c.max() for c in ks.T]
-            executed = [float(c.mean() if g else c.max()) for c, g in zip(ks.T, grouped)]
+            executed = []
+            for i, c in enumerate(ks.T):
+                mask = np.asarray(outputs[f"decisions.layer{i}.head_mask"]).astype(bool)
+                body = onnx_body(c, mask, seq) if target == "onnx" else "per_sample"
+                executed.append(float(mask.any(axis=0).sum() if body == "active_heads"
+                                      else c.mean() if body == "by_head" else c.max()))
         return {"flop_ratio": ratio, "executed_flop_ratio": flops_per_sample(cfg, seq, executed) / dense,
                 "mean_k_per_layer": [float(x) for x in ks.mean(axis=0)]}

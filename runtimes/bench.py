@@ -484,9 +484,14 @@ class Bench:
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(self._ran(t, call), str(npz), threads, self.compute_units, self.chunks)
         near = ran_graph(self.meta, seq, past, call_batch) == "near-cache decode-step"  # an elastic decoder's
-        flops = contract.flops({k: np.asarray(v) for k, v in adaptive_out.items()}, self.ran_variant(call_batch, seq),
-                               seq, past, target=self.meta.get("target", "onnx"),
-                               **({"near_step": True} if near else {})) or {}
+        out = {k: np.asarray(v) for k, v in adaptive_out.items()}
+        kw = dict(target=self.meta.get("target", "onnx"), **({"near_step": True} if near else {}))
+        flops = contract.flops(out, self.ran_variant(call_batch, seq), seq, past, **kw) or {}
+        if chunks and len(chunks) > 1 and "executed_flop_ratio" in flops:
+            # what each call executed (a body chosen by its own samples' decisions), weighted by its samples
+            parts = [(contract.flops({k: v[c] for k, v in out.items()}, self.ran_variant(call_batch, seq), seq, past,
+                                     **kw), len(range(batch)[c])) for c in chunks]
+            flops["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
         return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                        blocks=nblocks, profiles=profiles, call_batch=call_batch)
 

@@ -109,8 +109,9 @@ def initializer(proto: onnx.ModelProto, name: str) -> onnx.TensorProto:
 def lowest_heads(proto: onnx.ModelProto, fname: str = "BudgetedAttention") -> onnx.ModelProto:
     """BudgetedAttention (sparse): the *lowest*-scored heads computed, while the head mask (scattered
     from the top-k order) still reports the right ones. Both of ONNX Runtime's bodies get it: the
-    per-sample one gathers those heads' weights, the grouped one (a mixed-k batch) runs each head on
-    the samples whose lowest heads include it."""
+    per-sample one gathers those heads' weights, the one by head (a mixed-k batch) runs each head on
+    the samples whose lowest heads include it, the one on every active head takes the heads some
+    sample's lowest include."""
     f = function(proto, fname)
     topk = only(f.node, "TopK")
     order = topk.output[1]
@@ -118,17 +119,18 @@ def lowest_heads(proto: onnx.ModelProto, fname: str = "BudgetedAttention") -> on
                            sorted=1)
     _insert_after(f.node, topk, [low])
     gathers = [n for _, n in walk(f.node) if n.op_type == "Gather" and n.input[1] == order]
-    assert len(gathers) == 3, "the sparse body gathers Q/K/V weights, biases and output columns by the order"
+    # three a per-sample body (its Q/K/V weights, biases and output columns), which two branches hold
+    assert len(gathers) == 6, "the sparse body gathers Q/K/V weights, biases and output columns by the order"
     for n in gathers:
         n.input[1] = "planted.low_order"
     scatter = next((n for n in f.node if n.op_type == "ScatterElements" and n.input[1] == order), None)
-    if scatter is not None:  # the mask the grouped branch selects by (its If branches read it)
+    if scatter is not None:  # the mask the other bodies select by, and the If that picks the body reads
         mask = scatter.output[0]
         _insert_after(f.node, scatter, [helper.make_node(
             "ScatterElements", [scatter.input[0], "planted.low_order", scatter.input[2]], ["planted.low_mask"], axis=1)])
-        branches = [n for top in f.node if top.op_type == "If" for _, n in walk([top]) if n is not top]
-        for n in branches:
-            n.input[:] = ["planted.low_mask" if x == mask else x for x in n.input]
+        for _, n in walk(f.node):  # all but the reported head mask (the Cast to bool)
+            if n.op_type != "Cast":
+                n.input[:] = ["planted.low_mask" if x == mask else x for x in n.input]
     return proto
 
 
@@ -345,6 +347,21 @@ def run(proto: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
     takes = {i.name for i in sess.get_inputs()}
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in takes})))
+
+
+def bf_batches(proto: onnx.ModelProto) -> list[dict]:
+    """Batches of 20 tokens for the tiny BudgetFormer (tests/zoo.py) that take each of ONNX Runtime's
+    three sparse bodies (budgeted_attention.onnx_body): one sample and small batches (every active
+    head: little to waste), 48 samples whose k differ (by head), and up to 48 whose layer-0 k agree
+    while their heads do not (per sample), picked by `proto`'s decisions."""
+    rng = np.random.default_rng(7)
+
+    def batch(ids: np.ndarray) -> dict:
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    pool = rng.integers(1, 64, size=(128, 20))
+    k0 = run(proto, batch(pool))["decisions.layer0.k"]
+    same = np.flatnonzero(k0 == np.bincount(k0).argmax())[:48]
+    return [batch(rng.integers(1, 64, size=(B, 20))) for B in (1, 1, 4, 6)] + [batch(pool[:48]), batch(pool[same])]
 
 
 def poison_heads(proto: onnx.ModelProto, call: onnx.NodeProto, heads: np.ndarray, value=np.nan) -> None:

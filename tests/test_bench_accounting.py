@@ -14,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from adaptex.graphs.budgetformer import flops_per_sample
+from adaptex.graphs.ops.budgeted_attention import onnx_body
 from adaptex.graphs.elastic import elastic_flops
 from adaptex.graphs.elastic_decoder import attention_flops
 from adaptex.graphs.family import family_contract
@@ -145,35 +146,49 @@ def test_elastic_decoder_attention_flops():
 
 def test_executed_flop_ratio_is_what_the_runtime_computed(artifacts):
     """BudgetFormer: the dense variant executes every head (plus its routers); the sparse one, in a batch
-    whose k differ, each sample's own k on ONNX Runtime (grouped by head) and the batch's largest k in
-    every sample on a TensorRT-bound graph: the heads its runtime attended with (planted.expose)."""
+    whose k differ, the batch's largest k in every sample on a TensorRT-bound graph, and on ONNX
+    Runtime what its body computes (onnx_body): every head some sample selected for each sample (in a
+    small batch: 6 samples), each sample's own k where it groups by head (48): the heads its runtime
+    attended with (planted.expose)."""
     model = artifacts.model("bf")
     cfg, contract, T = model.cfg, family_contract(model), 20
     H, L = cfg.num_heads, cfg.num_layers
     dense = flops_per_sample(cfg, T, None)
-    ids = np.random.default_rng(5).integers(1, 64, size=(6, T))
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    for target, variant in (("onnx", "sparse"), ("tensorrt", "sparse"), ("onnx", "dense")):
+    rng, seen = np.random.default_rng(5), set()
+    cases = [(target, variant, B) for target, variant in (("onnx", "sparse"), ("tensorrt", "sparse"), ("onnx", "dense"))
+             for B in (6, 48)]
+    for target, variant, B in cases:
+        ids = rng.integers(1, 64, size=(B, T))
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         proto = planted.load(artifacts("bf", target, variant))
         probes = planted.expose(proto, "BudgetedAttention", "Softmax")
         out = planted.run(proto, feeds)
         heads = []  # per layer, the (sample, head) pairs attended over the batch, per sample
         for call in probes:
-            scores = [out[p] for p in call]
-            padded = [a for a in scores if a.ndim == 4 and a.size]  # (B, heads, T, T)
-            heads.append(padded[0].shape[1] if padded else sum(a.shape[0] for a in scores if a.ndim == 3) / len(ids))
-        ks = np.stack([out[f"decisions.layer{i}.k"] for i in range(L)], 1)
+            scores = planted.ran(out, call)
+            pairs = sum(a.shape[0] for a in scores) if scores[0].ndim == 3 else scores[0].shape[0] * scores[0].shape[1]
+            heads.append(pairs / B)
+        ks, masks = (np.stack([out[f"decisions.layer{i}.{f}"] for i in range(L)], 1) for f in ("k", "head_mask"))
         r = contract.flops(out, variant, T, target=target)
         assert r["executed_flop_ratio"] == pytest.approx(flops_per_sample(cfg, T, heads) / dense, rel=1e-12)
         assert r["flop_ratio"] == pytest.approx(np.mean([flops_per_sample(cfg, T, list(k)) for k in ks]) / dense)
+        bodies = [onnx_body(ks[:, i], masks[:, i], T) for i in range(L)]
         if variant == "dense":
             assert heads == [H] * L and 1.0 < r["executed_flop_ratio"] < 1.01  # every head, and the routers
         elif target == "tensorrt":
             assert heads == list(ks.max(0)) and r["executed_flop_ratio"] > r["flop_ratio"]
             assert len(set(map(tuple, ks))) > 1, "the batch's samples should disagree on k"
-        else:  # grouped by head: each sample's own k, exactly the decisions' FLOPs (plus the routers')
-            assert heads == pytest.approx(list(ks.mean(0))) and heads != list(ks.max(0))
-            assert r["executed_flop_ratio"] == pytest.approx(r["flop_ratio"], rel=1e-12)
+        else:  # each layer what its body computes: every head some sample selected for every sample, or
+            # each sample's own k (grouped by head: exactly the decisions' FLOPs, plus the routers')
+            want = [masks[:, i].any(axis=0).sum() if body == "active_heads" else ks[:, i].mean() if body == "by_head"
+                    else ks[:, i].max() for i, body in enumerate(bodies)]
+            assert heads == pytest.approx(want), (bodies, heads, want)
+            seen.update(bodies)
+            if bodies == ["by_head"] * L:
+                assert r["executed_flop_ratio"] == pytest.approx(r["flop_ratio"], rel=1e-12)
+            elif "active_heads" in bodies and heads != pytest.approx(list(ks.mean(0))):
+                assert r["executed_flop_ratio"] > r["flop_ratio"]
+    assert seen >= {"active_heads", "by_head"}, seen
 
 
 def test_executed_tsa_flops_are_the_rows_the_runtime_computed(artifacts):

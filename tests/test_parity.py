@@ -137,3 +137,23 @@ def test_the_value_tolerance_is_the_stated_one_not_looser(precision):
             report = ParityReport("a", "onnxruntime", precision, dict(tol), {})
             _compare_values(report, "logits", (ref + factor * bound).astype(np.float64), ref.astype(np.float64), "x")
             assert bool(report.failures) is fails, (precision, float(ref.flat[0]), factor, report.failures)
+
+
+def test_each_onnx_runtime_body_passes_parity(tiny_onnx, tiny_checkpoint):
+    """ONNX Runtime's sparse BudgetedAttention runs one of three bodies a call, by the batch's
+    decisions (budgeted_attention.onnx_body): each one's outputs match the eager model's on batches
+    that take it, with no unexcused flip."""
+    from adaptex.graphs.ops.budgeted_attention import onnx_body
+    from tests import planted
+
+    model, _ = checkpoint.load(tiny_checkpoint)
+    batches = planted.bf_batches(planted.load(tiny_onnx["sparse"]))
+    runner = OnnxRuntimeRunner(tiny_onnx["sparse"], chunk_rows=None).activate()  # each batch one call
+    bodies = set()
+    for feeds in batches:
+        out = runner.infer(feeds)
+        bodies |= {onnx_body(out[f"decisions.layer{i}.k"], out[f"decisions.layer{i}.head_mask"],
+                             feeds["input_ids"].shape[1]) for i in range(model.cfg.num_layers)}
+    assert bodies == {"active_heads", "by_head", "per_sample"}, bodies
+    report = check(runner, TorchRunner(model), inputs=batches)
+    assert report.passed and report.unexcused_flips == 0, report.failures

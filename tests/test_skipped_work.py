@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from adaptex.graphs.ops.budgeted_attention import onnx_body
 from adaptex.runtimes import coreml_mil
 from adaptex.runtimes.coreml_mil import MilReferenceRunner
 from tests import planted
@@ -60,37 +61,33 @@ def test_weights_of_heads_not_selected_are_never_read(artifacts, target, variant
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_runtime_attends_with_k_heads(artifacts, target):
-    """At batch 1 each layer's score tensor has k heads. In a batch whose k differ, the TensorRT-bound
-    graph attends with the largest k for every sample (the executed FLOP count's premise,
-    runtimes/bench.py); ONNX Runtime's groups the samples by head, so its per-head score tensors hold
-    sum_b k_b (sample, head) pairs in all, each head exactly the samples that selected it. The dense
-    variant attends with every head."""
+    """The score tensors ONNX Runtime computed hold the (sample, head) pairs the body it chose
+    (budgeted_attention.onnx_body) computes: one sample's k heads; every sample on each head some
+    sample selected (A, B, T, T); each head on exactly the samples that selected it (n_h, T, T),
+    sum_b k_b pairs in all; or the batch's largest k for every sample (B, K, T, T), which is all the
+    TensorRT-bound graph does. The dense variant attends with every head."""
     H = artifacts.model("bf").cfg.num_heads
-    grouped_seen = False
+    seen = set()
     for variant in ("sparse", "dense"):
         proto = planted.load(artifacts("bf", target, variant))
         probes = planted.expose(proto, "BudgetedAttention", "Softmax")
-        for B, seed in ((1, 0), (1, 1), (4, 2), (6, 3), (6, 5)):
-            feeds = _ids(20, 64, seed) if B == 1 else {
-                "input_ids": np.random.default_rng(seed).integers(1, 64, size=(B, 20)),
-                "attention_mask": np.ones((B, 20), np.int64)}
+        for feeds in planted.bf_batches(planted.load(artifacts("bf", target, variant))):
             out = planted.run(proto, feeds)
+            B, T = feeds["input_ids"].shape
             for call, k, mask in zip(probes, _layers(out, "k"), _layers(out, "head_mask")):
-                scores = [out[p] for p in call]
-                padded = [s for s in scores if s.ndim == 4 and s.size]  # (B, heads, T, T)
-                if variant == "dense" or target == "tensorrt" or k.min() == k.max():
-                    assert len(padded) == 1, (variant, B, [s.shape for s in scores])
-                    heads = padded[0].shape[1]
-                    assert heads == (k.max() if variant == "sparse" else H), (variant, B, heads, k)
-                else:  # ONNX Runtime, a batch whose k differ: one (n_h, T, T) score tensor per head
-                    per_head = [s.shape[0] for s in scores if s.ndim == 3]
-                    if not padded:
-                        grouped_seen = True
-                        assert per_head == [int(m) for m in mask.sum(axis=0)], (per_head, mask)
-                        assert sum(per_head) == k.sum()
-                    else:  # the batch's k were close enough (GROUP_BELOW) to keep the padded body
-                        assert padded[0].shape[1] == k.max() and k.mean() >= 0.9 * k.max()
-    assert grouped_seen or target == "tensorrt", "no batch here took the grouped branch"
+                scores = planted.ran(out, call)
+                body = "dense" if variant == "dense" else \
+                    "per_sample" if target == "tensorrt" else onnx_body(k, mask, T)
+                seen.add(body)
+                if body == "by_head":  # one (n_h, T, T) score tensor per head that some sample selected
+                    assert all(s.ndim == 3 for s in scores), [s.shape for s in scores]
+                    assert sorted(s.shape[0] for s in scores) == sorted(int(n) for n in mask.sum(axis=0) if n)
+                    continue
+                assert [s.shape for s in scores] == [{
+                    "dense": (B, H, T, T), "per_sample": (B, k.max(), T, T),
+                    "active_heads": (int(mask.any(axis=0).sum()), B, T, T)}[body]], (body, B, k, mask)
+    want = {"dense", "per_sample"} | ({"active_heads", "by_head"} if target == "onnx" else set())
+    assert seen == want, f"the batches here took {seen}, not every body"
 
 
 # --- TSA: the skipped tokens ----------------------------------------------------------------------------
