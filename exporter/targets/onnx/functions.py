@@ -239,7 +239,7 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
                 heads = b("Squeeze", b("NonZero", active), b.const([0]))  # (A,)
                 rows = b("Reshape", x, b("Concat", c1, cm1, d1, axis=0))  # (1, B*T, d)
                 qkv = b("Add", b("MatMul", rows, b("Gather", w_h, heads, axis=0)),
-                        b("Gather", b_h, heads, axis=0))  # (A, B*T, 3*dh): one weight pack a head
+                        b("Gather", b_h, heads, axis=0))  # (A, B*T, 3*dh): each head over every row
                 qkv = b("Reshape", qkv, b("Concat", c0, b("Shape", x, start=0, end=2), cm1, axis=0))  # (A, B, T, 3*dh)
                 q, kk, v = b("Split", qkv, axis=-1, num_outputs=3, outputs=3)  # (A, B, T, dh) each
                 scale = _score_scale(b, dh1)  # (1,)
