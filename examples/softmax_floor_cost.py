@@ -13,7 +13,8 @@ scores, the keys after each query at NEG (-1e30), timed three ways in interleave
     python examples/softmax_floor_cost.py --shapes 8x4x128 --rounds 500
 
 A shape is BATCHxHEADSxT. The floored probabilities are checked against the plain ones (a masked
-key weighs at most e^-80 where it weighed 0).
+key weighs at most e^-80 where it weighed 0). Each line names the CPU: whether the floor pays depends
+on it (runtimes/cpu.py; `adaptex bench` runs the same comparison at one shape).
 """
 from __future__ import annotations
 
@@ -24,18 +25,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
-from onnx import TensorProto, helper
 
-from adaptex.exporter.targets.onnx.passes import softmax_floor
-
-
-def softmax_model() -> onnx.ModelProto:
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "H", "T", "T"]) for n in ("x", "p")]
-    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["p"], axis=-1)], "softmax", io[:1], io[1:])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+from adaptex.runtimes.cpu import causal_scores, describe, softmax_model
 
 
 def options(flush: bool = False) -> ort.SessionOptions:
@@ -55,16 +48,11 @@ def main() -> int:
     if shapes is None:
         print(f"softmax_floor_cost: --shapes {args.shapes!r}: write BATCHxHEADSxT, e.g. 1x4x128", file=sys.stderr)
         return 2
-    plain = softmax_model()
-    floored = softmax_model()
-    softmax_floor(floored)
-    models = {"plain": plain.SerializeToString(), "floored": floored.SerializeToString()}
+    models = {k: softmax_model(k == "floored").SerializeToString() for k in ("plain", "floored")}
     rng = np.random.default_rng(0)
     feeds = []
     for b, h, t in shapes:
-        x = rng.standard_normal((b, h, t, t)).astype(np.float32) * 3
-        x[..., np.triu(np.ones((t, t), bool), 1)] = -1e30
-        feeds.append({"x": x})
+        feeds.append({"x": causal_scores((b, h, t, t))})
         want, got = (ort.InferenceSession(m, options(), providers=["CPUExecutionProvider"]).run(None, feeds[-1])[0]
                      for m in models.values())
         if not np.allclose(want, got, rtol=1e-6, atol=1e-30):
@@ -73,7 +61,7 @@ def main() -> int:
         flushed = pool.submit(flushed_medians, models["plain"], feeds, args.rounds).result()
     for (b, h, t), f, flush in zip(shapes, feeds, flushed):
         med = interleaved_medians(models, options(), f, args.rounds, rng)
-        print(f"(B={b}, H={h}, T={t}, causal) {args.rounds} rounds: "
+        print(f"(B={b}, H={h}, T={t}, causal; {describe()}) {args.rounds} rounds: "
               + timings(med)
               + f"; plain, subnormals flushed {flush * 1e3:.3f} ms; floored / plain {med['floored'] / med['plain']:.2f}")
     return 0

@@ -125,13 +125,15 @@ def _dynamic_axes(ep, example, input_names) -> dict:
     return axes
 
 
-def _rows_name_how(base: str, how: str, batched: bool) -> tuple[str, str]:
+def _rows_name_how(base: str, how: str, batched: bool, floor: bool = True) -> tuple[str, str]:
     """The name and description of a `+rows` candidate (adaptex's artifact passes on `base`);
-    batched: without attention_by_sample's If (`+rows-batched`)."""
+    batched: without attention_by_sample's If (`+rows-batched`); floor: with softmax_floor (where
+    it pays on the bench's CPU, runtimes/cpu.py)."""
+    floored = " and softmax_floor" if floor else ""
     if batched:
-        return f"{base}+rows-batched", (f"{how}adaptex's layernorm_rows and softmax_floor passes (attention "
+        return f"{base}+rows-batched", (f"{how}adaptex's layernorm_rows{floored} passes (attention "
                                         "batched at every size: no attention_by_sample If)")
-    return f"{base}+rows", f"{how}adaptex's layernorm_rows, attention_by_sample and softmax_floor passes"
+    return f"{base}+rows", f"{how}adaptex's layernorm_rows, attention_by_sample{floored} passes"
 
 
 def _no_batched_twin(proto) -> str | None:
@@ -150,16 +152,17 @@ def _no_batched_twin(proto) -> str | None:
 
 
 def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, rows: bool = False,
-                   batched: bool = False) -> Graph:
+                   batched: bool = False, floor: bool = True) -> Graph:
     """`graph` through ORT's transformer optimizer: kept when it fused something. rows: with its
     SkipLayerNormalization fusions off and adaptex's rows pass after (`+ortopt+rows`), so that the
     yardstick can have both the optimizer's fused attention and the faster Add + LayerNormalization
     (on ONNX Runtime's CPU a SkipLayerNormalization costs several times the pair it replaces);
-    batched, with rows: without the attention_by_sample If (`+ortopt+rows-batched`)."""
+    batched, with rows: without the attention_by_sample If (`+ortopt+rows-batched`); floor, with rows:
+    with softmax_floor."""
     opt_how = f"{graph.how}, then onnxruntime.transformers optimize_model(model_type={model_type!r}"
     if rows:
         name, how = _rows_name_how(f"{graph.name}+ortopt", f"{opt_how}, SkipLayerNormalization fusion off) and ",
-                                   batched)
+                                   batched, floor)
     else:
         name, how = f"{graph.name}+ortopt", f"{opt_how})"
     if graph.path is None:
@@ -185,7 +188,7 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
             twin = _no_batched_twin(opt.model) if batched else None
             if twin:
                 return Graph(name, None, how, reason=twin)
-            if not artifact_passes(opt.model, by_sample=not batched):
+            if not artifact_passes(opt.model, by_sample=not batched, floor=floor):
                 return Graph(name, None, how,
                              reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
             onnx.save(opt.model, str(path))
@@ -196,22 +199,23 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
         return Graph(name, None, how, reason=f"ORT's transformer optimizer failed: {_first_line(e)}")
 
 
-def _rows(graph: Graph, batched: bool = False) -> Graph:
+def _rows(graph: Graph, batched: bool = False, floor: bool = True) -> Graph:
     """`graph` with the passes adaptex's ONNX artifacts get (passes.artifact_passes): the yardstick
     gets every trick the artifact gets. batched: without attention_by_sample's If, as the programs
-    of an artifact that serve calls below its threshold run their op bodies (`+rows-batched`)."""
+    of an artifact that serve calls below its threshold run their op bodies (`+rows-batched`);
+    floor: with softmax_floor."""
     import onnx
 
     from adaptex.exporter.targets.onnx.passes import artifact_passes
 
-    name, how = _rows_name_how(graph.name, f"{graph.how}, then ", batched)
+    name, how = _rows_name_how(graph.name, f"{graph.how}, then ", batched, floor)
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
     proto = onnx.load(graph.path)
     twin = _no_batched_twin(proto) if batched else None
     if twin:
         return Graph(name, None, how, reason=twin)
-    if not artifact_passes(proto, by_sample=not batched):
+    if not artifact_passes(proto, by_sample=not batched, floor=floor):
         return Graph(name, None, how, reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")
     onnx.save(proto, str(path))
@@ -225,8 +229,9 @@ def _heads_hidden(contract) -> tuple[int, int]:
     return int(heads), int(hidden or 0)
 
 
-def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
-    """Every dense candidate and the naive export, as ONNX files in `workdir`."""
+def onnx_candidates(model, contract, workdir: Path, say=None, floor: bool = True) -> list[Graph]:
+    """Every dense candidate and the naive export, as ONNX files in `workdir`; floor: the `+rows`
+    candidates with softmax_floor (what the CPU that times them wants: runtimes/cpu.py)."""
     say = say or (lambda msg: None)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -248,16 +253,17 @@ def onnx_candidates(model, contract, workdir: Path, say=None) -> list[Graph]:
                                original.output_names, workdir / "original", ("original", "original-legacy"),
                                original.source, original.legacy_module, original.legacy_source)
         graphs += more
-    graphs += [_rows(graphs[0]), _rows(graphs[0], batched=True)]
+    graphs += [_rows(graphs[0], floor=floor), _rows(graphs[0], batched=True, floor=floor)]
     model_type = getattr(contract, "ort_model_type", None)
     if model_type:
         say("applying ONNX Runtime's transformer optimizer ...")
         heads, hidden = _heads_hidden(contract)
         kinds = ((False, False), (True, False), (True, True))  # (rows, batched)
-        opt = [_ort_optimized(g, model_type, heads, hidden, rows, batched) for g in graphs
+        opt = [_ort_optimized(g, model_type, heads, hidden, rows, batched, floor) for g in graphs
                if g.name in ("dense", "dense-legacy") for rows, batched in kinds]
         if original is not None:
-            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows, batched)
+            opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows, batched,
+                                   floor)
                     for g in graphs if g.name in ("original", "original-legacy") for rows, batched in kinds]
         graphs += opt
     naive_mode = contract.counterpart_modes.get("naive")
@@ -329,14 +335,15 @@ def _cache_key(model, contract, kind: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def cached_onnx_candidates(model, contract, workdir: Path, say=None, cache: bool = True) -> list[Graph]:
+def cached_onnx_candidates(model, contract, workdir: Path, say=None, cache: bool = True,
+                           floor: bool = True) -> list[Graph]:
     """`onnx_candidates`, from the cache when these weights were exported before by these versions
     (written whole or not at all: a directory swap)."""
     if not cache:
-        return onnx_candidates(model, contract, workdir, say)
+        return onnx_candidates(model, contract, workdir, say, floor)
     from adaptex.graphs import files
 
-    entry = cache_root() / "counterparts" / _cache_key(model, contract, "onnx")
+    entry = cache_root() / "counterparts" / _cache_key(model, contract, "onnx" if floor else "onnx, no softmax floor")
     graphs = _cached_entry(entry, say)
     if graphs is not None:
         return graphs
@@ -348,11 +355,11 @@ def cached_onnx_candidates(model, contract, workdir: Path, say=None, cache: bool
                 return graphs
             with files.atomic_directory(entry) as new:
                 new.mkdir()
-                graphs = onnx_candidates(model, contract, new, say)
+                graphs = onnx_candidates(model, contract, new, say, floor)
                 rows = [dict(asdict(g), path=Path(g.path).name if g.path else None) for g in graphs]
                 (new / "graphs.json").write_text(json.dumps(rows, indent=1))
     except OSError:  # an unwritable cache: export into the bench's own directory
-        return onnx_candidates(model, contract, workdir, say)
+        return onnx_candidates(model, contract, workdir, say, floor)
     for g in graphs:
         if g.path is not None:
             g.path = str(entry / Path(g.path).name)

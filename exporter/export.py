@@ -30,8 +30,8 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     A shipped family's model (from adaptex.load) needs no example inputs. Any other model needs them:
     a tuple with one tensor per forward argument (batch >= 2: torch.export specialises sizes 0 and 1).
     dynamic_shapes: as torch.export takes them for those arguments (default: every axis dynamic where
-    tracing allows). Target options: onnx dense_rows; coreml min_target; tensorrt onnx_only, min/opt/max_shapes,
-    timing_cache, trt_version."""
+    tracing allows). Target options: onnx dense_rows, decode_graph, short_graph, softmax_floor; coreml
+    min_target; tensorrt onnx_only, min/opt/max_shapes, timing_cache, trt_version."""
     if path is None:
         raise ExportError("export needs a path to write, e.g. adaptex.export(model, inputs, 'model.onnx')")
     if variant not in VARIANTS:

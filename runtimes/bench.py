@@ -36,6 +36,7 @@ import numpy as np
 from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
+from adaptex.runtimes import cpu
 from adaptex.runtimes._memworker import proc_mb
 from adaptex.runtimes.chunks import CHUNK_ROWS, chunk_plan, run_in_chunks, sample_chunks, samples
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner, has_programs, session_options
@@ -195,6 +196,7 @@ class Bench:
         self.runtime = ""
         self._fns: dict = {}  # (name, threads) -> callable(feeds) -> outputs
         self._clocks: dict = {}  # name -> the device time of its last run (TensorRT: CUDA events)
+        self._probe: dict | None = None  # cpu.floor_probe, ONNX artifacts only
 
     def __enter__(self):
         return self
@@ -220,7 +222,9 @@ class Bench:
 
             from adaptex.exporter.counterparts import cached_onnx_candidates
 
-            cands = cached_onnx_candidates(self.model, self.contract, self.tmp, self.say, cache=self.cache)
+            # the +rows candidates take the softmax floor where it pays on this CPU, as an artifact can
+            cands = cached_onnx_candidates(self.model, self.contract, self.tmp, self.say, cache=self.cache,
+                                           floor=self.floor_probe()["pays"])
             self.graphs = [adaptive] + [Timing(g.name, g.path, how=g.how, dense=g.dense, reason=g.reason)
                                         for g in cands]
             if has_programs(self.meta):  # what an app that loads the file in ONNX Runtime itself runs
@@ -492,8 +496,18 @@ class Bench:
             parts = [(contract.flops({k: v[c] for k, v in out.items()}, self.ran_variant(call_batch, seq), seq, past,
                                      **kw), len(range(batch)[c])) for c in chunks]
             flops["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
-        return _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
-                       blocks=nblocks, profiles=profiles, call_batch=call_batch)
+        report = _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
+                         blocks=nblocks, profiles=profiles, call_batch=call_batch)
+        if self.kind == "onnx":
+            report["softmax_floor"] = {"in_artifact": bool(self.meta.get("softmax_floor", True)), **self.floor_probe()}
+        return report
+
+    def floor_probe(self) -> dict:
+        """cpu.floor_probe (1 thread), once a bench: whether the softmax floor pays on this CPU."""
+        if self._probe is None:
+            self.say("timing a causal Softmax plain and with the softmax floor on this CPU ...")
+            self._probe = cpu.floor_probe(1)
+        return self._probe
 
 
 def warm_up(live: list[Timing], fns: dict, feeds: dict, warmup: int, clock=time.perf_counter) -> dict[str, float]:
@@ -608,7 +622,8 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
     def p(t, q):
         return t.pct(q) if t is not None else None
     return {
-        "artifact": bench.artifact, "runtime": bench.runtime, "variant": bench.meta.get("variant"),
+        "artifact": bench.artifact, "runtime": bench.runtime, "cpu": cpu.describe(),
+        "variant": bench.meta.get("variant"),
         "ran_variant": ran_variant(bench.meta, call_batch, seq),
         "chunk_samples": call_batch if call_batch < batch else None,
         "chunk_rows": bench.chunks[1] if bench.chunks else None,

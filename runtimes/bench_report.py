@@ -26,7 +26,8 @@ def format_bench(r: dict) -> str:
         variant += f"; dense at <= {r['dense_rows']} rows: this call ran the {r['ran_variant']} branch"
     if r.get("ran_graph"):
         variant += f"; this call ran its {r['ran_graph']} graph"
-    lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
+    lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}, {r['cpu']}" if r.get("cpu") else
+             f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
              f"(order shuffled each round), after {r['warmup']} warm-up runs each"
@@ -75,10 +76,23 @@ def format_bench(r: dict) -> str:
     if r.get("one_session_ratio") is not None:
         lines.append(f"  the artifact in one session (its Ifs choosing the program, as an app that loads the file "
                      f"itself runs it) / adaptive: {r['one_session_ratio']:.3f}")
+    if r.get("softmax_floor"):
+        lines.append(format_floor(r["softmax_floor"]))
     if r.get("profile"):
         lines.append(format_profile(r["profile"]))
     lines += [f"  note: {w}" for w in r.get("warnings", [])]
     return "\n".join(lines)
+
+
+def format_floor(f: dict) -> str:
+    """Whether the softmax floor pays on this CPU, and what to export (runtimes/cpu.py, floor_probe)."""
+    shape = ", ".join(map(str, f["shape"]))
+    verdict = "pays" if f["pays"] else "costs"
+    advice = ("keep it" if f["in_artifact"] else "export with --softmax-floor on for this CPU") if f["pays"] else \
+        ("export with --softmax-floor off for this CPU" if f["in_artifact"] else "as exported")
+    return (f"  softmax floor: {'in' if f['in_artifact'] else 'not in'} this artifact; this CPU ran a causal ({shape}) "
+            f"Softmax in {f['plain_ms']:.3f} ms plain, {f['floored_ms']:.3f} ms floored: the floor {verdict} here "
+            f"({advice})")
 
 
 def format_profile(profiles: dict, top: int = 12) -> str:

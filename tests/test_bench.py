@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -303,6 +304,40 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
     assert timed >= 3
 
 
+def test_the_rows_candidates_leave_the_floor_out_where_the_cpu_does_not_want_it(candidates, tmp_path):
+    """On a CPU where the softmax floor costs (runtimes/cpu.py), bench builds the `+rows` candidates
+    without it, as `--softmax-floor off` exports an artifact: the same passes otherwise and the same
+    outputs; the cache keeps the two kinds apart."""
+    from adaptex.exporter.counterparts import Graph, _cache_key, _rows
+    from adaptex.runtimes.cpu import floor_probe
+
+    model, graphs = candidates
+    dense = next(g for g in graphs if g.name == "dense")
+    copy = tmp_path / "dense.onnx"
+    copy.write_bytes(Path(dense.path).read_bytes())
+    floored, plain = (_rows(Graph("dense", str(copy), "the dense graph"), floor=f) for f in (True, False))
+    assert "softmax_floor" in floored.how and "softmax_floor" not in plain.how
+    from adaptex.exporter.targets.onnx.passes import subgraphs
+
+    def floors(nodes) -> int:  # the floor's Max nodes, in If branches and Loop bodies too
+        return sum(n.op_type == "Max" and n.name.endswith(".floor.Max") for n in nodes) + \
+            sum(floors(g.node) for n in nodes for g in subgraphs(n))
+    maxes = [floors(onnx.load(g.path).graph.node) for g in (next(g for g in graphs if g.name == "dense+rows"), plain)]
+    assert maxes[0] > 0 and maxes[1] == 0, maxes
+    ids = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 20)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 14:] = 0
+    run = lambda p: ort.InferenceSession(p, providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"input_ids": ids, "attention_mask": mask})[0]
+    np.testing.assert_allclose(run(plain.path), run(next(g for g in graphs if g.name == "dense+rows").path),
+                               atol=1e-5)
+    contract = family_contract(model)
+    assert _cache_key(model, contract, "onnx") != _cache_key(model, contract, "onnx, no softmax floor")
+    probe = floor_probe(rounds=4)
+    assert probe["shape"] == [1, 4, 256, 256] and probe["plain_ms"] > 0 and probe["floored_ms"] > 0
+    assert probe["pays"] == (probe["floored_ms"] < probe["plain_ms"])
+
+
 def test_a_graph_with_no_attention_to_batch_gets_no_batched_twin(tmp_path):
     """+rows-batched is built only where attention_by_sample rewrites something; otherwise it would
     time the +rows graph twice, and says so."""
@@ -438,6 +473,9 @@ def test_bench_prints_candidates_and_the_yardstick(tiny_onnx, capsys):
     text = capsys.readouterr().out
     assert "<- yardstick" in text and "yardstick:" in text and "dense-legacy" in text
     assert "median [min, max] over blocks" in text
+    assert " logical cores\n" in text.split("bench: ", 1)[1]  # the CPU in the first line: the figures are its
+    floor = next(line for line in text.splitlines() if line.startswith("  softmax floor: in this artifact; "))
+    assert "Softmax in " in floor and (" pays here (keep it)" in floor or "costs here (export with --softmax-floor off" in floor)
 
 
 def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(tmp_path):

@@ -260,6 +260,32 @@ def test_the_softmax_floor_goes_where_prefills_run(decoders, artifacts):
     assert one[1] == one[0] > 0
 
 
+def test_softmax_floor_off_leaves_it_out_of_every_program_and_keeps_the_outputs(artifacts, family_checkpoints):
+    """--softmax-floor off (for a CPU whose Softmax takes masked scores at full speed): no program of
+    the file floors a Softmax, the metadata says so, and the outputs are the floored file's (a masked
+    key weighs e^-80 of the largest there, 0 here) on padded prompts and steps, with parity passing."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
+    from adaptex.runtimes.parity import check
+    from adaptex.runtimes.torch_ref import TorchRunner
+
+    on, off = artifacts("tsa", dense_rows="8"), artifacts("tsa", dense_rows="8", softmax_floor="off")
+    proto = onnx.load(str(off))
+    for path in ((True,), (False, True), (False, False)):
+        total, floored = _softmaxes(dispatch.program(proto, path))
+        assert total and not floored, path
+    assert read_onnx_metadata(off)["softmax_floor"] is False and read_onnx_metadata(on)["softmax_floor"] is True
+    a, b = _session(on), _session(off)
+    names = [o.name for o in a.get_outputs()]
+    for batch, seq, past, pad in ((2, 12, 0, 3), (3, 1, 12, 2)):
+        feeds = _feeds(a, batch, seq, past, pad=pad)
+        for name, x, y in zip(names, a.run(None, feeds), b.run(None, feeds)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=name)
+    model, _ = checkpoint.load(family_checkpoints / "tsa")
+    report = check(OnnxRuntimeRunner(off), TorchRunner(model), samples=20, task="copy")
+    assert report.passed and report.unexcused_flips == 0, report.format()
+
+
 def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders, tmp_path):
     proto = onnx.load(str(decoders["eldec.onnx"]))
     weights = {i.name for i in proto.graph.initializer if np.prod(i.dims) > 1}
@@ -389,6 +415,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     ({"short_graph": "maybe"}, "--short-graph 'maybe': give on or off"),
     ({"short_graph": "on", "variant": "dense", "decode_graph": "off"}, "serves the sparse lowering"),
     ({"short_graph": "on", "dense_rows": 8, "decode_graph": "off"}, "choose one"),
+    ({"softmax_floor": "sometimes"}, "--softmax-floor 'sometimes': give on or off"),
 ])
 def test_bad_requests_are_refused_on_one_line(family_checkpoints, tmp_path, options, match):
     model, info = checkpoint.load(family_checkpoints / "eldec")

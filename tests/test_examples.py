@@ -118,7 +118,8 @@ def test_by_sample_cost_times_both_graphs_and_refuses_a_bad_shape():
 def test_softmax_floor_cost_times_the_three_graphs_and_refuses_a_bad_shape():
     line = _one_line_and_a_refusal("softmax_floor_cost.py", ["--shapes", "1x2x16", "--rounds", "6"],
                                    ["--shapes", "1x2"], "BATCHxHEADSxT")
-    assert line.startswith("(B=1, H=2, T=16, causal) 6 rounds: plain ") and "plain, subnormals flushed " in line, line
+    assert line.startswith("(B=1, H=2, T=16, causal; ") and " logical cores) 6 rounds: plain " in line, line
+    assert "plain, subnormals flushed " in line, line
     assert float(line.rsplit("floored / plain ", 1)[1]) > 0, line
 
 

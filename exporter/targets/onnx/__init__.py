@@ -261,7 +261,8 @@ def short_graph_option(value, contract) -> bool:
 
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
-           tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None) -> dict:
+           tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None,
+           softmax_floor=None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
@@ -269,7 +270,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     (elastic decoders): one graph more, traced for prefills within the streaming heads' reach (at
     most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call), and
     where the model has one (contract.masked_call_keys()) its masked form for the prefills a little
-    longer."""
+    longer. softmax_floor (default on): passes.softmax_floor in every graph but the decode-step ones;
+    off for a CPU whose Softmax takes masked scores at full speed (docs/benchmarking.md#the-softmax-floor)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -299,6 +301,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         raise ExportError("--short-graph and --dense-rows each put an If at the top of the graph; choose one "
                           "(--short-graph off or --dense-rows off)")
     short = short and variant == "sparse" and rows is None
+    floor = _on_off(softmax_floor, "--softmax-floor", True)
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
@@ -318,10 +321,10 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         and _may_run_by_sample(contract, LARGE_CALL_BATCH * longest)
     proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
                                           decode_graph=step, ops_by_sample=not split,
-                                          by_sample=not contract.decoder or rows is not None)
+                                          by_sample=not contract.decoder or rows is not None, floor=floor)
     routed, stepped, within, large = None, None, None, None
     if split:
-        big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True)
+        big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True, floor=floor)
         if passes.attends_by_sample(big):
             say("the graph for large calls too (attention a sample at a time) ...")
             ids_input, keys_input = contract.input_names()[:2]
@@ -332,7 +335,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
         dense_by_sample = _may_run_by_sample(contract, rows)
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
-                                               by_sample=dense_by_sample)
+                                               by_sample=dense_by_sample, floor=floor)
         rows_input = contract.input_names()[0]
         proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
         routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
@@ -355,7 +358,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                 "tokens) ...")
             masked_ep = trace_for(model, contract, short=True, masked=True, decode_graph=step)
             masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
-                                          short=True, masked=True, decode_graph=step, by_sample=False)
+                                          short=True, masked=True, decode_graph=step, by_sample=False, floor=floor)
             proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                               max_keys=longer, domain=fx.DOMAIN, masked=True)
             within["masked_keys"] = longer
@@ -363,7 +366,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                 # its large batches a sample at a time (the bias planes gathered in the Loop), behind an If
                 # of their own: the masked program's smaller calls pay no If a layer
                 big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
-                                     short=True, masked=True, decode_graph=step, by_sample=True)
+                                     short=True, masked=True, decode_graph=step, by_sample=True, floor=floor)
                 if passes.by_sample_ifs(big.graph.node):
                     say("the masked short-call graph for large batches too (attention a sample at a time) ...")
                     by_sample = {"heads": heads, "from_scores": fx.BY_SAMPLE_FROM}
@@ -372,7 +375,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                     within["masked_large_call"] = by_sample
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
-                                     decode_graph=step, by_sample=False)
+                                     decode_graph=step, by_sample=False, floor=floor)
         proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, cache_input=cache_input,
                                           max_keys=keys, domain=fx.DOMAIN)
     if step:
@@ -398,7 +401,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
                           tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within,
-                          large_call=large)
+                          large_call=large, softmax_floor=floor)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -428,4 +431,9 @@ TARGET = register_target(Target(
                                      "prefills the op attends masked (the streaming heads' far keys hidden by "
                                      "one bias for every layer); off: neither (default: on for elastic "
                                      "decoders; docs/benchmarking.md#short-calls)",
-                    variants=("sparse",)))))
+                    variants=("sparse",)),
+             Option("--softmax-floor", "on (default) raises every masked attention score to its row's largest "
+                                       "minus 80 before the Softmax, so ONNX Runtime's exp never makes subnormal "
+                                       "floats, which are slow on some CPUs; off leaves it out, for a CPU where "
+                                       "they are not (adaptex bench says which; "
+                                       "docs/benchmarking.md#the-softmax-floor)"))))
