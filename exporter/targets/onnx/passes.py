@@ -51,7 +51,9 @@ one: 0.28 of the Softmax alone at T = 128 and 0.34 at T = 512 (B1, 4 heads), 0.5
 whose every key is masked (a padding query's, which nothing real reads) comes out uniform over its
 keys, as the eager reference's masked_fill gives it. Main graph, branches and function bodies; a
 Softmax over the last axis only; the floor is a float32 constant, as the ONNX target's graphs are
-float32 (PRECISIONS; a float16 graph would fail to load, not run wrong). Not in a decode-step graph
+float32 (PRECISIONS; a float16 graph would fail to load, not run wrong). Whether it pays depends on
+the CPU: on an AMD EPYC with AVX-512 the plain Softmax took 0.22 ms and the floored 0.42 at T = 512
+(runtimes/cpu.py); `adaptex export --softmax-floor off` leaves it out. Not in a decode-step graph
 or a decoder's dense branch of --dense-rows, which serve small calls (a step's one query row has
 nothing masked but padding, and the floor is three kernels more a layer); a decoder's one graph,
 which serves its prefills and its steps, gets it (charlm-dense at B1, T = 512: 1.465 of the floored
