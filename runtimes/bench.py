@@ -499,7 +499,9 @@ class Bench:
         report = _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
                          blocks=nblocks, profiles=profiles, call_batch=call_batch)
         if self.kind == "onnx":
-            report["softmax_floor"] = {"in_artifact": bool(self.meta.get("softmax_floor", True)), **self.floor_probe()}
+            # artifacts from before the option have it where they target ONNX Runtime (not TensorRT-bound ONNX)
+            floored = self.meta.get("softmax_floor", self.meta.get("target", "onnx") == "onnx")
+            report["softmax_floor"] = {"in_artifact": bool(floored), **self.floor_probe()}
         return report
 
     def floor_probe(self) -> dict:
