@@ -475,7 +475,8 @@ def test_bench_prints_candidates_and_the_yardstick(tiny_onnx, capsys):
     assert "median [min, max] over blocks" in text
     assert " logical cores\n" in text.split("bench: ", 1)[1]  # the CPU in the first line: the figures are its
     floor = next(line for line in text.splitlines() if line.startswith("  softmax floor: in this artifact; "))
-    assert "Softmax in " in floor and (" pays here (keep it)" in floor or "costs here (export with --softmax-floor off" in floor)
+    assert "Softmax in " in floor
+    assert " pays here (keep it)" in floor or "costs here (export with --softmax-floor off" in floor, floor
 
 
 def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(tmp_path):
