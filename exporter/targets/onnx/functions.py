@@ -255,9 +255,9 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
             def choose() -> str:  # a batch of more than one sample: one of the three bodies
                 # by head where sum_b k_b < GROUP_BELOW * B * max_b k_b, in integers (num/den = GROUP_BELOW)
                 num, den = group_ratio()
-                padded = b("Mul", b("Shape", x, start=0, end=1), b("ReduceMax", k, keepdims=1))  # (1,) B * max k
+                padded = b("Mul", B0, b("ReduceMax", k, keepdims=0))  # () B * max k
                 used = b("ReduceSum", k, keepdims=0)  # () sum k
-                group = b("Less", b("Mul", used, b.const(den)), b("Squeeze", b("Mul", padded, b.const(num)), c0))
+                group = b("Less", b("Mul", used, b.const(den)), b("Mul", padded, b.const(num)))
                 # the active heads where (B x A - sum_b k_b) x T <= ACTIVE_HEADS_WASTE_ROWS
                 active = b("Greater", b("ReduceMax", mask_f, c0, keepdims=0), b.const(0.0, np.float32))  # (H,)
                 n_active = b("ReduceSum", b("Cast", active, to=TensorProto.INT64), keepdims=0)  # () A
