@@ -304,6 +304,44 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
     assert timed >= 3
 
 
+def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
+    """The product nodes of the graph ONNX Runtime runs (saved after its optimisations) whose weight
+    operand it computes at every call: derived from initializers and from input shapes only (no
+    input's values), so a fixed tensor that failed to fold, as a weight sliced at a Shape does."""
+    saved = tmp_path / f"loaded-{Path(path).name}"
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(saved)
+    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(saved)).graph
+    data = {i.name for i in graph.input}  # the values that follow the inputs' values (not their sizes)
+    for n in graph.node:  # topological order
+        if n.op_type not in ("Shape", "Size") and any(x in data for x in n.input):
+            data.update(n.output)
+    inits = {i.name for i in graph.initializer}
+    return [f"{n.op_type} {n.name} reads {x}" for n in graph.node
+            if n.op_type in ("MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulInteger")
+            for x in n.input[1:2] if x not in data and x not in inits]
+
+
+@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
+def test_no_dense_export_prepares_its_weights_at_every_call(family, artifacts, tmp_path):
+    """The yardstick is the fastest dense graph a user could ship: a dense export that re-slices or
+    rescales its weights at every call (the legacy exporter keeps a Shape where the model reads a
+    size from an input, and ONNX Runtime cannot fold what follows) is slower than that graph, and
+    every ratio against it would flatter the artifact."""
+    from adaptex.exporter.counterparts import _export_both
+
+    model = artifacts.model(family)
+    contract = family_contract(model)
+    mode = contract.counterpart_modes["dense"]
+    graphs, _ = _export_both(contract.wrapper(model, mode), contract.example_inputs(mode),
+                             contract.dynamic_shapes(mode), contract.input_names(mode),
+                             contract.output_names(mode), tmp_path / "dense", ("dense", "dense-legacy"), "dense")
+    assert [g.name for g in graphs if g.path] == ["dense", "dense-legacy"], [(g.name, g.reason) for g in graphs]
+    for g in graphs:
+        assert _weights_made_per_call(g.path, tmp_path) == [], g.name
+
+
 def test_the_rows_candidates_leave_the_floor_out_where_the_cpu_does_not_want_it(candidates, tmp_path):
     """On a CPU where the softmax floor costs (runtimes/cpu.py), bench builds the `+rows` candidates
     without it, as `--softmax-floor off` exports an artifact: the same passes otherwise and the same

@@ -91,7 +91,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor):
-        B, T, d = x.shape
+        B, T, _ = x.shape
+        # d a constant in every trace: from x.shape a legacy export keeps a Shape, and the weight slices
+        # below then ran at every call instead of folding into initializers (the dense-legacy graphs)
+        d = self.h * self.dh
         # the score scale 1/sqrt(dh) goes into the query rows of the fused projection, not onto the
         # scores: an exported graph then folds it into the weights, and ONNX Runtime's score MatMul
         # runs without a scale (FusedMatMul with alpha != 1 took 1.56x as long for a decode step's
@@ -108,7 +111,8 @@ class CausalSelfAttention(nn.Module):
     def kv(self, x: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of every token (past + these T), each (B, H, P+T, dh): the rows of the
         fused projection after the query's, so a gated block projects queries for kept tokens only."""
-        B, T, d = x.shape
+        B, T, _ = x.shape
+        d = self.h * self.dh  # a constant, as in forward
         k, v = F.linear(x, self.qkv.weight[d:], self.qkv.bias[d:]).view(B, T, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
