@@ -305,22 +305,29 @@ def test_every_dense_candidate_computes_the_dense_model(candidates):
 
 
 def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
-    """The product nodes of the graph ONNX Runtime runs (saved after its optimisations) whose weight
-    operand it computes at every call: derived from initializers and from input shapes only (no
-    input's values), so a fixed tensor that failed to fold, as a weight sliced at a Shape does."""
+    """The product nodes of the graph ONNX Runtime runs (saved after its optimisations), `If` and
+    `Loop` bodies included, whose weight operand it computes at every call: derived from initializers
+    and input shapes alone (no input's values), so a fixed tensor that failed to fold, as a weight
+    sliced at a `Shape` does. A body's reads from outside it count as inputs' values."""
     saved = tmp_path / f"loaded-{Path(path).name}"
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(saved)
     ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    graph = onnx.load(str(saved)).graph
-    data = {i.name for i in graph.input}  # the values that follow the inputs' values (not their sizes)
-    for n in graph.node:  # topological order
-        if n.op_type not in ("Shape", "Size") and any(x in data for x in n.input):
-            data.update(n.output)
-    inits = {i.name for i in graph.initializer}
-    return [f"{n.op_type} {n.name} reads {x}" for n in graph.node
-            if n.op_type in ("MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulInteger")
-            for x in n.input[1:2] if x not in data and x not in inits]
+
+    def scan(graph, outer: set, where: str) -> list[str]:
+        inits = outer | {i.name for i in graph.initializer}
+        made = {o for n in graph.node for o in n.output}
+        data = {i.name for i in graph.input} | {x for n in graph.node for x in n.input
+                                               if x and x not in made and x not in inits}
+        for n in graph.node:  # topological order; the values that follow the inputs' values (not sizes)
+            if n.op_type not in ("Shape", "Size") and any(x in data for x in n.input):
+                data.update(n.output)
+        found = [f"{where}{n.op_type} {n.name} reads {x}" for n in graph.node
+                 if n.op_type in ("MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulInteger")
+                 for x in n.input[1:2] if x not in data and x not in inits]
+        return found + [f for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
+                        for f in scan(a.g, inits, f"{where}{n.name}.{a.name}/")]
+    return scan(onnx.load(str(saved)).graph, set(), "")
 
 
 @pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
@@ -340,6 +347,13 @@ def test_no_dense_export_prepares_its_weights_at_every_call(family, artifacts, t
     assert [g.name for g in graphs if g.path] == ["dense", "dense-legacy"], [(g.name, g.reason) for g in graphs]
     for g in graphs:
         assert _weights_made_per_call(g.path, tmp_path) == [], g.name
+
+
+@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
+def test_no_artifact_prepares_its_weights_at_every_call(family, artifacts, tmp_path):
+    """The same of the artifacts, every branch: a weight an op body transposes or scales (the score
+    scale in the query weights, the copies a dispatch branch makes) folds at load."""
+    assert _weights_made_per_call(artifacts(family, "onnx"), tmp_path) == []
 
 
 def test_the_rows_candidates_leave_the_floor_out_where_the_cpu_does_not_want_it(candidates, tmp_path):
