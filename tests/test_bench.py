@@ -308,17 +308,15 @@ def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
     """The product nodes of the graph ONNX Runtime runs (saved after its optimisations), `If` and
     `Loop` bodies included, whose weight operand it computes at every call: derived from initializers
     and input shapes alone (no input's values), so a fixed tensor that failed to fold, as a weight
-    sliced at a `Shape` does. A body's reads from outside it count as inputs' values."""
+    sliced at a `Shape` does; a body reads its enclosing graphs' values as they are there."""
     saved = tmp_path / f"loaded-{Path(path).name}"
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(saved)
     ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
-    def scan(graph, outer: set, where: str) -> list[str]:
-        inits = outer | {i.name for i in graph.initializer}
-        made = {o for n in graph.node for o in n.output}
-        data = {i.name for i in graph.input} | {x for n in graph.node for x in n.input
-                                               if x and x not in made and x not in inits}
+    def scan(graph, outer_inits: set, outer_data: set, where: str) -> list[str]:
+        inits = outer_inits | {i.name for i in graph.initializer}
+        data = {i.name for i in graph.input} | outer_data
         for n in graph.node:  # topological order; the values that follow the inputs' values (not sizes)
             if n.op_type not in ("Shape", "Size") and any(x in data for x in n.input):
                 data.update(n.output)
@@ -326,8 +324,8 @@ def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
                  if n.op_type in ("MatMul", "Gemm", "FusedGemm", "FusedMatMul", "MatMulInteger")
                  for x in n.input[1:2] if x not in data and x not in inits]
         return found + [f for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
-                        for f in scan(a.g, inits, f"{where}{n.name}.{a.name}/")]
-    return scan(onnx.load(str(saved)).graph, set(), "")
+                        for f in scan(a.g, inits, data, f"{where}{n.name}.{a.name}/")]
+    return scan(onnx.load(str(saved)).graph, set(), set(), "")
 
 
 @pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
