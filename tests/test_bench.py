@@ -21,6 +21,7 @@ from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.graphs.errors import AdaptexError
 from adaptex.runtimes.bench import Bench, Timing, _report, fit_memory, prune_slow, warm_up
+from tests import zoo
 
 
 class _Meta:
@@ -309,11 +310,6 @@ def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
     `Loop` bodies included, whose weight operand it computes at every call: derived from initializers
     and input shapes alone (no input's values), so a fixed tensor that failed to fold, as a weight
     sliced at a `Shape` does; a body reads its enclosing graphs' values as they are there."""
-    saved = tmp_path / f"loaded-{Path(path).name}"
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(saved)
-    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-
     def scan(graph, outer_inits: set, outer_data: set, where: str) -> list[str]:
         inits = outer_inits | {i.name for i in graph.initializer}
         data = {i.name for i in graph.input} | outer_data
@@ -325,7 +321,7 @@ def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
                  for x in n.input[1:2] if x not in data and x not in inits]
         return found + [f for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
                         for f in scan(a.g, inits, data, f"{where}{n.name}.{a.name}/")]
-    return scan(onnx.load(str(saved)).graph, set(), set(), "")
+    return scan(zoo.ort_loaded(path, tmp_path / f"loaded-{Path(path).name}").graph, set(), set(), "")
 
 
 @pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])

@@ -86,15 +86,15 @@ def causal_bias(attention_mask: Tensor, past_len, T: int) -> Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()
-        self.h, self.dh = num_heads, d_model // num_heads
+        # d a Python constant: read from x.shape, a legacy export kept a Shape and ran the weight slices
+        # below at every call instead of folding them into initializers (the dense-legacy graphs)
+        self.h, self.dh, self.d = num_heads, d_model // num_heads, d_model
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: Tensor, bias: Tensor, past_k: Tensor, past_v: Tensor):
         B, T, _ = x.shape
-        # d a constant in every trace: from x.shape a legacy export keeps a Shape, and the weight slices
-        # below then ran at every call instead of folding into initializers (the dense-legacy graphs)
-        d = self.h * self.dh
+        d = self.d
         # the score scale 1/sqrt(dh) goes into the query rows of the fused projection, not onto the
         # scores: an exported graph then folds it into the weights, and ONNX Runtime's score MatMul
         # runs without a scale (FusedMatMul with alpha != 1 took 1.56x as long for a decode step's
@@ -112,13 +112,13 @@ class CausalSelfAttention(nn.Module):
         """Keys and values of every token (past + these T), each (B, H, P+T, dh): the rows of the
         fused projection after the query's, so a gated block projects queries for kept tokens only."""
         B, T, _ = x.shape
-        d = self.h * self.dh  # a constant, as in forward
+        d = self.d
         k, v = F.linear(x, self.qkv.weight[d:], self.qkv.bias[d:]).view(B, T, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     def query_args(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(wq, bq, wo, bo) for adaptex::conditional_attention."""
-        d = self.proj.weight.shape[0]
+        d = self.d
         return self.qkv.weight[:d], self.qkv.bias[:d], self.proj.weight, self.proj.bias
 
 
