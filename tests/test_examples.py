@@ -129,3 +129,52 @@ def test_fused_mask_cost_times_the_kernel_three_ways_and_refuses_a_bad_shape():
     assert line.startswith("(N=4, Bq=4, K=16, dh=8, spread 2) 6 rounds: unmasked ") and "; NEG " in line \
         and "; -80 " in line, line
     assert float(line.rsplit("NEG / unmasked ", 1)[1]) > 0, line
+
+
+def _attention_model(T: int = 6, d: int = 8, heads: int = 2):
+    """x (1, T, d) through one com.microsoft.Attention of `heads` heads, with an attention_mask input."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    node = helper.make_node("Attention", ["x", "w", "b"], ["y"], domain="com.microsoft", num_heads=heads)
+    graph = helper.make_graph(
+        [node], "att", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, T, d]),
+                        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, T])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(rng.standard_normal((d, 3 * d)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(3 * d).astype(np.float32), "b")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_attention_bias_cost_biases_each_head_and_refuses_bad_points():
+    """The script's graphs: a zero bias leaves the kernel's output as it was, streaming heads change
+    it (their far keys hidden), and the routed graph runs with a router in front of the layer."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from attention_bias_cost import with_bias
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    src = _attention_model()
+    x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32)
+    feeds = {"x": x, "attention_mask": np.ones((1, 6), np.int64)}
+
+    def run(model):
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    want = run(src)
+    assert np.array_equal(run(with_bias(src, sink=1, window=2, streaming=np.zeros(2, bool))), want)
+    streamed = run(with_bias(src, sink=1, window=2, streaming=np.array([True, False])))
+    assert np.abs(streamed[..., :4] - want[..., :4]).max() > 1e-3  # head 0 hides keys
+    assert np.array_equal(streamed[..., 4:], want[..., 4:])  # head 1 attends every key as before
+    routed = with_bias(src, sink=1, window=2, routers=4)
+    assert sum(n.op_type == "ArgMax" for n in routed.graph.node) == 1 and run(routed).shape == want.shape
+    script = str(ROOT / "examples" / "attention_bias_cost.py")
+    bad = subprocess.run([sys.executable, script, "missing.onnx", "--points", "1x32x0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxTOKENS" in bad.stderr
