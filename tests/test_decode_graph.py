@@ -23,6 +23,7 @@ import torch
 
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
 from adaptex.exporter.targets.onnx.passes import by_sample_ifs, subgraphs
 from adaptex.graphs import checkpoint
@@ -538,3 +539,21 @@ def test_a_constant_named_as_a_value_of_the_other_graph_is_renamed():
         x = np.arange(s, dtype=np.float32)[None]
         got, = sess.run(None, {"ids": x, "past": np.zeros((1, 1, 0, 1), np.float32)})
         np.testing.assert_allclose(got, want(x), rtol=1e-6)
+
+
+def test_without_the_softmax_floor_more_steps_run_the_near_cache_graph(decoders, artifacts, tmp_path):
+    """--softmax-floor off (a CPU whose Softmax takes masked scores at full speed) records
+    fx.NEAR_STEP_CELLS_UNFLOORED for the near-cache graph's batch x keys, where the floored file keeps
+    fx.NEAR_STEP_CELLS: a B1 step after 99 cached tokens (100 cells) runs the near graph there and the
+    step graph here, with the same outputs."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    on, off = decoders["eldec.onnx"], artifacts("eldec", softmax_floor="off")
+    reach = 10  # the tiny decoder's sink + window
+    assert read_onnx_metadata(on)["decode_step"]["near_cells"] == fx.NEAR_STEP_CELLS * reach
+    assert read_onnx_metadata(off)["decode_step"]["near_cells"] == fx.NEAR_STEP_CELLS_UNFLOORED * reach
+    a, b = _session(on), _session(off)
+    for batch, past, ran in ((1, 99, ("step", "near")), (1, 120, ("step", "step")), (2, 59, ("step", "near"))):
+        feeds = _feeds(a, batch, 1, past, pad=2 if batch > 1 else 0)
+        assert (*_ran(on, feeds, tmp_path), *_ran(off, feeds, tmp_path)) == ran, (batch, past)
+        _same(b.run(None, feeds), a.run(None, feeds), [o.name for o in a.get_outputs()])

@@ -389,7 +389,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
         reach = contract.short_call_keys()
         if reach is not None and variant == "sparse":  # an elastic decoder: steps after a short cache
-            near, cells, capped = (n * reach for n in (fx.NEAR_STEP_KEYS, fx.NEAR_STEP_CELLS, fx.NEAR_STEP_KEYS_CELLS))
+            near_cells = fx.NEAR_STEP_CELLS if floor else fx.NEAR_STEP_CELLS_UNFLOORED  # a CPU's masked Softmax
+            near, cells, capped = (n * reach for n in (fx.NEAR_STEP_KEYS, near_cells, fx.NEAR_STEP_KEYS_CELLS))
             say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys and {capped} batch x "
                 f"keys, or at most {cells} batch x keys) ...")
             near_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,

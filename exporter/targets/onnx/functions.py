@@ -941,6 +941,16 @@ NEAR_STEP_KEYS_CELLS = 64
 # measured before the runner read the programs' weights directly: 0.927 after 255, 1.00 after 511
 # and 767, and at B2 0.950 after 255, 1.03 after 511.)
 NEAR_STEP_CELLS = 6
+# ... or this many, in an artifact exported without the softmax floor (--softmax-floor off: for a CPU
+# whose Softmax takes masked scores at full speed). Part of what the near program's masked keys cost
+# above is Softmax's exp on them through subnormal floats (docs/benchmarking.md#decode-steps); where
+# that is free, the near program wins over more keys.
+# Measured (2026-12-06, nineteenth session, an AMD EPYC with AVX-512, elastic-charlm exported with the
+# floor off, `examples/compare_artifacts.py`, the file with the step program at 1.000, a copy of it
+# within [0.949, 1.041]): the near program 0.938 and 0.950 at B1 after 511 cached tokens (512 cells),
+# 0.978 after 767, 0.991 after 1023; 0.920 at B2 after 255, 0.950 after 383, 0.985 after 511; 0.913
+# at B4 after 191; 1.072 at B8 after 511 (4,096 cells). 12 x 68 = 816 cells keeps the wins.
+NEAR_STEP_CELLS_UNFLOORED = 12
 
 
 def elastic_step_function(head_dim: int | None = None, near: bool = False) -> onnx.FunctionProto:
