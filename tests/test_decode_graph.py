@@ -544,16 +544,20 @@ def test_a_constant_named_as_a_value_of_the_other_graph_is_renamed():
 def test_without_the_softmax_floor_more_steps_run_the_near_cache_graph(decoders, artifacts, tmp_path):
     """--softmax-floor off (a CPU whose Softmax takes masked scores at full speed) records
     fx.NEAR_STEP_CELLS_UNFLOORED for the near-cache graph's batch x keys, where the floored file keeps
-    fx.NEAR_STEP_CELLS: a B1 step after 99 cached tokens (100 cells) runs the near graph there and the
-    step graph here, with the same outputs."""
+    fx.NEAR_STEP_CELLS, and no cap on its key count's rule (near_keys_cells): a B1 step after 99
+    cached tokens (100 cells) and a B33 step after 19 (20 keys, 660 cells) run the near graph there
+    and the step graph here, with the same outputs."""
     from adaptex.exporter.metadata import read_onnx_metadata
 
     on, off = decoders["eldec.onnx"], artifacts("eldec", softmax_floor="off")
     reach = 10  # the tiny decoder's sink + window
-    assert read_onnx_metadata(on)["decode_step"]["near_cells"] == fx.NEAR_STEP_CELLS * reach
-    assert read_onnx_metadata(off)["decode_step"]["near_cells"] == fx.NEAR_STEP_CELLS_UNFLOORED * reach
+    floored, plain = (read_onnx_metadata(p)["decode_step"] for p in (on, off))
+    assert floored["near_cells"] == fx.NEAR_STEP_CELLS * reach and floored["near_keys_cells"] == fx.NEAR_STEP_KEYS_CELLS * reach
+    assert plain["near_cells"] == fx.NEAR_STEP_CELLS_UNFLOORED * reach and "near_keys_cells" not in plain
+    assert plain["near_keys"] == floored["near_keys"] == 2 * reach
     a, b = _session(on), _session(off)
-    for batch, past, ran in ((1, 99, ("step", "near")), (1, 120, ("step", "step")), (2, 59, ("step", "near"))):
+    for batch, past, ran in ((1, 99, ("step", "near")), (1, 120, ("step", "step")), (2, 59, ("step", "near")),
+                             (33, 19, ("step", "near")), (33, 20, ("step", "step"))):
         feeds = _feeds(a, batch, 1, past, pad=2 if batch > 1 else 0)
         assert (*_ran(on, feeds, tmp_path), *_ran(off, feeds, tmp_path)) == ran, (batch, past)
         _same(b.run(None, feeds), a.run(None, feeds), [o.name for o in a.get_outputs()])

@@ -389,15 +389,19 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
         reach = contract.short_call_keys()
         if reach is not None and variant == "sparse":  # an elastic decoder: steps after a short cache
-            near_cells = fx.NEAR_STEP_CELLS if floor else fx.NEAR_STEP_CELLS_UNFLOORED  # a CPU's masked Softmax
-            near, cells, capped = (n * reach for n in (fx.NEAR_STEP_KEYS, near_cells, fx.NEAR_STEP_KEYS_CELLS))
-            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys and {capped} batch x "
-                f"keys, or at most {cells} batch x keys) ...")
+            # without the softmax floor (a CPU whose Softmax takes masked scores at full speed) the near
+            # program wins over more keys: twice the cells, and its key count's rule at every batch
+            near = fx.NEAR_STEP_KEYS * reach
+            cells = (fx.NEAR_STEP_CELLS if floor else fx.NEAR_STEP_CELLS_UNFLOORED) * reach
+            capped = {"near_keys_cells": fx.NEAR_STEP_KEYS_CELLS * reach} if floor else {}
+            batches = f" and {capped['near_keys_cells']} batch x keys" if capped else ""
+            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys{batches}, or at most "
+                f"{cells} batch x keys) ...")
             near_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
                                         step=True, near=True)
             proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
-                                               keys=(keys_input, near, cells, capped), domain=fx.DOMAIN)
-            stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, near_keys_cells=capped)
+                                               keys=(keys_input, near, cells, *capped.values()), domain=fx.DOMAIN)
+            stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, **capped)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},

@@ -930,6 +930,11 @@ NEAR_STEP_KEYS = 2
 # after 63 (4,096), 1.046 at B16 after 127 (2,048) and 1.063 at B8. 64 x 68 = 4,352 cells keeps
 # the near program to B64 after 67 and B32 after 135: B32 after 127 stays with it (4,096 cells, as
 # many as B64 after 63, where the near program wins), so a cells bound alone cannot take both.
+# An artifact exported without the softmax floor has no such bound: on a CPU whose Softmax takes
+# masked scores at full speed the near program wins at every batch (2026-12-06, nineteenth session, an
+# AMD EPYC with AVX-512, elastic-charlm, `examples/compare_artifacts.py`, the file with the bound at
+# 1.000, a copy of it within [0.979, 1.017]): 0.924 at B64 after 127, 0.941 at B64 after 100, 0.913
+# at B64 after 135, 0.894 at B128 after 127, 0.832 at B256 after 100.
 NEAR_STEP_KEYS_CELLS = 64
 # A step whose batch x keys (the attention mask's cells) is at most this many times sink + window runs
 # the near-cache program too, whatever its cache (elastic-charlm: 408, B1 after up to 407 cached
