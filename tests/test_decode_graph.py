@@ -552,7 +552,8 @@ def test_without_the_softmax_floor_more_steps_run_the_near_cache_graph(decoders,
     on, off = decoders["eldec.onnx"], artifacts("eldec", softmax_floor="off")
     reach = 10  # the tiny decoder's sink + window
     floored, plain = (read_onnx_metadata(p)["decode_step"] for p in (on, off))
-    assert floored["near_cells"] == fx.NEAR_STEP_CELLS * reach and floored["near_keys_cells"] == fx.NEAR_STEP_KEYS_CELLS * reach
+    assert floored["near_cells"] == fx.NEAR_STEP_CELLS * reach
+    assert floored["near_keys_cells"] == fx.NEAR_STEP_KEYS_CELLS * reach
     assert plain["near_cells"] == fx.NEAR_STEP_CELLS_UNFLOORED * reach and "near_keys_cells" not in plain
     assert plain["near_keys"] == floored["near_keys"] == 2 * reach
     a, b = _session(on), _session(off)
