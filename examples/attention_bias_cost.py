@@ -178,9 +178,9 @@ def main() -> int:
 
     art = onnx.load(args.artifact)
     attrs = elastic_attrs(art)
-    if "sink" not in attrs:
-        print(f"attention_bias_cost: {args.artifact} calls no ElasticAttention; pass an elastic encoder's ONNX "
-              "artifact", file=sys.stderr)
+    if "sink" not in attrs or attrs.get("causal"):
+        print(f"attention_bias_cost: {args.artifact} is not an elastic encoder's artifact (no non-causal "
+              "ElasticAttention); pass one (adaptex export elastic-minilm --target onnx -o em.onnx)", file=sys.stderr)
         return 2
     model, info = load_source_model(read_metadata(args.artifact), None)
     runner = OnnxRuntimeRunner(args.artifact, threads=1)

@@ -149,9 +149,10 @@ def _attention_model(T: int = 6, d: int = 8, heads: int = 2):
     return helper.make_model(graph, opset_imports=opsets)
 
 
-def test_attention_bias_cost_biases_each_head_and_refuses_bad_points():
+def test_attention_bias_cost_biases_each_head_and_refuses_bad_input(artifacts):
     """The script's graphs: a zero bias leaves the kernel's output as it was, streaming heads change
-    it (their far keys hidden), and the routed graph runs with a router in front of the layer."""
+    it (their far keys hidden), and the routed graph runs with a router in front of the layer. Bad
+    points and a decoder's artifact get one line and exit 2."""
     import numpy as np
     import onnxruntime as ort
 
@@ -178,3 +179,7 @@ def test_attention_bias_cost_biases_each_head_and_refuses_bad_points():
     bad = subprocess.run([sys.executable, script, "missing.onnx", "--points", "1x32x0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxTOKENS" in bad.stderr
+    decoder = subprocess.run([sys.executable, script, str(artifacts("eldec")), "--points", "1x8"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert decoder.returncode == 2 and len(decoder.stderr.strip().splitlines()) == 1, decoder.stderr
+    assert "not an elastic encoder's artifact" in decoder.stderr
