@@ -34,12 +34,13 @@ import onnx
 from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper, numpy_helper
 
-NEG = -1e4  # a hidden key's bias: exp(-1e4) is 0 in float32 (float32's exp underflows past -104)
+from adaptex.graphs.ops.elastic_attention import NEG  # a hidden key's bias, as the op's bodies write it
 YARDSTICK = "original-legacy+ortopt+rows"
 
 
 def elastic_attrs(model: onnx.ModelProto) -> dict:
-    """sink and window of the artifact's first ElasticAttention call (main graph or a branch)."""
+    """The attributes (sink, window, causal) of the artifact's first ElasticAttention call, in the main
+    graph or a branch."""
     def walk(nodes):
         for n in nodes:
             if n.op_type == "ElasticAttention":
