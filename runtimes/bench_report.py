@@ -96,12 +96,14 @@ def format_floor(f: dict) -> str:
 
 
 def format_profile(profiles: dict, top: int = 12) -> str:
-    lines = ["  profile (ONNX Runtime's profiler, median kernel ms per run by op type):"]
+    lines = ["  profile (ONNX Runtime's profiler, medians per run: kernel ms and kernels by op type):"]
     for name, p in profiles.items():
-        lines.append(f"    {name}: {p['total_ms']:.3f} ms in kernels: adaptive ops {p['adaptive_ms']:.3f}, "
-                     f"the rest {p['rest_ms']:.3f}")
+        lines.append(f"    {name}: {p['total_ms']:.3f} ms in {p['kernels']} kernels (adaptive ops "
+                     f"{p['adaptive_ms']:.3f}, the rest {p['rest_ms']:.3f}), {p['outside_ms']:.3f} ms "
+                     f"outside them, of a {p['run_ms']:.3f} ms run")
         for op, ms in list(p["by_op_ms"].items())[:top]:
-            lines.append(f"      {op:<32} {ms:8.3f}  {100 * ms / max(p['total_ms'], 1e-9):5.1f}%")
+            lines.append(f"      {op:<32} {ms:8.3f}  {100 * ms / max(p['total_ms'], 1e-9):5.1f}%  "
+                         f"{p['by_op_kernels'][op]:>5}")
     return "\n".join(lines)
 
 

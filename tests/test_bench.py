@@ -606,6 +606,12 @@ def test_profile_counts_kernels_inside_dispatch_branches_as_adaptive(artifacts, 
     assert ops.get("MatMul (adaptive)", 0) > 0, sorted(ops)
     assert "FusedGemm" in ops and "FusedGemm (adaptive)" not in ops, sorted(ops)
     assert prof["total_ms"] == pytest.approx(sum(ops.values()))
+    # kernels counted per run: one FusedGemm a router (its first Linear), and the run's time beyond them
+    from adaptex.graphs.nn.tsa import TokenRouter
+
+    assert prof["by_op_kernels"]["FusedGemm"] == sum(isinstance(m, TokenRouter) for m in model.modules()) > 0
+    assert prof["kernels"] == sum(prof["by_op_kernels"].values()) > prof["by_op_kernels"]["FusedGemm"]
+    assert prof["run_ms"] > prof["total_ms"] and prof["outside_ms"] == pytest.approx(prof["run_ms"] - prof["total_ms"])
 
 
 def test_sample_chunks_split_only_a_large_batch_into_whole_samples():
