@@ -42,7 +42,8 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     adaptex.load. The decisions become outputs named `decisions.<module path>.<field>`.
     An fp16 Core ML package is audited before it is written (runtimes/audit.py: fp16 arithmetic
     throughout, as the Neural Engine may compute); one that fails is refused with the layer and the
-    range or drift. fp16_audit=False writes it unaudited."""
+    range or drift; where fp16 was the model's default precision rather than asked for, the package is
+    written in fp32 instead, and `say` is told why. fp16_audit=False writes it unaudited."""
     from adaptex.exporter.export import export as _export
     from adaptex.exporter.export import resolve
 
@@ -51,12 +52,24 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     if t.name != "coreml" or prec != "fp16":
         return _export(model, example_inputs, path, target, variant, prec, dynamic_shapes, contract=contract,
                        say=say, **options)
-    return _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, fp16_audit, say,
-                           options)
+    try:
+        return _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, fp16_audit,
+                               say, options, asked=precision is not None)
+    except _DefaultRefused as e:  # the default fp16 failed its audit: the default becomes fp32 (a safe package)
+        (say or (lambda m: None))(f"the default fp16 package failed the fp16 audit ({e}); writing fp32 instead "
+                                  "(--precision fp16 --no-fp16-audit keeps fp16) ...")
+        return _export(model, example_inputs, path, "coreml", variant, "fp32", dynamic_shapes, contract=contract,
+                       say=say, **options)
 
 
-def _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, audit, say, options):
-    """Write the fp16 package beside `path`, audit it, and only then put it in place."""
+class _DefaultRefused(Exception):
+    """The fp16 audit failed a package whose precision was the model's default, not asked for."""
+
+
+def _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, contract, audit, say, options,
+                    asked: bool = True):
+    """Write the fp16 package beside `path`, audit it, and only then put it in place (asked=False: a
+    failed audit raises _DefaultRefused, for the caller to write fp32 instead)."""
     from adaptex.exporter.errors import ExportError
     from adaptex.exporter.export import export as _export
     from adaptex.exporter.targets.coreml import package
@@ -71,6 +84,8 @@ def _audited_coreml(model, example_inputs, path, variant, prec, dynamic_shapes, 
             (say or (lambda m: None))("auditing the fp16 package (fp16 arithmetic throughout) ...")
             task = ((getattr(model, "adaptex_source", None) or {}).get("training") or {}).get("task")
             result = fp16_audit(work, model, contract, task=task)
+            if not result.passed and not asked:
+                raise _DefaultRefused(result.reason)
             if not result.passed:
                 raise ExportError(f"--precision fp16 refused: under fp16 arithmetic throughout (as the Neural "
                                   f"Engine may compute), {result.reason}; export with --precision fp32 "

@@ -63,6 +63,17 @@ def test_an_fp16_export_past_the_range_is_refused_with_the_layer(tmp_path):
     assert meta["precision"] == "fp16"
 
 
+def test_a_default_fp16_export_that_fails_the_audit_is_written_in_fp32(tmp_path):
+    """fp16 is a model of your own's default on Core ML: where its package fails the audit, export writes
+    fp32 and says why, rather than refusing a precision the user did not ask for."""
+    said = []
+    meta = adaptex.export(Loud().eval(), (torch.randn(2, 6, 8), torch.ones(2, 6, dtype=torch.bool)),
+                          tmp_path / "loud.mlpackage", target="coreml", say=said.append)
+    assert meta["precision"] == "fp32" and (tmp_path / "loud.mlpackage").is_dir()
+    assert list(tmp_path.iterdir()) == [tmp_path / "loud.mlpackage"]  # the refused fp16 package is gone
+    assert any("failed the fp16 audit" in m and "past fp16's 65504" in m and "writing fp32" in m for m in said), said
+
+
 def test_check_reports_fp16_ranges_and_the_worst_case(tiny_checkpoint, tmp_path, capsys):
     path = tmp_path / "m.mlpackage"
     assert main(["export", str(tiny_checkpoint), "--target", "coreml", "--precision", "fp16", "-o", str(path)]) == 0
