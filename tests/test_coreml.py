@@ -265,3 +265,28 @@ def test_core_ml_bench_on_macos(packages, capsys):
     assert main(["bench", str(packages["sparse"]), "--runs", "5", "--warmup", "1", "--compute-units", "cpu_only"]) == 0
     out = capsys.readouterr().out
     assert "Core ML runtime (cpu_only)" in out and "latency ratio" in out
+
+
+def test_the_mil_evaluator_drops_each_value_at_its_last_reader(packages):
+    """The evaluator frees what no later op reads (a decoder's long batch held every layer's scores: over
+    20 GB, killed, for charlm-dense's package at 200 samples), never a value still to be read or an output."""
+    import numpy as np
+
+    from adaptex.runtimes.coreml_mil import _last_uses, load_program, run
+
+    _, program = load_program(packages["sparse"])
+    fn = program.functions["main"]
+    ops, outputs = list(fn.operations), {v.name for v in fn.outputs}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs.values():
+            for u in v if isinstance(v, (list, tuple)) else (v,):
+                readers.setdefault(u.name, []).append(i)
+    dropped = {name: i for i, names in _last_uses(fn).items() for name in names}
+    made = {var.name: i for i, op in enumerate(ops) for var in op.outputs}
+    assert not outputs & set(dropped) and len(dropped) == sum(len(n) for n in _last_uses(fn).values())
+    for name in (set(made) | set(readers)) - outputs:  # every other value goes, at its last reader or where made
+        assert dropped[name] == max(readers.get(name, [made.get(name, -1)])), name
+    ids = np.random.default_rng(0).integers(1, 60, size=(4, 24)).astype(np.int32)
+    out = run(program, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    assert set(out) == outputs and all(np.isfinite(v).all() for v in out.values() if v.dtype.kind == "f")
