@@ -7,8 +7,9 @@ fastest dense graph of its weights, over the grid the docs quote.
 
 Grid: batch {1, 8, 64} x sequence {32, 128, 512} (each model up to its position limit), plus the
 decoders' steps (one new token) after {127, 511} cached, at each batch. Each point is one
-interleaved bench (runtimes/bench.py): every graph once per round in shuffled order, the rounds in
-blocks, ratios as the median and min-max over blocks. Every dense candidate is warmed up at every
+interleaved bench (runtimes/bench.py): every graph once per round in shuffled order, the rounds
+cycling through distinct generated inputs (8, fewer at the largest points), the rounds in blocks,
+ratios as the median and min-max over blocks. Every dense candidate is warmed up at every
 point and the bench times those within 1.15x of the fastest in warm-up (the fastest at batch 1 is not
 always the fastest at batch 8: the 2026-12-05 run, which timed only batch 1's three fastest at larger
 batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a full bench beat by 19%).
@@ -133,6 +134,8 @@ def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> N
         f"ONNX Runtime {onnxruntime.__version__}, adaptex {adaptex.__version__}). "
         "Each row is one interleaved bench: the adaptive ONNX artifact against the fastest of the dense graphs "
         "of the same weights (the yardstick column names it; docs/benchmarking.md lists the candidates), "
+        "the rounds cycling through distinct generated inputs (8, fewer where their caches would hold more "
+        "than 256 MB), every graph the same one in a round; "
         "medians, and the latency ratio and realisation as the median and [min, max] over blocks (5, or one "
         "per 5 rounds where fewer rounds fit a point's time: 2 at the largest points; latency.csv's `n` is "
         "each point's rounds). "

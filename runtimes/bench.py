@@ -52,6 +52,14 @@ ONE_SESSION = "adaptive-one-session"
 # process by more than the memory available / (graphs x this) is warmed up one graph at a time.
 HEAVIEST_OVER_ADAPTIVE = 4
 MEMORY_SHARE = 0.85  # of the memory available, what the sessions timed together may take
+# Generated inputs the timed rounds cycle through. An app meets a new input each call, and an adaptive
+# graph's intermediate shapes follow its decisions: ONNX Runtime plans a session's buffers per input
+# shape (enable_mem_pattern), a plan that holds for a dense graph whatever the input and not for a
+# sparse program whose kept counts change. tsa-charlm's sparse program at B1, T = 512 ran 1.051 of
+# itself fed one input repeated when fed 8 in turn, the dense candidates 0.98 to 1.01 (AMD EPYC,
+# 2026-12-06, docs/benchmarking.md#how-it-times): one input repeated flattered the artifact.
+DISTINCT_INPUTS = 8
+DISTINCT_BYTES = 256 << 20  # fewer inputs where they would hold more (a large batch's decode-step caches)
 
 
 @dataclass
@@ -342,7 +350,7 @@ class Bench:
         fns.clear()
         gc.collect()
 
-    def _warm_alone(self, live: list[Timing], threads: int, feeds: dict, warmup: int, fns: dict,
+    def _warm_alone(self, live: list[Timing], threads: int, inputs: list[dict], warmup: int, fns: dict,
                     prune: bool) -> tuple[list[Timing], dict[str, float]]:
         """The warm-up of a point too large for every session to hold its memory at once: each graph's
         session is made, warmed up and released in turn, what it took measured as the growth of this
@@ -353,7 +361,7 @@ class Bench:
         warm, need = {}, {}
         for t in live:
             base = proc_mb("/proc/self/status", "VmRSS")
-            warm.update(warm_up([t], {t.name: self._fn(t, threads)}, feeds, warmup))
+            warm.update(warm_up([t], {t.name: self._fn(t, threads)}, inputs, warmup))
             need[t.name] = proc_mb("/proc/self/status", "VmRSS") - base
             self._release(threads, fns)
         if prune and warmup >= 3:
@@ -361,14 +369,15 @@ class Bench:
         return fit_memory(live, warm, need, budget), warm
 
     # --- the inputs --------------------------------------------------------------------------------
-    def _feeds(self, batch: int, seq: int, past: int, feeds: dict | None, specs: dict) -> tuple[dict, int, int]:
+    def _feeds(self, batch: int, seq: int, past: int, feeds: dict | None, specs: dict,
+               seed: int = 0) -> tuple[dict, int, int]:
         from adaptex.runtimes.base import limits_of, validate_feeds
 
         contract, meta = self.contract, self.meta
         if past and not contract.decoder:
             raise AdaptexError("--past applies to decoders only: it times decode steps on a KV cache")
         if feeds is None:
-            feeds = contract.bench_feeds((self.info.get("training") or {}).get("task"), batch, seq, past)
+            feeds = contract.bench_feeds((self.info.get("training") or {}).get("task"), batch, seq, past, seed=seed)
             if feeds is None:
                 raise AdaptexError("this model has no input generator for benchmarks; pass the inputs to time "
                                    "(adaptex.bench(path, model, inputs=[...]))")
@@ -419,15 +428,25 @@ class Bench:
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
             warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
-            memory: bool = True, profile: bool = False, prune: bool = True, min_runs: int = 30) -> dict:
-        """Time every graph at one point; the dict `format_bench` prints."""
+            memory: bool = True, profile: bool = False, prune: bool = True, min_runs: int = 30,
+            distinct: int = DISTINCT_INPUTS) -> dict:
+        """Time every graph at one point; the dict `format_bench` prints. distinct: generated inputs
+        (seeds 0, 1, ...) that the rounds cycle through, every graph the same one in a round; fewer
+        where they would take more than DISTINCT_BYTES; 1 with given feeds."""
         self._build()
         say, contract = self.say, self.contract
-        feeds, batch, seq = self._feeds(batch, seq, past, feeds, self._specs())
+        given = feeds is not None
+        specs = self._specs()
+        feeds, batch, seq = self._feeds(batch, seq, past, feeds, specs)
         graphs = [Timing(t.name, t.path, how=t.how, dense=t.dense, reason=t.reason) for t in self.graphs]
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         feeds = self._fill_cache(feeds, fns["adaptive"])
+        size = sum(np.asarray(v).nbytes for v in feeds.values())
+        inputs = [feeds] + [self._fill_cache(self._feeds(batch, seq, past, None, specs, seed=s)[0], fns["adaptive"])
+                            for s in range(1, 1 if given else min(distinct, max(1, DISTINCT_BYTES // max(size, 1))))]
+        if len(inputs) > 1:
+            say(f"{len(inputs)} distinct inputs, cycled: every graph runs the same one in a round ...")
         chunks = sample_chunks(feeds, *self.chunks) if self.chunks else None
         # one call as the runner makes it (a chunk of a large batch): the program it takes, its profile
         call = {k: v[chunks[0]] for k, v in feeds.items()} if chunks else feeds
@@ -436,7 +455,7 @@ class Bench:
             say(f"every graph runs this batch in calls of at most {samples(call_batch)} ({self.chunks[1]} token "
                 "rows: --chunk-rows) ...")
         before = proc_mb("/proc/self/status", "VmRSS")
-        adaptive_out = fns["adaptive"](feeds)
+        adaptive_outs = [fns["adaptive"](f) for f in inputs]
         after, available = proc_mb("/proc/self/status", "VmRSS"), proc_mb("/proc/meminfo", "MemAvailable")
 
         live = [t for t in graphs if t.name in fns]
@@ -445,10 +464,10 @@ class Bench:
         if bounded:
             say(f"the artifact's first run took {after - before:.0f} MB: warming up the {len(live)} graphs one at "
                 f"a time ({warmup} runs each) and timing those whose sessions fit in memory together ...")
-            live, warm = self._warm_alone(live, threads, feeds, warmup, fns, prune)
+            live, warm = self._warm_alone(live, threads, inputs, warmup, fns, prune)
         else:
             say(f"warming up {len(live)} graphs ({warmup} runs each) ...")
-            warm = warm_up(live, fns, feeds, warmup)
+            warm = warm_up(live, fns, inputs, warmup)
             if prune and warmup >= 3:
                 live = prune_slow(live, warm)
         per_round = sum(warm[t.name] for t in live) / 1e3
@@ -460,11 +479,12 @@ class Bench:
         for b, size in enumerate(sizes):
             if (b or bounded) and self.kind == "onnx":  # bounded: the warm-up released every session
                 self._fresh_sessions(live, b, threads, feeds, fns)
-            for _ in range(size):
+            for r in range(size):
+                given_in_round = inputs[(sum(sizes[:b]) + r) % len(inputs)]
                 for i in rng.permutation(len(live)):
                     t = live[i]
                     t0 = time.perf_counter_ns()
-                    fns[t.name](feeds)
+                    fns[t.name](given_in_round)
                     wall = (time.perf_counter_ns() - t0) / 1e6
                     t.times_ms.append(self._clocks[t.name]() if t.name in self._clocks else wall)
                     t.block_of.append(b)
@@ -487,22 +507,37 @@ class Bench:
                 t.size_mb = _size_mb(t.path)
                 if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
                     t.peak_rss_mb = _peak_rss(self._ran(t, call), str(npz), threads, self.compute_units, self.chunks)
-        near = ran_graph(self.meta, seq, past, call_batch) == "near-cache decode-step"  # an elastic decoder's
-        out = {k: np.asarray(v) for k, v in adaptive_out.items()}
-        kw = dict(target=self.meta.get("target", "onnx"), **({"near_step": True} if near else {}))
-        flops = contract.flops(out, self.ran_variant(call_batch, seq), seq, past, **kw) or {}
-        if chunks and len(chunks) > 1 and "executed_flop_ratio" in flops:
-            # what each call executed (a body chosen by its own samples' decisions), weighted by its samples
-            parts = [(contract.flops({k: v[c] for k, v in out.items()}, self.ran_variant(call_batch, seq), seq, past,
-                                     **kw), len(range(batch)[c])) for c in chunks]
-            flops["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
+        flops = self._flops(adaptive_outs, batch, seq, past, call_batch, chunks)
         report = _report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
-                         blocks=nblocks, profiles=profiles, call_batch=call_batch)
+                         blocks=nblocks, profiles=profiles, call_batch=call_batch, distinct=len(inputs))
         if self.kind == "onnx":
             # artifacts from before the option have it where they target ONNX Runtime (not TensorRT-bound ONNX)
             floored = self.meta.get("softmax_floor", self.meta.get("target", "onnx") == "onnx")
             report["softmax_floor"] = {"in_artifact": bool(floored), **self.floor_probe()}
         return report
+
+    def _flops(self, outs: list[dict], batch: int, seq: int, past: int, call_batch: int, chunks) -> dict:
+        """The contract's FLOP accounting of the artifact's outputs, its ratios averaged over the inputs
+        the rounds cycled through (each input's rounds are equally many, give or take one)."""
+        contract = self.contract
+        near = ran_graph(self.meta, seq, past, call_batch) == "near-cache decode-step"  # an elastic decoder's
+        kw = dict(target=self.meta.get("target", "onnx"), **({"near_step": True} if near else {}))
+        variant = self.ran_variant(call_batch, seq)
+        each = []
+        for adaptive_out in outs:
+            out = {k: np.asarray(v) for k, v in adaptive_out.items()}
+            flops = contract.flops(out, variant, seq, past, **kw) or {}
+            if chunks and len(chunks) > 1 and "executed_flop_ratio" in flops:
+                # what each call executed (a body chosen by its own samples' decisions), weighted by its samples
+                parts = [(contract.flops({k: v[c] for k, v in out.items()}, variant, seq, past, **kw),
+                          len(range(batch)[c])) for c in chunks]
+                flops["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
+            each.append(flops)
+        flops = dict(each[0])
+        for key in ("flop_ratio", "executed_flop_ratio"):
+            if flops.get(key) is not None:
+                flops[key] = float(np.mean([f[key] for f in each]))
+        return flops
 
     def floor_probe(self) -> dict:
         """cpu.floor_probe (1 thread), once a bench: whether the softmax floor pays on this CPU."""
@@ -512,17 +547,17 @@ class Bench:
         return self._probe
 
 
-def warm_up(live: list[Timing], fns: dict, feeds: dict, warmup: int, clock=time.perf_counter) -> dict[str, float]:
+def warm_up(live: list[Timing], fns: dict, inputs: list[dict], warmup: int, clock=time.perf_counter) -> dict[str, float]:
     """Each graph's best warm-up time in ms. Its first run allocates and runs alone; the rest are
     interleaved in shuffled rounds like the timed ones, so that a burst of load on a shared machine
-    slows every graph alike instead of pruning the fastest candidate."""
+    slows every graph alike instead of pruning the fastest candidate. Round r runs inputs[r % len]."""
     ts: dict[str, list[float]] = {t.name: [] for t in live}
     order = np.random.default_rng(1)
     for r in range(max(warmup, 1)):
         for i in (range(len(live)) if r == 0 else order.permutation(len(live))):
             t = live[i]
             t0 = clock()
-            fns[t.name](feeds)
+            fns[t.name](inputs[r % len(inputs)])
             ts[t.name].append((clock() - t0) * 1e3)
     return {name: min(v[1:] or v) for name, v in ts.items()}
 
@@ -575,12 +610,13 @@ def _interval(values: list[float]) -> list[float] | None:
 
 
 def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past, threads, warmup, blocks,
-            profiles, call_batch=None) -> dict:
+            profiles, call_batch=None, distinct: int = 1) -> dict:
     """FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
     artifact (the dense variant everything; the sparse one, in a batch, the batch's largest count for
     every sample). Realisation is measured against the decisions, so work a lowering wastes counts
     against it; ratios per block, reported as the median and the min-max over blocks. call_batch: the
-    samples a call held (fewer than batch where every graph ran the batch in chunks)."""
+    samples a call held (fewer than batch where every graph ran the batch in chunks); distinct: the
+    inputs the rounds cycled through."""
     call_batch = call_batch or batch
     flops = dict(flops)
     flop_ratio = flops.pop("flop_ratio", None)
@@ -631,7 +667,7 @@ def _report(bench: Bench, graphs: list[Timing], flops: dict, *, batch, seq, past
         "chunk_rows": bench.chunks[1] if bench.chunks else None,
         "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past, call_batch),
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
-        "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks,
+        "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks, "distinct_inputs": distinct,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),
         "throughput_seq_per_s": batch * 1000.0 / ad.pct(50),
         "dense_name": fastest.name if fastest else None, "dense_how": fastest.how if fastest else None,

@@ -31,6 +31,8 @@ def format_bench(r: dict) -> str:
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")
              + f" threads={r['threads']}: {r['runs']} rounds in {r['blocks']} interleaved block(s) "
              f"(order shuffled each round), after {r['warmup']} warm-up runs each"
+             + (f"; {r['distinct_inputs']} distinct inputs in turn, every graph the same one in a round"
+                if r["distinct_inputs"] > 1 else "; one input repeated")
              + (f"; every graph ran the batch in calls of at most {samples(r['chunk_samples'])} "
                 f"({r['chunk_rows']} token rows; --chunk-rows off: whole)" if r.get("chunk_samples") else ""),
              f"  {'graph':<24} {'p50 ms':>8} {'p90 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'mean':>8} {'std':>7} {'min':>8} "

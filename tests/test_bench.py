@@ -4,6 +4,7 @@ profile) are the ones it measured, and the cache serves a second run. Timing fig
 never asserted (benchmarks print numbers; tests check how they are computed)."""
 from __future__ import annotations
 
+import collections
 import csv
 import json
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_warm_up_is_interleaved_and_a_burst_of_load_does_not_prune_the_fastest()
 
     live = [Timing("adaptive", "a", dense=False)] + [Timing(n, n) for n in ("slow", "fast", "close")]
     fns = {t.name: run(t.name) for t in live}
-    warm = warm_up(live, fns, {}, 20, clock=lambda: now[0])
+    warm = warm_up(live, fns, [{}], 20, clock=lambda: now[0])
     assert calls[:4] == ["adaptive", "slow", "fast", "close"]  # the allocating runs, alone, in order
     assert len(calls) == 80 and len(set(calls[4:8])) == 4 and calls[4:20] != calls[:4] * 4  # shuffled rounds
     # the allocating run (+500 ms here) and the burst do not count: the best of the rest is the cost
@@ -143,13 +144,58 @@ def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkp
         n_graphs = len([t for t in b.graphs if t.path and t.reason is None])
         r = b.run(seq=8, runs=10, blocks=2, warmup=3, memory=False)
     assert n_graphs >= 3 and any("warming up the" in m and "one at a time" in m for m in said), said
-    warm_up_runs = alive_at_runs[1:1 + 3 * n_graphs]  # after the artifact's first run
+    k = r["distinct_inputs"]
+    warm_up_runs = alive_at_runs[k:k + 3 * n_graphs]  # after the artifact's first run on each input
     assert len(warm_up_runs) == 3 * n_graphs and max(warm_up_runs) == 1  # one session alive at a time
     timed = [name for name, st in r["stats"].items() if st]
     assert len(timed) == 2 and "adaptive" in timed and r["latency_ratio"] is not None
     untimed = [c for c in r["candidates"] if c["name"] not in timed]
     assert untimed and all(c["reason"] for c in untimed) and any("took 100 MB" in c["reason"] for c in untimed)
-    assert max(alive_at_runs[1 + 3 * n_graphs:]) <= 2  # the timed blocks hold the two that fit
+    assert max(alive_at_runs[k + 3 * n_graphs:]) <= 2  # the timed blocks hold the two that fit
+
+
+def test_the_timed_rounds_cycle_through_distinct_inputs_every_graph_the_same_one(tiny_checkpoint, tiny_onnx,
+                                                                                 monkeypatch):
+    """An app meets a new input each call: bench generates DISTINCT_INPUTS of them (seeds 0, 1, ...), and
+    every graph in a round runs the same one, so each graph sees each input as often; the FLOP ratio is
+    the mean over them. Inputs given by the caller are timed as given."""
+    from adaptex.runtimes import bench as bench_mod
+
+    seen, real = [], bench_mod._ort_runner
+
+    def recording_runner(path, threads, programs=False, **kw):
+        fn = real(path, threads, programs, **kw)
+
+        def run(feeds):
+            seen.append((path, feeds["input_ids"].tobytes()))
+            return fn(feeds)
+        return run
+
+    monkeypatch.setattr(bench_mod, "_ort_runner", recording_runner)
+    model, info = checkpoint.load(tiny_checkpoint)
+    flops = []
+    with Bench(tiny_onnx["sparse"], model, info) as b:
+        real_flops = b.contract.flops
+        monkeypatch.setattr(b.contract, "flops", lambda out, *a, **k: flops.append(real_flops(out, *a, **k)) or flops[-1])
+        r = b.run(batch=2, seq=8, runs=24, blocks=3, warmup=2, memory=False, prune=False)
+        n = len([t for t in b.graphs if t.path and t.reason is None])
+        assert r["distinct_inputs"] == bench_mod.DISTINCT_INPUTS == len({x for _, x in seen})
+        # 3 blocks of 8 rounds (n graphs each, in a shuffled order), each block after the first opening
+        # with new sessions that run once (on the first input) before its rounds
+        last = seen[-26 * n:]
+        timed = last[:8 * n] + last[9 * n:17 * n] + last[18 * n:]
+        assert {x for _, x in last[8 * n:9 * n] + last[17 * n:18 * n]} == {seen[0][1]}
+        for i in range(24):
+            rnd = timed[i * n:(i + 1) * n]
+            assert len({x for _, x in rnd}) == 1 and len({p for p, _ in rnd}) == n  # one input, every graph
+        per_input = collections.Counter(x for _, x in timed)
+        assert set(per_input.values()) == {3 * n}  # 24 rounds over 8 inputs
+        assert r["flop_ratio"] == pytest.approx(np.mean([f["flop_ratio"] for f in flops]))
+        assert len({round(f["flop_ratio"], 9) for f in flops}) > 1  # the inputs take different decisions
+        seen.clear()
+        given = b.inputs(lambda f: None, batch=2, seq=8)
+        r = b.run(feeds=given, runs=6, blocks=2, warmup=1, memory=False)
+        assert r["distinct_inputs"] == 1 and {x for _, x in seen} == {given["input_ids"].tobytes()}
 
 
 def test_layernorm_rows_keeps_the_values_and_stops_the_skip_layernorm_fusion(tmp_path):

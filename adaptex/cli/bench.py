@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     s.add_argument("--blocks", type=int, default=5,
                    help="independent blocks the rounds fall into; ratios are reported as the median and the "
                         "min-max over blocks (default 5)")
+    s.add_argument("--distinct-inputs", type=int, default=None, metavar="N",
+                   help="generated inputs the rounds cycle through, every graph the same one in a round, as an "
+                        "app meets a new input each call (default 8, fewer for a large point; 1: one input "
+                        "repeated; --inputs: those given)")
     s.add_argument("--profile", action="store_true",
                    help="ONNX Runtime's profiler on the adaptive graph and the yardstick: kernel time by op type, "
                         "adaptive ops against the rest")
@@ -71,7 +75,7 @@ def run(args) -> int:
     from adaptex.runtimes.open import artifact_kind, open_artifact
     from adaptex.runtimes.source import load_source_model
 
-    at_least(args, runs=1, warmup=0, blocks=1)
+    at_least(args, runs=1, warmup=0, blocks=1, distinct_inputs=1)
     seqs = _ints("--seq", args.seq, 1, "128,512,2048")
     batches = _ints("--batch", args.batch, 1, "1,8,64")
     pasts = _ints("--past", args.past, 0, "127,511")
@@ -120,7 +124,8 @@ def run(args) -> int:
                 progress(f"--- point {i + 1}/{len(points)}: threads={thr} batch={B} T={T}"
                          + (f" past={past}" if past else "") + " ---")
             r = bench.run(batch=B, seq=T, past=past, threads=thr, feeds=feeds, warmup=args.warmup, runs=args.runs,
-                          blocks=args.blocks, memory=not args.no_memory, profile=args.profile)
+                          blocks=args.blocks, memory=not args.no_memory, profile=args.profile,
+                          **({"distinct": args.distinct_inputs} if args.distinct_inputs else {}))
             rows.append(r)
             bar.step()
             if not args.json:
