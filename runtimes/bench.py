@@ -442,9 +442,10 @@ class Bench:
         fns = {t.name: self._fn(t, threads) for t in graphs if t.path and t.reason is None}
         fns = {k: v for k, v in fns.items() if v is not None}
         feeds = self._fill_cache(feeds, fns["adaptive"])
-        size = sum(np.asarray(v).nbytes for v in feeds.values())
+        nbytes = sum(np.asarray(v).nbytes for v in feeds.values())
+        n_inputs = 1 if given else min(distinct, max(1, DISTINCT_BYTES // max(nbytes, 1)))
         inputs = [feeds] + [self._fill_cache(self._feeds(batch, seq, past, None, specs, seed=s)[0], fns["adaptive"])
-                            for s in range(1, 1 if given else min(distinct, max(1, DISTINCT_BYTES // max(size, 1))))]
+                            for s in range(1, n_inputs)]
         if len(inputs) > 1:
             say(f"{len(inputs)} distinct inputs, cycled: every graph runs the same one in a round ...")
         chunks = sample_chunks(feeds, *self.chunks) if self.chunks else None
@@ -479,12 +480,13 @@ class Bench:
         for b, size in enumerate(sizes):
             if (b or bounded) and self.kind == "onnx":  # bounded: the warm-up released every session
                 self._fresh_sessions(live, b, threads, feeds, fns)
-            for r in range(size):
-                given_in_round = inputs[(sum(sizes[:b]) + r) % len(inputs)]
+            first = sum(sizes[:b])  # the rounds before this block: the inputs go on cycling across blocks
+            for r in range(first, first + size):
+                round_input = inputs[r % len(inputs)]
                 for i in rng.permutation(len(live)):
                     t = live[i]
                     t0 = time.perf_counter_ns()
-                    fns[t.name](given_in_round)
+                    fns[t.name](round_input)
                     wall = (time.perf_counter_ns() - t0) / 1e6
                     t.times_ms.append(self._clocks[t.name]() if t.name in self._clocks else wall)
                     t.block_of.append(b)
