@@ -456,7 +456,9 @@ class Bench:
             say(f"every graph runs this batch in calls of at most {samples(call_batch)} ({self.chunks[1]} token "
                 "rows: --chunk-rows) ...")
         before = proc_mb("/proc/self/status", "VmRSS")
-        adaptive_outs = [fns["adaptive"](f) for f in inputs]
+        # each input's outputs for the FLOP accounting, less a decoder's present caches (8 large batches' caches)
+        adaptive_outs = [{k: v for k, v in fns["adaptive"](f).items() if not k.startswith("present.")}
+                         for f in inputs]
         after, available = proc_mb("/proc/self/status", "VmRSS"), proc_mb("/proc/meminfo", "MemAvailable")
 
         live = [t for t in graphs if t.name in fns]
@@ -528,13 +530,13 @@ class Bench:
         each = []
         for adaptive_out in outs:
             out = {k: np.asarray(v) for k, v in adaptive_out.items()}
-            flops = contract.flops(out, variant, seq, past, **kw) or {}
-            if chunks and len(chunks) > 1 and "executed_flop_ratio" in flops:
+            one = contract.flops(out, variant, seq, past, **kw) or {}
+            if chunks and len(chunks) > 1 and "executed_flop_ratio" in one:
                 # what each call executed (a body chosen by its own samples' decisions), weighted by its samples
                 parts = [(contract.flops({k: v[c] for k, v in out.items()}, variant, seq, past, **kw),
                           len(range(batch)[c])) for c in chunks]
-                flops["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
-            each.append(flops)
+                one["executed_flop_ratio"] = sum(f["executed_flop_ratio"] * n for f, n in parts) / batch
+            each.append(one)
         flops = dict(each[0])
         for key in ("flop_ratio", "executed_flop_ratio"):
             if flops.get(key) is not None:
@@ -549,7 +551,8 @@ class Bench:
         return self._probe
 
 
-def warm_up(live: list[Timing], fns: dict, inputs: list[dict], warmup: int, clock=time.perf_counter) -> dict[str, float]:
+def warm_up(live: list[Timing], fns: dict, inputs: list[dict], warmup: int,
+            clock=time.perf_counter) -> dict[str, float]:
     """Each graph's best warm-up time in ms. Its first run allocates and runs alone; the rest are
     interleaved in shuffled rounds like the timed ones, so that a burst of load on a shared machine
     slows every graph alike instead of pruning the fastest candidate. Round r runs inputs[r % len]."""
