@@ -8,6 +8,11 @@ from torch import Tensor
 
 from adaptex.graphs.family import Contract
 
+# A generated parity batch's attention scores (batch x heads x length^2) at most this many: a check
+# holds a few such tensors at once in the reference, the runtime and the MIL evaluator. charlm-dense's
+# 8 rows of 4,096 tokens (2^29 scores) took `adaptex check` on ONNX to a 7.5 GB peak.
+PARITY_SCORES_PER_BATCH = 1 << 26
+
 
 class DecoderContract(Contract):
     """A decoder with a KV cache, in Optimum's decoder-with-past names: inputs input_ids,
@@ -89,7 +94,8 @@ class DecoderContract(Contract):
         """Sequences totalling `samples`, each with a prefill length and a number of decode steps.
 
         Task text where the task can make it (copy, sort, the character LM), random tokens otherwise;
-        some batches left-padded; prefill lengths from 1 token to the whole sequence."""
+        some batches left-padded; prefill lengths from 1 token to the whole sequence. A long
+        sequence's batch keeps only the rows whose attention scores fit PARITY_SCORES_PER_BATCH."""
         from adaptex.graphs.lm_tasks import get_lm_task
 
         cfg = self.cfg
@@ -120,6 +126,8 @@ class DecoderContract(Contract):
                 mask = (np.arange(N)[None, :] >= pad[:, None]).astype(np.int64)
                 ids = np.where(mask == 1, ids, cfg.pad_id)
             n_steps = int(min(N - 1, rng.choice([0, 1, 3, 8])))
+            B = min(B, max(1, PARITY_SCORES_PER_BATCH // (cfg.num_heads * N * N)))  # rows drawn, then cut:
+            ids, mask = ids[:B], mask[:B]  # the random stream, so every item before and after, stays as it was
             out.append({"input_ids": np.ascontiguousarray(ids), "attention_mask": mask, "prefill": N - n_steps})
             total += B
             i += 1

@@ -6,6 +6,7 @@ from adaptex.exporter import registry
 from adaptex.exporter.targets import onnx as onnx_target
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.graphs import checkpoint
+from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 from adaptex.runtimes.parity import _mask_margin, check, parity_inputs
 from adaptex.runtimes.torch_ref import TorchRunner
@@ -21,6 +22,31 @@ def test_inputs_span_batches_lengths_padding_and_levels():
     assert {1, 2, 8} <= batch_sizes
     assert 1 in lengths and cfg.max_len in lengths
     assert any((f["attention_mask"] == 0).any() for f in feeds)  # padded rows
+
+
+def test_a_decoders_long_batches_are_cut_to_the_score_budget(monkeypatch):
+    """A decoder's generated batches stay under PARITY_SCORES_PER_BATCH (a check's memory) by keeping
+    a long batch's first rows: every item is the same rows of the unbounded run's item, the total is
+    still `samples`, and the longest sequence is still generated."""
+    from adaptex.graphs import decoding
+    from adaptex.graphs.tsa import TSAConfig
+
+    cfg = TSAConfig(**{**zoo.TINY_TSA, "max_len": 256})
+    contract = family_contract(zoo.tiny_tsa(max_len=256))
+    unbounded = contract.parity_items(None, 60)
+    budget = 2 * cfg.num_heads * 256 * 256  # two rows of the longest
+    monkeypatch.setattr(decoding, "PARITY_SCORES_PER_BATCH", budget)
+    bounded = contract.parity_items(None, 60)
+    assert sum(f["input_ids"].shape[0] for f in bounded) == 60
+    assert all(f["input_ids"].size * f["input_ids"].shape[1] * cfg.num_heads <= budget for f in bounded)
+    assert 256 in {f["input_ids"].shape[1] for f in bounded}
+    cut = 0
+    for a, b in zip(unbounded, bounded):
+        assert a["prefill"] == b["prefill"]
+        for name in ("input_ids", "attention_mask"):
+            np.testing.assert_array_equal(a[name][:len(b[name])], b[name])
+        cut += len(a["input_ids"]) - len(b["input_ids"])
+    assert cut > 0  # the bound changed something: a long batch of more than two rows was generated
 
 
 def test_margins():
