@@ -108,6 +108,13 @@ def test_score_scale_cost_times_both_kernels_and_refuses_a_bad_shape():
     assert float(line.rsplit("ratio ", 1)[1]) > 0, line
 
 
+def test_qkv_layout_cost_times_both_layouts_and_refuses_a_bad_shape():
+    line = _one_line_and_a_refusal("qkv_layout_cost.py", ["--shapes", "2x16x32x4", "--rounds", "4"],
+                                   ["--shapes", "2x16x30x4"], "BATCHxTOKENSxWIDTHxHEADS")
+    assert line.startswith("(B=2, T=16, D=32, H=4) 4 rounds: traced ") and "; head-major " in line, line
+    assert float(line.rsplit("ratio ", 1)[1]) > 0, line
+
+
 def test_by_sample_cost_times_both_graphs_and_refuses_a_bad_shape():
     line = _one_line_and_a_refusal("by_sample_cost.py", ["--shapes", "2x2x16x8", "--rounds", "4"],
                                    ["--shapes", "2x2x16"], "BATCHxHEADS")
