@@ -337,6 +337,41 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
+@pytest.mark.parametrize("up_to", [None, 0])
+def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, monkeypatch,
+                                                                              capsys, up_to):
+    """An encoder's ONNX Runtime calls read what every layer derives alike from the key mask
+    (fx.ENCODER_SHARED: the reach and padding tests, the pairs' key mask, a masked call's bias planes)
+    as inputs that the graph computes once; the artifact passes parity with its small calls masked
+    (the default threshold) and with every call gathering pairs by mode (the threshold at 0)."""
+    import onnx
+
+    if up_to == 0:
+        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    model, info = checkpoint.load(elastic_ckpt)
+    path = tmp_path / "el.onnx"
+    zoo.export(model, info, path)
+    graph = onnx.load(path).graph
+    calls = [n for n in graph.node if n.op_type == "ElasticAttention"]
+    shared = {tuple(n.input[len(fx.EA_INPUTS):]) for n in calls}
+    assert len(calls) > 1 and len(shared) == 1, shared
+    names, = shared
+    assert names == ("",) * len(fx.STEP_SHARED) + names[len(fx.STEP_SHARED):] and all(names[len(fx.STEP_SHARED):])
+    assert len(names) == len(fx.STEP_SHARED) + len(fx.ENCODER_SHARED)
+    producer = {o: n for n in graph.node for o in n.output}
+    todo, made = [x for x in names if x], {}
+    while todo:  # what the shared inputs are computed from
+        n = producer.get(todo.pop())
+        if n is not None and n.name not in made:
+            made[n.name] = n
+            todo += list(n.input)
+    assert sum(n.op_type == "Range" for n in made.values()) == 3  # query and key positions, samples: once
+    capsys.readouterr()
+    assert main(["check", str(path), "--samples", "40", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+
+
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
 def test_tensorrt_bound_onnx_lints_and_passes(artifacts, capsys, variant):
     import onnx

@@ -583,7 +583,8 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
 
 def elastic_attention_function(variant: str, causal_known: bool | None = None, dispatch: bool = False,
                                decode_step: bool = False, fused: bool = False, head_dim: int | None = None,
-                               masked_up_to: int | None = None, by_sample: bool = True) -> onnx.FunctionProto:
+                               masked_up_to: int | None = None, by_sample: bool = True,
+                               heads: int | None = None) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) pairs of each mode gathered (NonZero over sa): FA pairs attend every visible
@@ -616,11 +617,16 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     fuses the original checkpoint's attention into it); no dense decoder graph here does, so a
     decoder's FA heads keep the plain body rather than win by a kernel the dense graph lacks.
     by_sample (with dispatch): a large call's plain FA pairs attend a sample at a time
-    (_by_sample); False for the body of a program whose calls never reach that threshold."""
+    (_by_sample); False for the body of a program whose calls never reach that threshold.
+    heads (with dispatch, encoders: causal_known False): the layers' head count, fixed by tracing.
+    The body then reads what every layer derives alike from the key mask (ENCODER_SHARED) as
+    inputs, which the call's translation computes once for all the layers
+    (lowerings.elastic_encoder_node_for)."""
     fused = fused and causal_known is False
     by_sample = dispatch and by_sample  # the by-sample If: ONNX Runtime's bodies only
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
+    shared = dict(zip(ENCODER_SHARED, ENCODER_SHARED)) if heads and dispatch and causal_known is False else {}
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
     c0, c1 = b.const(0), b.const(1)
     T1, S1 = b("Shape", q, start=2, end=3), b("Shape", k, start=2, end=3)
@@ -658,6 +664,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         return b("Add", scores, b("Trilu", full, kdiag, upper=1))
 
     def no_pad() -> str:  # ONNX Runtime's fused kernel computes the same where no key is padded
+        if shared:
+            return shared["unpadded"]
         return b("Equal", b("ReduceMin", b("Cast", key_mask, to=TensorProto.INT32), keepdims=0), b.const(1, np.int32))
 
     def every_fa() -> str:  # every (B, H) pair over every visible key, as it is: (B, H, T, dh)
@@ -682,6 +690,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         return [b("Reshape", x, b("Concat", b.const([-1]), b("Shape", x, start=2, end=3), dh1, axis=0)) for x in xs]
 
     def flat_mask() -> str:  # (B, S) -> (B*H, S)
+        if shared:
+            return shared["flat_mask"]
         B1, H1 = b("Shape", q, start=0, end=1), b("Shape", q, start=1, end=2)
         return b("Reshape", b("Expand", b("Unsqueeze", key_mask, b.const([1])), b("Concat", B1, H1, S1, axis=0)),
                  b("Concat", b.const([-1]), S1, axis=0))
@@ -698,6 +708,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
                           key_axis=1)
 
     def sees_all() -> str:  # every key within an SA query's reach: SA sees what FA sees
+        if shared:
+            return shared["reach"]
         return causal_or(lambda: b("LessOrEqual", S, b("Add", sink, window)),
                          lambda: b("Or", b("LessOrEqual", b("Sub", S, c1), b("Div", window, b.const(2))),
                                    b("LessOrEqual", S, sink)))
@@ -722,11 +734,14 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         by_mode = lambda: one_mode_or_mixed(every_sa, every_fa, mixed)  # noqa: E731
         if up_to <= 0:
             return by_mode()
-        H = b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
+        H = b.const(heads) if shared else b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
         few = b("LessOrEqual", b("Mul", b("Mul", H, T), S), b.const(up_to))
         return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
+        if shared:
+            pick = b("Add", shared["first"], b("Cast", sa, to=TensorProto.INT64))  # (B, H)
+            return attend_masked(b("Gather", shared["planes"], pick, axis=0))
         a = b("Unsqueeze", b("Range", b("Sub", S, T), S, c1), b.const([1]))  # (T, 1) query positions
         j = b("Unsqueeze", b("Range", c0, S, c1), b.const([0]))  # (1, S)
         reach = causal_or(lambda: b("Less", b("Sub", a, j), window),  # keys after the query: the causal bias
@@ -746,7 +761,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
                    b("Concat", b.const([-1]), T1, S1, axis=0))  # (2 B, T, S)
         first = b("Mul", b("Range", c0, b("Squeeze", B1, b.const([0])), c1), b.const(2))  # (B,)
         pick = b("Add", b("Unsqueeze", first, b.const([1])), b("Cast", sa, to=TensorProto.INT64))  # (B, H)
-        bias = b("Gather", planes, pick, axis=0)  # (B, H, T, S)
+        return attend_masked(b("Gather", planes, pick, axis=0))
+
+    def attend_masked(bias: str) -> str:  # every pair over every key, with its (B, H, T, S) bias
         scores = b("Add", b("MatMul", b("Mul", q, scale), b("Transpose", k, perm=[0, 1, 3, 2])), bias)
         return b("MatMul", b("Softmax", scores, axis=-1), v)
 
@@ -883,15 +900,18 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
             is_step = b("And", is_step, is_causal)
         out = b.if_(is_step, step, by_modes)
     b.nodes.append(helper.make_node("Identity", [out], ["o"]))
-    return _ea_function(b, variant, fused)
+    return _ea_function(b, variant, fused, heads if shared else None)
 
 
-def _ea_function(b: _Body, variant: str, fused: bool) -> onnx.FunctionProto:
+def _ea_function(b: _Body, variant: str, fused: bool, heads: int | None = None) -> onnx.FunctionProto:
+    """heads: a body reading ENCODER_SHARED, whose translation derives them for that many heads (named
+    in the doc string too, so calls of another head count need another body: export refuses them)."""
     return _private(helper.make_function(
-        DOMAIN, "ElasticAttention", EA_INPUTS, ["o"], b.nodes,
+        DOMAIN, "ElasticAttention", EA_INPUTS + (STEP_SHARED + ENCODER_SHARED if heads else []), ["o"], b.nodes,
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if fused else []),
         attributes=["sink", "window", "causal"],
-        doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)",
+        doc_string=f"adaptex::elastic_attention, {variant} lowering (see docs/ops.md)"
+        + (f"; an encoder's, {heads} heads" if heads else ""),
     ))
 
 
@@ -912,6 +932,15 @@ MIXED_STEP_MASKED_UP_TO = 1 << 20
 # The call's translation computes them in the graph (lowerings.elastic_step_node), where the
 # exporter's common-subexpression elimination leaves one copy for every layer.
 STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
+
+# What an encoder's general body reads besides EA_INPUTS (after STEP_SHARED, which it leaves empty),
+# the same for every layer: whether every key lies within an SA query's reach (a bool scalar), whether
+# no key is padded (a bool scalar), the key mask per (sample, head) pair (B*H, S), a masked call's
+# bias planes (2 B, T, S: a sample's padding bias, and that with the keys outside an SA query's reach
+# hidden; empty, (2 B, 0, S), for a call past MIXED_CALL_MASKED_UP_TO) and each sample's first plane
+# (B, 1: 2 b). lowerings.elastic_encoder_node_for computes them in the graph once for all the layers,
+# where each layer's body had run about thirty small kernels for them.
+ENCODER_SHARED = ["reach", "unpadded", "flat_mask", "planes", "first"]
 
 
 # A decode step whose cache holds at most this many times sink + window keys runs the near-cache step
@@ -1089,7 +1118,9 @@ def _ea_schema(FP):
         doc="Every head of a layer, each full or streaming (sinks + local window); see docs/ops.md.",
         inputs=[FP(n, "B" if n in ("sa", "key_mask") else "T") for n in EA_INPUTS]
         + [FP(n, {"keys": "I"}.get(n, "F"), "a decode step's (STEP_SHARED)",
-              param_option=defs.OpSchema.FormalParameterOption.Optional) for n in STEP_SHARED],
+              param_option=defs.OpSchema.FormalParameterOption.Optional) for n in STEP_SHARED]
+        + [FP(n, {"planes": "F", "first": "I"}.get(n, "B"), "an encoder's (ENCODER_SHARED)",
+              param_option=defs.OpSchema.FormalParameterOption.Optional) for n in ENCODER_SHARED],
         outputs=[FP("o", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "body precision"), ("B", ["tensor(bool)"], ""),
                           ("I", ["tensor(int64)"], ""), ("F", ["tensor(float)"], "the padding bias stays fp32")],

@@ -81,6 +81,43 @@ def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: boo
                                      window=window, causal=int(causal))
 
 
+def elastic_encoder_node_for(heads: int):
+    """The translation of an encoder's calls (fx.elastic_attention_function with `heads`): what every
+    layer's body reads alike (fx.ENCODER_SHARED), computed here in the graph from the key mask, the
+    attributes and the head count, where the exporter's common-subexpression elimination keeps one
+    copy for all the layers."""
+    from onnxscript import opset20 as op
+
+    def elastic_encoder_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
+        ints = lambda *v: op.Constant(value_ints=list(v))  # noqa: E731
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        B1, S1 = op.Shape(key_mask, start=0, end=1), op.Shape(key_mask, start=1, end=2)
+        B, S = op.Squeeze(B1, ints(0)), op.Squeeze(S1, ints(0))  # an encoder's queries are its keys: T = S
+        half = op.Constant(value_int=window // 2)
+        reach = op.Or(op.LessOrEqual(op.Sub(S, one), half), op.LessOrEqual(S, op.Constant(value_int=sink)))
+        unpadded = op.Equal(op.ReduceMin(op.Cast(key_mask, to=onnx.TensorProto.INT32), keepdims=0),
+                            op.Constant(value=onnx.helper.make_tensor("one", onnx.TensorProto.INT32, [], [1])))
+        flat = op.Reshape(op.Expand(op.Unsqueeze(key_mask, ints(1)), op.Concat(B1, ints(heads), S1, axis=0)),
+                          op.Concat(ints(-1), S1, axis=0))  # (B H, S)
+        # a masked call's bias planes, (2 B, Tm, S): Tm = T where the body takes the masked path, else 0
+        few = op.LessOrEqual(op.Mul(S, S), op.Constant(value_int=fx.MIXED_CALL_MASKED_UP_TO // heads))
+        Tm = op.Where(few, S, zero)
+        a = op.Unsqueeze(op.Range(zero, Tm, one), ints(1))  # (Tm, 1) query positions
+        j = op.Unsqueeze(op.Range(zero, S, one), ints(0))  # (1, S)
+        within = op.LessOrEqual(op.Abs(op.Sub(j, a)), half)
+        hide = op.Where(op.Not(op.Or(op.Less(j, op.Constant(value_int=sink)), within)),
+                        op.Constant(value_float=fx.NEG), op.Constant(value_float=0.0))  # (Tm, S)
+        pad = op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
+                           ints(1, 2))  # (B, 1, 1, S): fx._pad_bias, in the graph
+        fa_bias = op.Expand(pad, op.Concat(B1, ints(1), op.Unsqueeze(Tm, ints(0)), S1, axis=0))  # (B, 1, Tm, S)
+        planes = op.Reshape(op.Concat(fa_bias, op.Add(fa_bias, hide), axis=1),
+                            op.Concat(ints(-1), op.Unsqueeze(Tm, ints(0)), S1, axis=0))  # (2 B, Tm, S)
+        first = op.Unsqueeze(op.Mul(op.Range(zero, B, one), op.Constant(value_int=2)), ints(1))  # (B, 1)
+        return _opset().ElasticAttention(q, k, v, sa, key_mask, None, None, None, None, reach, unpadded, flat,
+                                         planes, first, sink=sink, window=window, causal=int(causal))
+    return elastic_encoder_node
+
+
 def num_heads_of(node) -> int | None:
     """The node's num_heads (its last argument) when tracing left it a constant."""
     h = node.kwargs.get("num_heads", node.args[8] if len(node.args) > 8 else None) if node is not None else None
@@ -145,11 +182,21 @@ def conditional_attention_onnx_dense(ctx, node):
     return OnnxLowering(conditional_attention_node, [fx.conditional_attention_function("dense")])
 
 
-def head_dim_of(node) -> int | None:
-    """The per-head width of the node's queries (its first argument) when tracing fixed it."""
+def _query_dim(node, axis: int) -> int | None:
+    """One axis of the node's queries (its first argument, (B, H, T, dh)) when tracing fixed it."""
     val = node.args[0].meta.get("val") if node is not None and node.args else None
-    dh = val.shape[-1] if val is not None and val.dim() else None
-    return int(dh) if isinstance(dh, int) else None
+    d = val.shape[axis] if val is not None and val.dim() == 4 else None
+    return int(d) if isinstance(d, int) else None
+
+
+def head_dim_of(node) -> int | None:
+    """The per-head width of the node's queries when tracing fixed it."""
+    return _query_dim(node, 3)
+
+
+def heads_of(node) -> int | None:
+    """The head count of the node's queries when tracing fixed it."""
+    return _query_dim(node, 1)
 
 
 def causal_flag(node) -> bool | None:
@@ -168,9 +215,13 @@ def elastic_attention_onnx_sparse(ctx, node):
     if ctx.step and ctx.target == "onnx":
         return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node), near=ctx.near)])
     ort = ctx.target == "onnx"
-    return OnnxLowering(elastic_attention_node, [fx.elastic_attention_function(
-        "sparse", causal_flag(node), dispatch=ort, decode_step=ort and not ctx.decode_graph, fused=ort,
-        head_dim=head_dim_of(node), by_sample=ctx.by_sample)])
+    causal = causal_flag(node)
+    heads = heads_of(node) if ort and causal is False else None  # an encoder's layers share what they derive alike
+    return OnnxLowering(elastic_encoder_node_for(heads) if heads else elastic_attention_node,
+                        [fx.elastic_attention_function("sparse", causal, dispatch=ort,
+                                                       decode_step=ort and not ctx.decode_graph, fused=ort,
+                                                       head_dim=head_dim_of(node), by_sample=ctx.by_sample,
+                                                       heads=heads)])
 
 
 @lowering("adaptex::elastic_attention", target=BOTH, variant="dense")
