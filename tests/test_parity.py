@@ -29,16 +29,15 @@ def test_a_decoders_long_batches_are_cut_to_the_score_budget(monkeypatch):
     a long batch's first rows: every item is the same rows of the unbounded run's item, the total is
     still `samples`, and the longest sequence is still generated."""
     from adaptex.graphs import decoding
-    from adaptex.graphs.tsa import TSAConfig
 
-    cfg = TSAConfig(**{**zoo.TINY_TSA, "max_len": 256})
+    heads = zoo.TINY_TSA["num_heads"]
     contract = family_contract(zoo.tiny_tsa(max_len=256))
     unbounded = contract.parity_items(None, 60)
-    budget = 2 * cfg.num_heads * 256 * 256  # two rows of the longest
+    budget = 2 * heads * 256 * 256  # two rows of the longest
     monkeypatch.setattr(decoding, "PARITY_SCORES_PER_BATCH", budget)
     bounded = contract.parity_items(None, 60)
     assert sum(f["input_ids"].shape[0] for f in bounded) == 60
-    assert all(f["input_ids"].size * f["input_ids"].shape[1] * cfg.num_heads <= budget for f in bounded)
+    assert all(f["input_ids"].size * f["input_ids"].shape[1] * heads <= budget for f in bounded)
     assert 256 in {f["input_ids"].shape[1] for f in bounded}
     cut = 0
     for a, b in zip(unbounded, bounded):
@@ -50,8 +49,6 @@ def test_a_decoders_long_batches_are_cut_to_the_score_budget(monkeypatch):
 
 
 def test_margins():
-    from adaptex.graphs.family import family_contract
-
     model = zoo.tiny_model()
     feeds = parity_inputs(model.cfg, "graded", 8)[0]
     ref = family_contract(model).reference(model, feeds)
