@@ -366,6 +366,14 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
             made[n.name] = n
             todo += list(n.input)
     assert sum(n.op_type == "Range" for n in made.values()) == 3  # query and key positions, samples: once
+    # the profile counts them as the op's work: only nodes computing the shared inputs, the Ranges among them
+    from adaptex.exporter.targets.onnx import passes
+
+    proto = onnx.load(path)
+    passes.name_op_nodes(proto)
+    marked = {o for n in proto.graph.node if n.name.startswith(passes.OP_NODE) for o in n.output}
+    assert marked <= {o for n in made.values() for o in n.output}
+    assert {o for n in made.values() if n.op_type == "Range" for o in n.output} <= marked
     capsys.readouterr()
     assert main(["check", str(path), "--samples", "40", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

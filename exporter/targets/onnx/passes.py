@@ -177,7 +177,35 @@ def name_op_nodes(proto: onnx.ModelProto) -> bool:
     ours = [f for f in proto.functions if f.domain.startswith("adaptex")]
     for f in ours:
         name(f.node, f"{OP_NODE}{f.name}")
+    _name_shared_inputs(proto.graph)
     return bool(ours)
+
+
+def _name_shared_inputs(graph: onnx.GraphProto) -> None:
+    """Name as ElasticAttention's, in `graph` and its subgraphs, the nodes that compute only what its
+    calls read past their first five inputs (STEP_SHARED, ENCODER_SHARED: the ops' work, computed
+    once in the graph rather than in every body)."""
+    from adaptex.exporter.targets.onnx.functions import EA_INPUTS
+
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for i, x in enumerate(node.input):
+            readers.setdefault(x, []).append((node, i))
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _name_shared_inputs(a.g)
+                for inner in a.g.node:  # a subgraph reads outer values by name
+                    for x in inner.input:
+                        readers.setdefault(x, []).append((node, -1))
+    outputs = {o.name for o in graph.output}
+    ours: set[int] = set()
+    for node in reversed(graph.node):  # readers come after their producers
+        uses = [r for o in node.output for r in readers.get(o, [])]
+        if uses and not outputs.intersection(node.output) and all(
+                (r.op_type == "ElasticAttention" and r.domain.startswith("adaptex") and i >= len(EA_INPUTS))
+                or id(r) in ours for r, i in uses):
+            ours.add(id(node))
+            node.name = f"{OP_NODE}ElasticAttention|shared|{node.name}"
 
 
 def shared_subexpressions(proto: onnx.ModelProto) -> onnx.ModelProto:
