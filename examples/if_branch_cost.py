@@ -58,6 +58,13 @@ def parse_shapes(text: str, dims: int) -> list[tuple[int, ...]] | None:
     return shapes if all(len(s) == dims and min(s) >= 1 for s in shapes) else None
 
 
+def one_thread() -> ort.SessionOptions:
+    """The cost scripts' session options: one intra-op and one inter-op thread."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    return so
+
+
 def timings(medians: dict) -> str:
     """'name 1.234 ms; ...' for interleaved_medians' seconds."""
     return "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
+from if_branch_cost import interleaved_medians, one_thread, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper, numpy_helper
 
 
@@ -46,12 +46,6 @@ def projections(weights: list[np.ndarray], heads: int, head_major: bool) -> byte
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def options() -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return so
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32x384x12,1x128x384x12,1x512x384x12,8x32x384x12,8x512x384x12")
@@ -67,11 +61,11 @@ def main() -> int:
         weights = [(rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3)]
         models = {"traced": projections(weights, h, False), "head-major": projections(weights, h, True)}
         feeds = {"x": rng.standard_normal((b, t, d)).astype(np.float32)}
-        traced, major = (ort.InferenceSession(m, options(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        traced, major = (ort.InferenceSession(m, one_thread(), providers=["CPUExecutionProvider"]).run(None, feeds)
                          for m in models.values())
         if not all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(traced, major)):
             raise SystemExit("the two layouts disagree")
-        med = interleaved_medians(models, options(), feeds, args.rounds, rng)
+        med = interleaved_medians(models, one_thread(), feeds, args.rounds, rng)
         print(f"(B={b}, T={t}, D={d}, H={h}) {args.rounds} rounds: " + timings(med)
               + f"; ratio {med['head-major'] / med['traced']:.3f}")
     return 0

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
+from if_branch_cost import interleaved_medians, one_thread, parse_shapes, timings  # beside this script
 from onnx import helper
 
 
@@ -26,12 +26,6 @@ def scores_model(alpha: float) -> bytes:
                               [helper.make_tensor_value_info("s", 1, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
     return model.SerializeToString()
-
-
-def options() -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return so
 
 
 def main() -> int:
@@ -50,11 +44,11 @@ def main() -> int:
         models = {"alpha 1": scores_model(1.0), f"alpha {scale:.4f}": scores_model(scale)}
         feeds = {"q": rng.standard_normal((b, h, t, dh)).astype(np.float32),
                  "k": rng.standard_normal((b, h, s, dh)).astype(np.float32)}
-        plain, scaled = (ort.InferenceSession(m, options(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        plain, scaled = (ort.InferenceSession(m, one_thread(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
                          for m in models.values())
         if not np.allclose(plain * scale, scaled, rtol=1e-4, atol=1e-4):
             raise SystemExit("the two kernels disagree")
-        med = interleaved_medians(models, options(), feeds, args.rounds, rng)
+        med = interleaved_medians(models, one_thread(), feeds, args.rounds, rng)
         first, second = med.values()
         print(f"(B={b}, H={h}, T={t}, S={s}, dh={dh}) {args.rounds} rounds: "
               + timings(med) + f"; ratio {second / first:.2f}")
