@@ -58,6 +58,12 @@ def elastic_attention_node(q, k, v, sa, key_mask, sink: int, window: int, causal
     return _opset().ElasticAttention(q, k, v, sa, key_mask, sink=sink, window=window, causal=int(causal))
 
 
+def _pad_bias(op, key_mask):
+    """fx._pad_bias in the graph, for a translation: 0 for a real key, NEG for a padded one, (B, 1, 1, S)."""
+    return op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
+                        op.Constant(value_ints=[1, 2]))
+
+
 def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: bool):
     """A decode-step call (fx.elastic_step_function): what every layer's body reads alike, computed
     here in the graph from the key mask and the attributes (fx.STEP_SHARED), where the exporter's
@@ -71,8 +77,7 @@ def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: boo
     ws1 = op.Max(op.Sub(S1, ints(window)), ns1)  # the window starts after the sinks
     S, ns, ws = (op.Squeeze(t, ints(0)) for t in (S1, ns1, ws1))
     keys = op.Concat(op.Range(zero, ns, one), op.Range(ws, S, one), axis=0)  # (L,) sinks, then the window
-    bias = op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
-                        ints(1, 2))  # (B, 1, 1, S): fx._pad_bias, in the graph
+    bias = _pad_bias(op, key_mask)  # (B, 1, 1, S)
     bias_sa = op.Gather(bias, keys, axis=3)  # (B, 1, 1, L)
     j = op.Range(zero, S, one)
     outside = op.Not(op.Or(op.Less(j, ns), op.GreaterOrEqual(j, ws)))  # (S,): keys an SA query does not read
@@ -107,8 +112,7 @@ def elastic_encoder_node_for(heads: int):
         within = op.LessOrEqual(op.Abs(op.Sub(j, a)), half)
         hide = op.Where(op.Not(op.Or(op.Less(j, op.Constant(value_int=sink)), within)),
                         op.Constant(value_float=fx.NEG), op.Constant(value_float=0.0))  # (Tm, S)
-        pad = op.Unsqueeze(op.Where(key_mask, op.Constant(value_float=0.0), op.Constant(value_float=fx.NEG)),
-                           ints(1, 2))  # (B, 1, 1, S): fx._pad_bias, in the graph
+        pad = _pad_bias(op, key_mask)  # (B, 1, 1, S)
         fa_bias = op.Expand(pad, op.Concat(B1, ints(1), op.Unsqueeze(Tm, ints(0)), S1, axis=0))  # (B, 1, Tm, S)
         planes = op.Reshape(op.Concat(fa_bias, op.Add(fa_bias, hide), axis=1),
                             op.Concat(ints(-1), op.Unsqueeze(Tm, ints(0)), S1, axis=0))  # (2 B, Tm, S)

@@ -191,12 +191,10 @@ def _name_shared_inputs(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         for i, x in enumerate(node.input):
             readers.setdefault(x, []).append((node, i))
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                _name_shared_inputs(a.g)
-                for inner in a.g.node:  # a subgraph reads outer values by name
-                    for x in inner.input:
-                        readers.setdefault(x, []).append((node, -1))
+        for g in subgraphs(node):
+            _name_shared_inputs(g)
+            for x in reads(g.node) + [o.name for o in g.output]:  # its subgraphs' reads of outer values
+                readers.setdefault(x, []).append((node, -1))
     outputs = {o.name for o in graph.output}
     ours: set[int] = set()
     for node in reversed(graph.node):  # readers come after their producers
