@@ -18,8 +18,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-from if_branch_cost import interleaved_medians, parse_shapes, timings  # beside this script
-from score_scale_cost import options  # one thread
+from if_branch_cost import interleaved_medians, one_thread, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper
 
 from adaptex.exporter.targets.onnx import functions as fx
@@ -62,11 +61,11 @@ def main() -> int:
         models = {"batched": attention_model(b, h, t, dh, False), "by sample": attention_model(b, h, t, dh, True)}
         feeds = {n: rng.standard_normal((b, h, t, dh)).astype(np.float32) for n in "qkv"}
         feeds["bias"] = np.broadcast_to(np.triu(np.full((t, t), -np.inf, np.float32), 1), (b, 1, t, t)).copy()
-        batched, looped = (ort.InferenceSession(m, options(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        batched, looped = (ort.InferenceSession(m, one_thread(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
                            for m in models.values())
         if not np.allclose(batched, looped, rtol=1e-5, atol=1e-6):
             raise SystemExit("the two graphs disagree")
-        med = interleaved_medians(models, options(), feeds, args.rounds, rng)
+        med = interleaved_medians(models, one_thread(), feeds, args.rounds, rng)
         print(f"(B={b}, H={h}, T={t}, dh={dh}; {b * h * t * t} scores) {args.rounds} rounds: "
               + timings(med)
               + f"; ratio {med['by sample'] / med['batched']:.3f}")
