@@ -6,12 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from adaptex.graphs.family import Contract
-
-# A generated parity batch's attention scores (batch x heads x length^2) at most this many: a check
-# holds a few such tensors at once in the reference, the runtime and the MIL evaluator. charlm-dense's
-# 8 rows of 4,096 tokens (2^29 scores) took `adaptex check` on ONNX to a 7.5 GB peak.
-PARITY_SCORES_PER_BATCH = 1 << 26
+from adaptex.graphs.family import PARITY_SCORES_PER_BATCH, Contract
 
 
 class DecoderContract(Contract):

@@ -29,6 +29,11 @@ from adaptex.graphs.nn import DECISION_KINDS, ConditionalBlock, adaptive_mode, n
 
 ADAPTIVE_MODES = ("hard", "naive", "hard_dense", "eager")  # modes whose graphs carry decision outputs
 
+# A parity batch's attention scores (batch x heads x keys^2) at most this many, generated or the caller's:
+# a check holds a few such tensors at once in the reference, the runtime and the MIL evaluator.
+# charlm-dense's 8 rows of 4,096 tokens (2^29 scores) took `adaptex check` on ONNX to a 7.5 GB peak.
+PARITY_SCORES_PER_BATCH = 1 << 26
+
 
 @dataclass(frozen=True)
 class DecisionSpec:

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from adaptex.graphs.errors import AdaptexError, InputError
-from adaptex.graphs.family import Contract, Reference, family_contract
+from adaptex.graphs.family import PARITY_SCORES_PER_BATCH, Contract, Reference, family_contract
 from adaptex.runtimes.base import Runner
 from adaptex.runtimes.report import MARGIN_UNITS, MARGINS, TOLERANCES, DecisionStat, OutputStat, ParityReport
 from adaptex.runtimes.torch_ref import TorchRunner
@@ -73,11 +73,13 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
     if not items:
         raise AdaptexError("no inputs to compare (an empty list); pass at least one batch, or let a shipped model "
                            "generate its own")
-    if inputs is not None:  # the caller's arrays, made to look like generated ones (dtypes, byte order)
-        want = reference.input_metadata()
-        items = [conform(item, want) if isinstance(item, dict) else item for item in items]
+    meta = getattr(artifact, "meta", None) or {}
+    if inputs is not None:  # the caller's arrays, made to look like generated ones (dtypes, byte order, size)
+        want, heads, batched = reference.input_metadata(), _heads(reference), _batched_inputs(meta)
+        items = [piece for item in items
+                 for piece in (_bounded(conform(item, want), heads, batched) if isinstance(item, dict) else [item])]
     specs = artifact.input_metadata()
-    axes = _batch_axes(getattr(artifact, "meta", None) or {})
+    axes = _batch_axes(meta)
     for bi, item in enumerate(items):
         walk = contract.steps(item)
         feeds, info = next(walk)
@@ -134,6 +136,39 @@ def conform(feeds: dict, specs: dict) -> dict:
                              f"{want.name} values")
         out[name] = conv
     return out
+
+
+def _heads(reference) -> int:
+    """The reference model's attention heads: its config's, else its widest layer's (1 if none says)."""
+    h = getattr(getattr(reference.contract, "cfg", None), "num_heads", 0)
+    if not h and reference.model is not None:
+        h = max((m.num_heads for m in reference.model.modules() if isinstance(getattr(m, "num_heads", None), int)),
+                default=0)
+    return max(1, h or 1)
+
+
+def _batched_inputs(meta: dict) -> set[str] | None:
+    """The artifact's inputs whose first axis is the batch (None where its metadata names no inputs: all)."""
+    inputs = meta.get("inputs")
+    if not inputs:
+        return None
+    return {n for n, spec in inputs.items() if (spec.get("shape") or [None])[0] == "batch"}
+
+
+def _bounded(item: dict, heads: int, batched: set[str] | None) -> list[dict]:
+    """A caller's batch in runs of whole rows whose attention scores (rows x heads x keys^2, keys the
+    longest 2-D batched input's length: a decoder's key mask spans its cache too) fit
+    PARITY_SCORES_PER_BATCH, as generated batches do: --inputs of 8 rows of 4,096 tokens took a check
+    of charlm-dense to 8.3 GB. Rows are independent, so the comparison is the same."""
+    split = [n for n, a in item.items() if (batched is None or n in batched) and np.ndim(a) >= 1]
+    if not split:
+        return [item]
+    rows = np.shape(item[split[0]])[0]
+    keys = max((np.shape(item[n])[1] for n in split if np.ndim(item[n]) == 2), default=1)
+    per = max(1, PARITY_SCORES_PER_BATCH // (heads * keys * keys))
+    if rows <= per:
+        return [item]
+    return [{n: a[i:i + per] if n in split else a for n, a in item.items()} for i in range(0, rows, per)]
 
 
 def _batch_axes(meta: dict) -> dict[str, int]:

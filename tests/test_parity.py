@@ -48,6 +48,47 @@ def test_a_decoders_long_batches_are_cut_to_the_score_budget(monkeypatch):
     assert cut > 0  # the bound changed something: a long batch of more than two rows was generated
 
 
+def test_a_callers_long_batches_are_checked_in_pieces_within_the_score_budget(tiny_onnx, tiny_checkpoint,
+                                                                                monkeypatch):
+    """The caller's inputs (--inputs, adaptex.check(inputs=...)) are cut into runs of whole rows whose
+    scores fit PARITY_SCORES_PER_BATCH, as generated batches are: every row is still compared, each
+    call sees at most the budget's rows, and the check passes as before."""
+    from adaptex.runtimes import parity
+
+    model, _ = checkpoint.load(tiny_checkpoint)
+    heads, length = model.cfg.num_heads, 48
+    batch = parity_inputs(model.cfg, "graded", 40)
+    batch = next(f for f in batch if f["input_ids"].shape[0] >= 8)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(4, model.cfg.vocab_size, (8, length)), "attention_mask": np.ones((8, length))}
+    feeds.update({k: v[:8] for k, v in batch.items() if k not in feeds})  # the task's other inputs, if any
+    runner = OnnxRuntimeRunner(tiny_onnx["sparse"], chunk_rows=None).activate()
+    seen = []
+    infer = runner.infer
+    monkeypatch.setattr(runner, "infer", lambda f: seen.append(len(f["input_ids"])) or infer(f))
+    monkeypatch.setattr(parity, "PARITY_SCORES_PER_BATCH", 3 * heads * length * length)
+    report = check(runner, TorchRunner(model), inputs=[feeds])
+    assert report.passed and report.samples == 8, report.failures
+    assert seen == [3, 3, 2]
+
+
+def test_a_cut_keeps_each_input_whole_where_it_has_no_batch_axis():
+    """A decoder step's item: the key mask (the longest 2-D input, spanning the cache) sets the keys,
+    every batched input is cut alike along its first axis, an input without a batch axis stays whole."""
+    from adaptex.runtimes.parity import PARITY_SCORES_PER_BATCH, _bounded
+
+    keys = 1024
+    per = PARITY_SCORES_PER_BATCH // (4 * keys * keys)  # rows a piece at 4 heads
+    rows = 2 * per + 1
+    item = {"input_ids": np.zeros((rows, 1)), "attention_mask": np.ones((rows, keys)),
+            "past.key": np.zeros((rows, 4, keys - 1, 8)), "scale": np.ones(3)}
+    pieces = _bounded(item, 4, {"input_ids", "attention_mask", "past.key"})
+    assert [len(p["input_ids"]) for p in pieces] == [per, per, 1]
+    assert all(len(p["past.key"]) == len(p["attention_mask"]) == len(p["input_ids"]) for p in pieces)
+    assert all(p["scale"] is item["scale"] for p in pieces)
+    assert _bounded(item, 4, {"scale"}) == [item]  # nothing batched to cut: the item as it is
+
+
 def test_margins():
     model = zoo.tiny_model()
     feeds = parity_inputs(model.cfg, "graded", 8)[0]
