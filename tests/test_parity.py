@@ -89,6 +89,27 @@ def test_a_cut_keeps_each_input_whole_where_it_has_no_batch_axis():
     assert _bounded(item, 4, {"scale"}) == [item]  # nothing batched to cut: the item as it is
 
 
+def test_a_cut_counts_a_models_heads_from_its_config_or_its_layers():
+    """A shipped model's heads are its config's; a model of one's own, with no config, is sized by its
+    widest adaptex attention layer (an ElasticAttention's query heads, KV groups included)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import adaptex.nn as axn
+    from adaptex.runtimes.parity import _heads
+
+    def ref(cfg, model):
+        return SimpleNamespace(contract=SimpleNamespace(cfg=cfg), model=model)
+
+    assert _heads(ref(SimpleNamespace(num_heads=12), None)) == 12
+    mine = torch.nn.ModuleList([axn.ElasticAttention(3, 8, kv_groups=2), axn.BudgetedAttention(32, 4),
+                                axn.ConditionalBlock(40, 5, 64)])
+    assert _heads(ref(None, mine)) == 6
+    assert _heads(ref(None, mine[2:])) == 5
+    assert _heads(ref(None, torch.nn.Linear(2, 2))) == 1  # no attention layer: keys alone bound a batch
+
+
 def test_margins():
     model = zoo.tiny_model()
     feeds = parity_inputs(model.cfg, "graded", 8)[0]

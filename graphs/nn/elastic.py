@@ -139,6 +139,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
                          edge_pooling=causal if edge_pooling is None else edge_pooling)
         self.sink, self.window, self.causal, self.tau = sink, window, causal, 1.0
         self.kv_groups = kv_groups
+        self.num_heads = num_heads * kv_groups  # query heads (a check sizes its batches by them)
 
     def _groups(self, t: Tensor) -> Tensor:
         """(B, Hkv, ...) -> (B, Hkv * kv_groups, ...): a KV head's keys, values or mode for each

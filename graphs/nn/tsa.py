@@ -89,6 +89,7 @@ class CausalSelfAttention(nn.Module):
         # d a Python constant: read from x.shape, a legacy export kept a Shape and ran the weight slices
         # below at every call instead of folding them into initializers (the dense-legacy graphs)
         self.h, self.dh, self.d = num_heads, d_model // num_heads, d_model
+        self.num_heads = num_heads  # as every adaptex attention layer names it (a check sizes its batches by it)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
