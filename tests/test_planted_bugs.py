@@ -108,3 +108,14 @@ def test_the_mil_checker_fails_a_wrong_decision(artifacts, family, capsys, monke
     monkeypatch.undo()
     code, r = _check(capsys, path, family)
     assert code == 0 and r["unexcused_flips"] == 0
+
+
+def test_every_planted_mutation_of_make_mutate_still_finds_its_text():
+    """Each mutant of `make mutate` (tests/mutate.py) edits text that occurs exactly once in its file,
+    and names test files that exist: a refactor that moved the text would otherwise leave the mutant
+    stale, reported but never run (two were, until the twenty-third session)."""
+    from tests.mutate import MUTANTS, ROOT
+
+    for m in MUTANTS:
+        assert (ROOT / m.path).read_text().count(m.old) == 1, f"{m.name}: its text is not once in {m.path}"
+        assert m.old != m.new and all((ROOT / t).is_file() for t in m.tests), m.name
