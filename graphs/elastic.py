@@ -30,7 +30,7 @@ from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.ops.elastic_attention import runs_masked
+from adaptex.graphs.ops.elastic_attention import encoder_runs_masked
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -427,6 +427,7 @@ class ElasticFamily(Contract):
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)
         ratio = float(np.mean([elastic_flops(cfg, row, seq) for row in sa]) / full)
-        every_key = variant == "dense" or (target == "onnx" and runs_masked(sa.shape[-1], seq, seq))
+        every_key = variant == "dense" or (
+            target == "onnx" and encoder_runs_masked(sa.shape[0], sa.shape[-1], seq, cfg.sink, cfg.window))
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

@@ -263,8 +263,9 @@ def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifac
 @pytest.mark.parametrize("family", ["el", "eldec"])
 def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse(artifacts, family, monkeypatch):
     """Every key executed by the dense variant, and on ONNX Runtime by a call of at most
-    MIXED_CALL_MASKED_UP_TO scores a sample (the general body masks; test_elastic checks it runs so);
-    the decisions' FLOPs by a larger one, and by a TensorRT-bound graph (no masked path)."""
+    MIXED_CALL_MASKED_UP_TO scores a sample, or an encoder's whose masking adds at most
+    ENCODER_MASKED_EXCESS_UP_TO scores (the general body masks; test_elastic checks it runs so); the
+    decisions' FLOPs by a larger one, and by a TensorRT-bound graph (no masked path)."""
     from adaptex.graphs.ops import elastic_attention
 
     model = artifacts.model(family)
@@ -279,6 +280,13 @@ def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse
     assert r["executed_flop_ratio"] == 1.0 and r["flop_ratio"] < 1.0
     assert contract.flops(out, "sparse", T, target="tensorrt")["executed_flop_ratio"] == r["flop_ratio"]
     monkeypatch.setattr(elastic_attention, "MIXED_CALL_MASKED_UP_TO", pairs * T * T - 1)
+    if family == "el":  # an encoder's call also masks where masking adds few scores over block-local SA
+        cfg = model.cfg
+        excess = 2 * pairs * T * (T - cfg.sink - 2 * cfg.window)
+        assert excess > 0
+        monkeypatch.setattr(elastic_attention, "ENCODER_MASKED_EXCESS_UP_TO", excess)
+        assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == 1.0
+        monkeypatch.setattr(elastic_attention, "ENCODER_MASKED_EXCESS_UP_TO", excess - 1)
     assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == r["flop_ratio"]
 
 

@@ -224,6 +224,35 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
             assert (ran != [(B, H, T, T)]) == gathers, (up_to, ran)
 
 
+def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch):
+    """An encoder's body (causal known False, the default threshold) also attends every pair masked
+    where the scores masking adds over block-local SA, B H T (T - sink - 2 window), fit
+    ENCODER_MASKED_EXCESS_UP_TO, though H T T is past MIXED_CALL_MASKED_UP_TO; one score past that
+    bound it gathers. The reference's output either way, as encoder_runs_masked says."""
+    from adaptex.graphs.ops.elastic_attention import encoder_runs_masked
+    from tests import planted
+
+    sink, window = 2, 4
+    B, H, T = 2, 3, 24
+    excess = B * H * T * (T - sink - 2 * window)
+    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)  # per sample: past it
+    monkeypatch.setattr(ea, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)
+    q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
+    sa[0, 0], sa[0, 1] = True, False  # a mix
+    for bound, masks in ((excess, True), (excess - 1, False)):
+        monkeypatch.setattr(fx, "ENCODER_MASKED_EXCESS_UP_TO", bound)
+        monkeypatch.setattr(ea, "ENCODER_MASKED_EXCESS_UP_TO", bound)
+        assert encoder_runs_masked(B, H, T, sink, window) == masks
+        proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
+        probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+        out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
+                                  "key_mask": km.numpy()})
+        ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, False)
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, bound
+        ran = [out[p].shape for p in probes if out[p].size]
+        assert (ran == [(B, H, T, T)]) == masks, (bound, ran)
+
+
 def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
     """ONNX Runtime's encoder body runs the FA pairs of a call with no padded key in ONNX Runtime's
     fused kernel (com.microsoft.MultiHeadAttention) over every key (the plain body where a key is
@@ -337,17 +366,21 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-@pytest.mark.parametrize("up_to", [None, 0])
+@pytest.mark.parametrize("up_to", [None, 0, "excess"])
 def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, monkeypatch,
                                                                               capsys, up_to):
     """An encoder's ONNX Runtime calls read what every layer derives alike from the key mask
     (fx.ENCODER_SHARED: the reach and padding tests, the pairs' key mask, a masked call's bias planes)
     as inputs that the graph computes once; the artifact passes parity with its small calls masked
-    (the default threshold) and with every call gathering pairs by mode (the threshold at 0)."""
+    (the default threshold), with every call gathering pairs by mode (the threshold at 0), and with
+    every call masked by the encoder's second test alone (masking adds few scores: "excess")."""
     import onnx
 
-    if up_to == 0:
-        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    if up_to == "excess":
+        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
+        monkeypatch.setattr(fx, "ENCODER_MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
+    elif up_to is not None:
+        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", up_to)
     model, info = checkpoint.load(elastic_ckpt)
     path = tmp_path / "el.onnx"
     zoo.export(model, info, path)
@@ -374,6 +407,17 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     marked = {o for n in proto.graph.node if n.name.startswith(passes.OP_NODE) for o in n.output}
     assert marked <= {o for n in made.values() for o in n.output}
     assert {o for n in made.values() if n.op_type == "Range" for o in n.output} <= marked
+    # which path a call of 2 unpadded samples of T = 20 took: masked, every pair's (B, H, T, S) Softmax
+    from tests import planted
+
+    probed = onnx.load(path)
+    probes = planted.expose(probed, "ElasticAttention", "Softmax", rank=4)
+    rng = np.random.default_rng(0)
+    out = planted.run(probed, {"input_ids": rng.integers(1, model.cfg.vocab_size, (2, 20)),
+                               "attention_mask": np.ones((2, 20), np.int64)})
+    H = np.asarray(out["decisions.layer0.sa"]).shape[-1]
+    masked = [[out[p].shape for p in call if out[p].size] == [(2, H, 20, 20)] for call in probes]
+    assert masked == [up_to != 0] * len(calls), masked
     capsys.readouterr()
     assert main(["check", str(path), "--samples", "40", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

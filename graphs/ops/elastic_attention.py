@@ -44,10 +44,29 @@ NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, ne
 MIXED_CALL_MASKED_UP_TO = 1 << 17
 
 
+# An encoder's call (its T queries are its S keys) also attends every pair masked where the scores that
+# masking adds over block-local attention, the SA pairs' keys past a block's row of about sink +
+# 2 window, batch x pairs x T x (T - sink - 2 window), are at most this many: there gathering's own
+# kernels (NonZero, gathers, scatters, the block layout) cost more. Measured on elastic-minilm (AMD EPYC
+# with AVX-512, 1 thread; docs/benchmarking.md#short-calls), masked against gathering, --softmax-floor
+# off (and on): B1, T = 128 0.958 (0.969), T = 160 0.973, T = 192 0.989 (1.011), T = 256 1.042; B2,
+# T = 128 0.975 (0.996), T = 192 1.021; B4, T = 128 1.003; B8, T = 128 1.031. This bound takes B1 up
+# to T = 166 and B2 up to T = 130, where masking gained with the softmax floor or without.
+ENCODER_MASKED_EXCESS_UP_TO = 3 << 16
+
+
 def runs_masked(pairs: int, T: int, S: int) -> bool:
     """Whether ONNX Runtime's general body attends a call of T > 1 new tokens over S keys, `pairs` (B, H)
     pairs a sample, every pair over every key (SA keys masked): what it then executes is full attention."""
     return T > 1 and pairs * T * S <= MIXED_CALL_MASKED_UP_TO
+
+
+def encoder_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int) -> bool:
+    """runs_masked for an encoder's call of `batch` samples of T tokens (its keys): also where the scores
+    masking adds over block-local attention fit ENCODER_MASKED_EXCESS_UP_TO (never with
+    MIXED_CALL_MASKED_UP_TO at 0, which turns the masked path off)."""
+    excess = batch * pairs * T * max(0, T - sink - 2 * window)
+    return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1 and excess <= ENCODER_MASKED_EXCESS_UP_TO)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:

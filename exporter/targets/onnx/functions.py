@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.graphs.ops.budgeted_attention import ACTIVE_HEADS_WASTE_ROWS, group_ratio
 from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
-from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO
+from adaptex.graphs.ops.elastic_attention import ENCODER_MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO
 
 DOMAIN = "adaptex"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
@@ -595,9 +595,12 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     over every visible key as it is (no reshape, gather or scatter); all SA, every pair
     block-local; only a mix gathers; and a call with SA pairs and at most `masked_up_to` scores a
     sample (H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
-    pairs' keys outside their reach masked. dense: the full score matrix for every head, SA heads through a
-    band mask (static shapes). Padding masks by addition (a bias per key), causality by one Trilu of
-    NEG above the diagonal (no T x S comparisons). causal_known (the call's causal flag where
+    pairs' keys outside their reach masked; with the default an encoder's call (causal_known False)
+    also does where masking adds few scores over block-local attention
+    (elastic_attention.encoder_runs_masked; the translation's test, with `heads`). dense: the full
+    score matrix for every head, SA heads through a band mask (static shapes). Padding masks by
+    addition (a bias per key), causality by one Trilu of NEG above the diagonal (no T x S
+    comparisons). causal_known (the call's causal flag where
     tracing fixed it) drops the branches of the other kind; head_dim (likewise) makes the score
     scale a constant.
     decode_step (with dispatch): an If sends a causal call with T = 1 (a decode step) to a short
@@ -628,6 +631,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     b = _Body("ea_")
     q, k, v, sa, key_mask = EA_INPUTS
     shared = dict(zip(ENCODER_SHARED, ENCODER_SHARED)) if heads and dispatch and causal_known is False else {}
+    if shared and masked_up_to is not None:
+        raise ValueError("an encoder body with `heads` takes the translation's masked test (ENCODER_SHARED); "
+                         "masked_up_to is for a body that tests it itself")
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
     c0, c1 = b.const(0), b.const(1)
     T1, S1 = b("Shape", q, start=2, end=3), b("Shape", k, start=2, end=3)
@@ -735,8 +741,17 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         by_mode = lambda: one_mode_or_mixed(every_sa, every_fa, mixed)  # noqa: E731
         if up_to <= 0:
             return by_mode()
-        H = b.const(heads) if shared else b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
-        few = b("LessOrEqual", b("Mul", b("Mul", H, T), S), b.const(up_to))
+        if shared:  # the translation's test (the same), made once for every layer
+            return b.if_(shared["masked"], masked, by_mode)
+        H = b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
+        HT = b("Mul", H, T)
+        few = b("LessOrEqual", b("Mul", HT, S), b.const(up_to))
+        if causal_known is False and masked_up_to is None:  # an encoder's call: also where masking adds few
+            # scores over block-local attention (elastic_attention.encoder_runs_masked)
+            B = b("Squeeze", b("Shape", q, start=0, end=1), b.const([0]))
+            past = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)
+            excess = b("Mul", b("Mul", B, HT), past)
+            few = b("Or", few, b("LessOrEqual", excess, b.const(ENCODER_MASKED_EXCESS_UP_TO)))
         return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
@@ -939,9 +954,10 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # no key is padded (a bool scalar), the key mask per (sample, head) pair (B*H, S), a masked call's
 # bias planes (2 B, T, S: a sample's padding bias, and that with the keys outside an SA query's reach
 # hidden; empty, (2 B, 0, S), for a call past MIXED_CALL_MASKED_UP_TO) and each sample's first plane
-# (B, 1: 2 b). lowerings.elastic_encoder_node_for computes them in the graph once for all the layers,
-# where each layer's body had run about thirty small kernels for them.
-ENCODER_SHARED = ["reach", "unpadded", "flat_mask", "planes", "first"]
+# (B, 1: 2 b), and whether the call attends every pair masked (a bool scalar: the test of
+# elastic_attention.encoder_runs_masked). lowerings.elastic_encoder_node_for computes them in the graph
+# once for all the layers, where each layer's body had run about thirty small kernels for them.
+ENCODER_SHARED = ["reach", "unpadded", "flat_mask", "planes", "first", "masked"]
 
 
 # A decode step whose cache holds at most this many times sink + window keys runs the near-cache step
