@@ -749,8 +749,8 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         if causal_known is False and masked_up_to is None:  # an encoder's call: also where masking adds few
             # scores over block-local attention (elastic_attention.encoder_runs_masked)
             B = b("Squeeze", b("Shape", q, start=0, end=1), b.const([0]))
-            past = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)
-            excess = b("Mul", b("Mul", B, HT), past)
+            beyond = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)  # keys past a row
+            excess = b("Mul", b("Mul", B, HT), beyond)
             few = b("Or", few, b("LessOrEqual", excess, b.const(ENCODER_MASKED_EXCESS_UP_TO)))
         return b.if_(few, masked, by_mode)
 
