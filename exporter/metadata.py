@@ -146,6 +146,12 @@ def validate(meta, where) -> dict:
                                       {"heads", "from_scores"} or not _whole(by_sample, ("heads", "from_scores"))):
             raise AdaptexError(f"{where}: metadata 'short_call' masked_large_call needs masked_keys beside it and "
                                "only heads and from_scores (whole numbers >= 1); re-export it with adaptex")
+        excess = within.get("masked_excess")
+        if excess is not None and (
+                longer is None or not isinstance(excess, dict) or set(excess) != {"heads", "beyond", "up_to"}
+                or not _whole(excess, ("heads", "up_to")) or not _whole({"b": excess["beyond"]}, ("b",), least=0)):
+            raise AdaptexError(f"{where}: metadata 'short_call' masked_excess needs masked_keys beside it and only "
+                               "heads, up_to (whole numbers >= 1) and beyond (>= 0); re-export it with adaptex")
     large = meta.get("large_call")
     if large is not None and not (
             _whole(large, ("heads", "from_scores"))
@@ -162,9 +168,9 @@ def validate(meta, where) -> dict:
     return meta
 
 
-def _whole(entry: dict, keys) -> bool:
-    """Whether entry[k] is a whole number >= 1 (not a bool) for every k of keys."""
-    return all(isinstance(entry.get(k), int) and not isinstance(entry[k], bool) and entry[k] >= 1 for k in keys)
+def _whole(entry: dict, keys, least: int = 1) -> bool:
+    """Whether entry[k] is a whole number >= least (not a bool) for every k of keys."""
+    return all(isinstance(entry.get(k), int) and not isinstance(entry[k], bool) and entry[k] >= least for k in keys)
 
 
 def parse(text: str, where) -> dict:

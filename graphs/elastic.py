@@ -30,7 +30,7 @@ from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.ops.elastic_attention import encoder_runs_masked
+from adaptex.graphs.ops.elastic_attention import call_runs_masked
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -428,6 +428,6 @@ class ElasticFamily(Contract):
         full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)
         ratio = float(np.mean([elastic_flops(cfg, row, seq) for row in sa]) / full)
         every_key = variant == "dense" or (
-            target == "onnx" and encoder_runs_masked(sa.shape[0], sa.shape[-1], seq, cfg.sink, cfg.window))
+            target == "onnx" and call_runs_masked(sa.shape[0], sa.shape[-1], seq, cfg.sink, cfg.window))
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

@@ -46,7 +46,7 @@ from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_famil
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
-from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
+from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -509,6 +509,15 @@ class ElasticDecoderFamily(DecoderContract):
         longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
         return longest if reach is not None and longest > reach else None
 
+    def masked_call_excess(self) -> dict | None:
+        # longer prefills too, where the scores masking adds over block-local attention are few
+        # (elastic_attention.call_runs_masked; elastic-charlm, B1: 0.911 of the general graph at T = 256,
+        # 0.929 at T = 288; docs/benchmarking.md#short-calls)
+        cfg = self.cfg
+        if (self.masked_call_keys() or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
+            return None
+        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": MASKED_EXCESS_UP_TO}
+
     def routing_meta(self) -> dict:
         cfg = self.cfg
         meta = {"sink": cfg.sink, "window": cfg.window, "backbone_sha256": cfg.backbone_sha256,
@@ -546,14 +555,15 @@ class ElasticDecoderFamily(DecoderContract):
         return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
 
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
-              near_step: bool = False) -> dict:
-        """near_step: the call ran the artifact's near-cache step program, which attends every key,
-        masked (runtimes.bench.ran_graph reads which program a call runs from the metadata)."""
+              masked_program: bool = False) -> dict:
+        """masked_program: the call ran a program of the artifact's that attends every key, masked: the
+        near-cache step or the masked short-call program (runtimes.bench.ran_graph reads which program
+        a call runs from the metadata)."""
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        masked = near_step or runs_masked(sa.shape[-1], seq, past + seq)
+        masked = masked_program or runs_masked(sa.shape[-1], seq, past + seq)
         every_key = variant == "dense" or (target == "onnx" and masked)
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

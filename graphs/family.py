@@ -175,7 +175,12 @@ class Contract:
 
     def masked_call_keys(self) -> int | None:
         """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
-        prefill may have to run it (more than short_call_keys()); None for models without one."""
+        prefill may have to run it at any batch (more than short_call_keys()); None for models without one."""
+        return None
+
+    def masked_call_excess(self) -> dict | None:
+        """Decoders with a masked short-call program: {"heads", "beyond", "up_to"}, where longer prefills
+        also run it, batch x heads x keys x max(0, keys - beyond) <= up_to; None for none."""
         return None
 
     @property

@@ -155,6 +155,9 @@ def ran_variant(meta: dict, batch: int, seq: int) -> str:
     return meta.get("variant", "sparse")
 
 
+MASKED_PROGRAMS = ("near-cache decode-step", "masked short-call (attention by sample)", "masked short-call")
+
+
 def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
     """Which graph of an artifact with decode-step, short-call or large-call graphs a call of `batch`
     x `seq` new tokens after `past` cached runs ("near-cache decode-step", "decode-step",
@@ -524,8 +527,9 @@ class Bench:
         """The contract's FLOP accounting of the artifact's outputs, its ratios averaged over the inputs
         the rounds cycled through (each input's rounds are equally many, give or take one)."""
         contract = self.contract
-        near = ran_graph(self.meta, seq, past, call_batch) == "near-cache decode-step"  # an elastic decoder's
-        kw = dict(target=self.meta.get("target", "onnx"), **({"near_step": True} if near else {}))
+        # an elastic decoder's programs that attend every key, masked
+        masked = ran_graph(self.meta, seq, past, call_batch) in MASKED_PROGRAMS
+        kw = dict(target=self.meta.get("target", "onnx"), **({"masked_program": True} if masked else {}))
         variant = self.ran_variant(call_batch, seq)
         each = []
         for adaptive_out in outs:

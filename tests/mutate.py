@@ -110,6 +110,18 @@ MUTANTS = [
            "executed = flops_per_token(cfg, ctx, [1.0] * len(rates))",
            "bench: TSA's sparse graph accounted as executing every token",
            ("tests/test_bench_accounting.py",)),
+    Mutant("masked_large_batched", "exporter/targets/onnx/dispatch.py",
+           "_excess_cond(None if large else batch, keys, excess, prefix)",
+           "_excess_cond(batch, keys, excess, prefix)",
+           "a decoder's large prefill counts its whole batch's excess scores, though its attention runs a sample "
+           "at a time (the masked program's by-sample form never taken past the key count's rule)",
+           ("tests/test_decode_graph.py",)),
+    Mutant("excess_ignored_by_bench", "exporter/targets/onnx/dispatch.py",
+           "            excess = short_call.get(\"masked_excess\")\n",
+           "            excess = None\n",
+           "dispatch.taken (so the runner and bench) ignores masked_excess: it names and runs the general "
+           "program where the graph's If takes the masked one",
+           ("tests/test_decode_graph.py",)),
     Mutant("mil_gather_nd_transposed", "runtimes/coreml_mil.py",
            "return x[tuple(np.moveaxis(indices.astype(np.int64), -1, 0))]",
            "return x[tuple(np.moveaxis(indices.astype(np.int64)[..., ::-1], -1, 0))]",

@@ -264,7 +264,7 @@ def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifac
 def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse(artifacts, family, monkeypatch):
     """Every key executed by the dense variant, and on ONNX Runtime by a call of at most
     MIXED_CALL_MASKED_UP_TO scores a sample, or an encoder's whose masking adds at most
-    ENCODER_MASKED_EXCESS_UP_TO scores (the general body masks; test_elastic checks it runs so); the
+    MASKED_EXCESS_UP_TO scores (the general body masks; test_elastic checks it runs so); the
     decisions' FLOPs by a larger one, and by a TensorRT-bound graph (no masked path)."""
     from adaptex.graphs.ops import elastic_attention
 
@@ -284,9 +284,9 @@ def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse
         cfg = model.cfg
         excess = 2 * pairs * T * (T - cfg.sink - 2 * cfg.window)
         assert excess > 0
-        monkeypatch.setattr(elastic_attention, "ENCODER_MASKED_EXCESS_UP_TO", excess)
+        monkeypatch.setattr(elastic_attention, "MASKED_EXCESS_UP_TO", excess)
         assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == 1.0
-        monkeypatch.setattr(elastic_attention, "ENCODER_MASKED_EXCESS_UP_TO", excess - 1)
+        monkeypatch.setattr(elastic_attention, "MASKED_EXCESS_UP_TO", excess - 1)
     assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == r["flop_ratio"]
 
 
@@ -295,7 +295,7 @@ def test_a_near_cache_step_executes_every_key(artifacts):
     near_cells batch x keys) runs the near-cache step graph, which attends every key masked: bench
     counts it so, and names it; a step past the limits gathers."""
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.runtimes.bench import ran_graph
+    from adaptex.runtimes.bench import MASKED_PROGRAMS, ran_graph
 
     model = artifacts.model("eldec")
     contract = family_contract(model)
@@ -308,8 +308,25 @@ def test_a_near_cache_step_executes_every_key(artifacts):
         out = {f"decisions.layer{i}.sa": np.ones((batch, model.cfg.num_kv_heads), bool)
                for i in range(model.cfg.num_layers)}
         assert ran_graph(meta, 1, past, batch) == graph
-        r = contract.flops(out, "sparse", 1, past, near_step=graph == "near-cache decode-step")
+        r = contract.flops(out, "sparse", 1, past, masked_program=graph in MASKED_PROGRAMS)
         assert (r["executed_flop_ratio"] == 1.0) == (graph == "near-cache decode-step") and r["flop_ratio"] < 1.0
+
+
+def test_a_prefill_the_masked_program_runs_executes_every_key():
+    """A prefill longer than the general body's per-sample rule that the masked short-call program
+    runs (its masked_excess: runtimes.bench.MASKED_PROGRAMS) is counted as every key; the same
+    prefill in the general graph as the decisions' FLOPs."""
+    from adaptex.graphs.ops.elastic_attention import call_runs_masked, runs_masked
+    from adaptex.runtimes.bench import MASKED_PROGRAMS
+
+    model = zoo.tiny_elastic_decoder(max_len=320)
+    contract, T = family_contract(model), 230
+    assert not runs_masked(4, T, T) and call_runs_masked(1, 4, T, 2, 8)
+    assert {"masked short-call", "masked short-call (attention by sample)"} <= set(MASKED_PROGRAMS)
+    out = {f"decisions.layer{i}.sa": np.array([[True, False, True, True]]) for i in range(model.cfg.num_layers)}
+    r = contract.flops(out, "sparse", T, masked_program=True)
+    assert r["executed_flop_ratio"] == 1.0 and r["flop_ratio"] < 1.0
+    assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == r["flop_ratio"]
 
 
 # --- the counterparts ---------------------------------------------------------------------------------

@@ -191,6 +191,68 @@ def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decode
         assert all(np.all(v == (modes == "sa")) for n, v in zip(names, got) if n.endswith(".sa"))
 
 
+@pytest.fixture(scope="module")
+def longer_decoder(tmp_path_factory) -> dict:
+    """The tiny elastic decoder with 320 positions, exported by default and as its general graph alone:
+    past its masked short-call program's 181 tokens (4 heads x 181^2 scores a sample is within
+    MIXED_CALL_MASKED_UP_TO), a prefill also runs that program where the scores masking adds over
+    block-local attention, batch x 4 heads x T x (T - sink - 2 window = T - 18), are at most
+    MASKED_EXCESS_UP_TO (3 x 2^16): B1 up to T = 230, B2 not past 181; a batch whose attention runs a
+    sample at a time (batch x 4 x T^2 >= fx.BY_SAMPLE_FROM = 2^22) counts as B1."""
+    d = tmp_path_factory.mktemp("longer")
+    checkpoint.save(d / "ck", zoo.tiny_elastic_decoder(max_len=320), {"description": "longer decoder"})
+    model, info = checkpoint.load(d / "ck")
+    paths = {"default": d / "m.onnx", "general": d / "g.onnx"}
+    zoo.export(model, info, paths["default"])
+    zoo.export(model, info, paths["general"], decode_graph="off", short_graph="off")
+    from adaptex.graphs.family import family_contract
+
+    return {**paths, "contract": family_contract(model)}
+
+
+def test_a_longer_prefill_runs_the_masked_program_where_masking_adds_few_scores(longer_decoder):
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO
+
+    within = read_onnx_metadata(longer_decoder["default"])["short_call"]
+    assert within["masked_keys"] == 181 and MASKED_EXCESS_UP_TO == 3 << 16
+    assert within["masked_excess"] == {"heads": 4, "beyond": 18, "up_to": MASKED_EXCESS_UP_TO}
+
+
+@pytest.mark.parametrize("batch, seq, pad, branch", [
+    (1, 230, 0, "masked"),       # 4 x 230 x 212 = 195,040 excess scores
+    (1, 231, 0, "long"),         # 196,812: past the bound
+    (2, 181, 3, "masked"),       # within 181 tokens at any batch
+    (2, 182, 0, "long"),         # 2 x 4 x 182 x 164 = 238,784
+    (27, 200, 5, "masked_large"),  # 27 x 4 x 200^2 >= 2^22: a sample at a time, each sample's excess 145,600
+    (27, 231, 0, "long"),        # ... each sample's past the bound
+    (26, 200, 0, "long"),        # below 2^22: batched, 26 x 145,600
+])
+def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph_does(
+        longer_decoder, tmp_path, batch, seq, pad, branch):
+    """The branch the graph takes is the one dispatch.taken (and so bench) names, the masked ones
+    where elastic_attention.call_runs_masked says at the batch the attention runs (a sample's where it
+    runs by sample); its outputs are the general graph's, decisions exactly, where parity compares
+    them (the contract's select: a padded position's logits and cache entries, which the gathering
+    and the masked paths compute differently, mean nothing)."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.graphs.ops.elastic_attention import call_runs_masked
+    from adaptex.runtimes.bench import ran_graph
+
+    path = longer_decoder["default"]
+    sess = _session(path)
+    feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
+    assert _ran(path, feeds, tmp_path) == {branch}
+    names = {"masked": "masked short-call", "masked_large": "masked short-call (attention by sample)", "long": "general"}
+    assert ran_graph(read_onnx_metadata(path), seq, 0, batch) == names[branch]
+    by_sample = batch > 1 and batch * 4 * seq * seq >= fx.BY_SAMPLE_FROM
+    assert call_runs_masked(1 if by_sample else batch, 4, seq, 2, 8) == (branch != "long")
+    out, rows = [o.name for o in sess.get_outputs()], np.arange(batch)
+    got, want = ([longer_decoder["contract"].select(n, v, feeds, {"past": 0}, rows) for n, v in zip(out, values)]
+                 for values in (sess.run(None, feeds), _session(longer_decoder["general"]).run(None, feeds)))
+    _same(got, want, out)
+
+
 def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
     """The short-call branches attend densely (no adaptex call, one causal and padding bias for
     every layer, the masked one a second for the streaming heads) and read no cache (its shape at
@@ -462,7 +524,14 @@ def test_metadata_with_a_malformed_short_call_is_refused(decoders):
                 {**good, "masked_large_call": {**good["masked_large_call"], "from_scores": 0}},
                 {**good, "masked_large_call": {**good["masked_large_call"], "heads": True}},
                 {**good, "masked_large_call": {**good["masked_large_call"], "ids_input": "input_ids"}},
-                {k: v for k, v in good.items() if k != "masked_keys"}):
+                {k: v for k, v in good.items() if k != "masked_keys"},
+                {**good, "masked_excess": {"heads": 4, "beyond": 18}}, {**good, "masked_excess": 4},
+                {**good, "masked_excess": {"heads": 4, "beyond": -1, "up_to": 9}},
+                {**good, "masked_excess": {"heads": 4, "beyond": True, "up_to": 9}},
+                {**good, "masked_excess": {"heads": 0, "beyond": 18, "up_to": 9}},
+                {**good, "masked_excess": {"heads": 4, "beyond": 18, "up_to": "9"}},
+                {**{k: v for k, v in good.items() if k != "masked_keys"},
+                 "masked_excess": {"heads": 4, "beyond": 18, "up_to": 9}}):
         with pytest.raises(AdaptexError, match="short_call"):
             validate({**meta, "short_call": bad}, "m.onnx")
     step = meta["decode_step"]
@@ -493,6 +562,13 @@ def test_bench_names_the_graph_a_call_runs():
     assert ran_graph(large, 128, 0, batch=63) == ran_graph(large, 128, 0) == "masked short-call"
     assert ran_graph(large, 10, 0, batch=64) == "short-call" and ran_graph(large, 129, 0, batch=64) == "general"
     assert ran_graph(large, 1, 127, batch=64) == "decode-step"
+    # longer prefills where batch x heads x keys x (keys - beyond) <= up_to, a large call's a sample's
+    excess = {**large, "short_call": {**large["short_call"], "masked_excess": {"heads": 4, "beyond": 100,
+                                                                                "up_to": 4 * 150 * 50}}}
+    assert ran_graph(excess, 150, 0) == "masked short-call" and ran_graph(excess, 151, 0) == "general"
+    assert ran_graph(excess, 140, 0, batch=2) == "general" and ran_graph(excess, 128, 0, batch=2) == "masked short-call"
+    assert ran_graph(excess, 150, 0, batch=64) == "masked short-call (attention by sample)"
+    assert ran_graph(excess, 150, 5) == "general" and ran_graph(excess, 151, 0, batch=64) == "general"
     assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
     assert ran_graph({}, 10, 0) is None
     near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,

@@ -227,9 +227,9 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
 def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch):
     """An encoder's body (causal known False, the default threshold) also attends every pair masked
     where the scores masking adds over block-local SA, B H T (T - sink - 2 window), fit
-    ENCODER_MASKED_EXCESS_UP_TO, though H T T is past MIXED_CALL_MASKED_UP_TO; one score past that
-    bound it gathers. The reference's output either way, as encoder_runs_masked says."""
-    from adaptex.graphs.ops.elastic_attention import encoder_runs_masked
+    MASKED_EXCESS_UP_TO, though H T T is past MIXED_CALL_MASKED_UP_TO; one score past that
+    bound it gathers. The reference's output either way, as call_runs_masked says."""
+    from adaptex.graphs.ops.elastic_attention import call_runs_masked
     from tests import planted
 
     sink, window = 2, 4
@@ -240,9 +240,9 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
     q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
     sa[0, 0], sa[0, 1] = True, False  # a mix
     for bound, masks in ((excess, True), (excess - 1, False)):
-        monkeypatch.setattr(fx, "ENCODER_MASKED_EXCESS_UP_TO", bound)
-        monkeypatch.setattr(ea, "ENCODER_MASKED_EXCESS_UP_TO", bound)
-        assert encoder_runs_masked(B, H, T, sink, window) == masks
+        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", bound)
+        monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", bound)
+        assert call_runs_masked(B, H, T, sink, window) == masks
         proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
         probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
         out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
@@ -378,7 +378,7 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
 
     if up_to == "excess":
         monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
-        monkeypatch.setattr(fx, "ENCODER_MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
+        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
     elif up_to is not None:
         monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", up_to)
     model, info = checkpoint.load(elastic_ckpt)

@@ -80,14 +80,15 @@ def tiny_elastic(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int
 
 
 def tiny_elastic_decoder(seed: int = 0, spread: float = 30.0, sink: int = 2, window: int = 8,
-                         head_scale: float = 15.0):
-    """A tiny random dense decoder (max_len 128) with elastic routers centred and spread like
-    tiny_elastic's, so that head modes vary across inputs, and logits O(5) (its final norm scaled)."""
+                         head_scale: float = 15.0, max_len: int = 128):
+    """A tiny random dense decoder (max_len 128 by default) with elastic routers centred and spread
+    like tiny_elastic's, so that head modes vary across inputs, and logits O(5) (its final norm
+    scaled)."""
     from adaptex.graphs.elastic_decoder import ElasticDecoder
     from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
     torch.manual_seed(seed)
-    bb = TSADecoder(TSAConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=128,
+    bb = TSADecoder(TSAConfig(vocab_size=40, d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=max_len,
                               adaptive=False))
     model = ElasticDecoder.from_backbone(bb, sink=sink, window=window, pool_tokens=8, router_hidden=16)
     center_head_modes(model, torch.randint(1, 40, (64, 24)), spread)

@@ -44,15 +44,19 @@ NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, ne
 MIXED_CALL_MASKED_UP_TO = 1 << 17
 
 
-# An encoder's call (its T queries are its S keys) also attends every pair masked where the scores that
-# masking adds over block-local attention, the SA pairs' keys past a block's row of about sink +
-# 2 window, batch x pairs x T x (T - sink - 2 window), are at most this many: there gathering's own
-# kernels (NonZero, gathers, scatters, the block layout) cost more. Measured on elastic-minilm (AMD EPYC
-# with AVX-512, 1 thread; docs/benchmarking.md#short-calls), masked against gathering, --softmax-floor
-# off (and on): B1, T = 128 0.958 (0.969), T = 160 0.973, T = 192 0.989 (1.011), T = 256 1.042; B2,
-# T = 128 0.975 (0.996), T = 192 1.021; B4, T = 128 1.003; B8, T = 128 1.031. This bound takes B1 up
-# to T = 166 and B2 up to T = 130, where masking gained with the softmax floor or without.
-ENCODER_MASKED_EXCESS_UP_TO = 3 << 16
+# A call whose T queries are its keys (an encoder's, or a decoder's prefill: no cache) also attends every
+# pair masked where the scores that masking adds over block-local attention, the SA pairs' keys past a
+# block's row of about sink + 2 window, batch x pairs x T x (T - sink - 2 window), are at most this many:
+# there gathering's own kernels (NonZero, gathers, scatters, the block layout) cost more. Measured on
+# the AMD EPYC with AVX-512, 1 thread, masked against gathering, --softmax-floor off
+# (docs/benchmarking.md#short-calls). elastic-minilm (and floored): B1, T = 128 0.958 (0.969),
+# T = 160 0.973, T = 192 0.989 (1.011), T = 256 1.042; B2, T = 128 0.975 (0.996), T = 192 1.021; B4,
+# T = 128 1.003; B8, T = 128 1.031. elastic-charlm's prefills (its masked short-call program against
+# the general graph): B1, T = 256 0.911, T = 288 0.929, T = 320 0.972, T = 352 0.990, T = 384 1.032;
+# B2, T = 224 0.915, T = 256 0.957, T = 288 0.987; B4, T = 192 0.954, T = 224 0.971, T = 256 1.061;
+# B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130, and a
+# decoder's prefill B1 up to T = 297, B2 up to T = 236 and B4 up to T = 195 (elastic-charlm).
+MASKED_EXCESS_UP_TO = 3 << 16
 
 
 def runs_masked(pairs: int, T: int, S: int) -> bool:
@@ -61,12 +65,18 @@ def runs_masked(pairs: int, T: int, S: int) -> bool:
     return T > 1 and pairs * T * S <= MIXED_CALL_MASKED_UP_TO
 
 
-def encoder_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int) -> bool:
-    """runs_masked for an encoder's call of `batch` samples of T tokens (its keys): also where the scores
-    masking adds over block-local attention fit ENCODER_MASKED_EXCESS_UP_TO (never with
+def masked_excess(batch: int, pairs: int, T: int, sink: int, window: int) -> int:
+    """The scores that attending a call of `batch` samples of T tokens (its keys), `pairs` (B, H) pairs a
+    sample, every pair masked adds over block-local attention."""
+    return batch * pairs * T * max(0, T - sink - 2 * window)
+
+
+def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int) -> bool:
+    """runs_masked for a call whose T tokens are its keys (an encoder's; a decoder's prefill, which its
+    masked short-call program runs): also where masked_excess fits MASKED_EXCESS_UP_TO (never with
     MIXED_CALL_MASKED_UP_TO at 0, which turns the masked path off)."""
-    excess = batch * pairs * T * max(0, T - sink - 2 * window)
-    return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1 and excess <= ENCODER_MASKED_EXCESS_UP_TO)
+    return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1
+                                        and masked_excess(batch, pairs, T, sink, window) <= MASKED_EXCESS_UP_TO)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:

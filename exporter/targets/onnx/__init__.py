@@ -269,9 +269,10 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     the calls of one new token after a non-empty cache (dispatch.merge_decode_step). short_graph
     (elastic decoders): one graph more, traced for prefills within the streaming heads' reach (at
     most sink + window tokens, no cache), which runs those calls (dispatch.merge_short_call), and
-    where the model has one (contract.masked_call_keys()) its masked form for the prefills a little
-    longer. softmax_floor (default on): passes.softmax_floor in every graph but the decode-step ones;
-    off for a CPU whose Softmax takes masked scores at full speed (docs/benchmarking.md#the-softmax-floor)."""
+    where the model has one (contract.masked_call_keys(), masked_call_excess()) its masked form for
+    the prefills a little longer. softmax_floor (default on): passes.softmax_floor in every graph but
+    the decode-step ones; off for a CPU whose Softmax takes masked scores at full speed
+    (docs/benchmarking.md#the-softmax-floor)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -355,13 +356,16 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         # short calls: an attention-by-sample If would only cost (by_sample=False)
         if longer is not None:  # the inner If: prefills up to `longer` tokens, the masked program
             say(f"tracing and lowering the masked short-call graph too (prefills of {keys + 1} to {longer} "
-                "tokens) ...")
+                "tokens, and longer ones where masking adds few scores) ...")
             masked_ep = trace_for(model, contract, short=True, masked=True, decode_graph=step)
             masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
                                           short=True, masked=True, decode_graph=step, by_sample=False, floor=floor)
+            excess = contract.masked_call_excess()  # longer prefills too, where masking adds few scores
             proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
-                                              max_keys=longer, domain=fx.DOMAIN, masked=True)
+                                              max_keys=longer, domain=fx.DOMAIN, masked=True, excess=excess)
             within["masked_keys"] = longer
+            if excess is not None:
+                within["masked_excess"] = excess
             if isinstance(heads, int) and heads > 0 and _may_run_by_sample(contract, LARGE_CALL_BATCH * longer, longer):
                 # its large batches a sample at a time (the bias planes gathered in the Loop), behind an If
                 # of their own: the masked program's smaller calls pay no If a layer
@@ -371,7 +375,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                     say("the masked short-call graph for large batches too (attention a sample at a time) ...")
                     by_sample = {"heads": heads, "from_scores": fx.BY_SAMPLE_FROM}
                     proto = dispatch.merge_short_call(big, proto, keys_input=keys_input, cache_input=cache_input,
-                                                      max_keys=longer, domain=fx.DOMAIN, masked=True, large=by_sample)
+                                                      max_keys=longer, domain=fx.DOMAIN, masked=True, large=by_sample,
+                                                      excess=excess)
                     within["masked_large_call"] = by_sample
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
         short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,

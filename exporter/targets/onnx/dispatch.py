@@ -433,7 +433,7 @@ def merge_decode_step(step: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
 
 def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_input: str, cache_input: str,
                      max_keys: int, domain: str = "adaptex", masked: bool = False,
-                     large: dict | None = None) -> onnx.ModelProto:
+                     large: dict | None = None, excess: dict | None = None) -> onnx.ModelProto:
     """One model that runs `short`'s graph (a decoder's short-call program: a prefill where every
     head attends as dense attention does, which streaming attention equals where every key lies
     within its sinks and window) for prefills of at most `max_keys` keys (the length of
@@ -446,11 +446,15 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     passes.attention_by_sample, run only where its layers' Ifs attend a sample at a time, batch > 1
     and batch x keys x keys x heads >= from_scores (a prefill: its new tokens are its keys); its
     values are dispatch.masked_large_*, and the masked program's If (merged with `general` before)
-    holds the other masked calls."""
+    holds the other masked calls.
+    excess (with masked): {"heads", "beyond", "up_to"}: prefills of more than max_keys keys also run
+    `short` where batch x heads x keys x max(0, keys - beyond) <= up_to (the scores that masking adds
+    over block-local attention: graphs.ops.elastic_attention.call_runs_masked), the batch 1 where
+    `large` (whose calls attend a sample at a time)."""
     gs, gg = short.graph, general.graph
     what = ("masked short-call (large)" if large else "masked short-call") if masked else "short-call"
-    if large is not None and not masked:
-        raise ExportError("short-call dispatch: `large` is for the masked short-call program")
+    if (large is not None or excess is not None) and not masked:
+        raise ExportError("short-call dispatch: `large` and `excess` are for the masked short-call program")
     if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
         raise ExportError(f"{what} dispatch: max_keys must be a whole number of at least 1, got {max_keys!r}")
     _same_io(gs, gg, f"{what} and general graphs")
@@ -464,14 +468,20 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     key_nodes, keys = _squeezed_axis(keys_input, 1, f"{sub}keys")
     cache_nodes, cached = _squeezed_axis(cache_input, 2, f"{sub}prefill_cache")
     within = f"{prefix}within_reach"
+    few = f"{prefix}few_keys"
     cond_nodes = key_nodes + cache_nodes + [
-        helper.make_node("LessOrEqual", [keys, limit.name], [f"{prefix}few_keys"], name=f"{prefix}LessOrEqual_keys"),
-        helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache"),
-        helper.make_node("And", [f"{prefix}few_keys", f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"),
-    ]
+        helper.make_node("LessOrEqual", [keys, limit.name], [few], name=f"{prefix}LessOrEqual_keys"),
+        helper.make_node("Equal", [cached, none.name], [f"{prefix}no_cache_yet"], name=f"{prefix}Equal_cache")]
     consts = [limit, none]
+    batch_nodes, batch = _squeezed_axis(keys_input, 0, f"{sub}batch")  # added where a condition reads it
+    if excess is not None:
+        excess_nodes, excess_consts = _excess_cond(None if large else batch, keys, excess, prefix)
+        cond_nodes += ([] if large else batch_nodes) + excess_nodes + [
+            helper.make_node("Or", [few, f"{prefix}few_excess"], [f"{prefix}few_keys_or_excess"],
+                             name=f"{prefix}Or_excess")]
+        few, consts = f"{prefix}few_keys_or_excess", consts + excess_consts
+    cond_nodes.append(helper.make_node("And", [few, f"{prefix}no_cache_yet"], [within], name=f"{prefix}And_within"))
     if large is not None:
-        batch_nodes, batch = _squeezed_axis(keys_input, 0, f"{sub}batch")
         large_nodes, large_consts = _large_call_cond(batch, keys, keys, large, prefix, f"{prefix}large")
         cond_nodes += batch_nodes + large_nodes + [
             helper.make_node("And", [within, f"{prefix}large"], [f"{prefix}call"], name=f"{prefix}And_call")]
@@ -480,6 +490,31 @@ def merge_short_call(short: onnx.ModelProto, general: onnx.ModelProto, *, keys_i
     return _if_model(short_model, general, tags=(tag, "long"), overload=overload,
                      cond_nodes=cond_nodes, cond=within, initializers=inits + consts, then_initializers=read,
                      domain=domain, other_local=not _dispatches(general))
+
+
+def _excess_cond(batch: str | None, keys: str, excess: dict, prefix: str) -> tuple[list, list]:
+    """Nodes computing `prefix`few_excess = batch x heads x keys x max(0, keys - beyond) <= up_to
+    (excess's values; without `batch`, a sample's) from scalars, and their constants."""
+    for what in ("heads", "beyond", "up_to"):
+        n = excess.get(what)
+        if isinstance(n, bool) or not isinstance(n, int) or n < (0 if what == "beyond" else 1):
+            raise ExportError(f"masked short-call dispatch: excess {what} must be a whole number of at least "
+                              f"{0 if what == 'beyond' else 1}, got {n!r}")
+    zero, beyond, heads, up_to = (numpy_helper.from_array(np.array(v, dtype=np.int64), f"{prefix}excess_{n}")
+                                  for n, v in (("zero", 0), ("beyond", excess["beyond"]),
+                                               ("heads", excess["heads"]), ("up_to", excess["up_to"])))
+    p = f"{prefix}excess"
+    nodes = [helper.make_node("Sub", [keys, beyond.name], [f"{p}_keys_less_beyond"], name=f"{p}_Sub"),
+             helper.make_node("Max", [f"{p}_keys_less_beyond", zero.name], [f"{p}_keys_past_row"], name=f"{p}_Max"),
+             helper.make_node("Mul", [keys, f"{p}_keys_past_row"], [f"{p}_cells"], name=f"{p}_Mul_cells"),
+             helper.make_node("Mul", [f"{p}_cells", heads.name], [f"{p}_scores"], name=f"{p}_Mul_heads")]
+    scores = f"{p}_scores"
+    if batch is not None:
+        nodes.append(helper.make_node("Mul", [scores, batch], [f"{p}_call"], name=f"{p}_Mul_batch"))
+        scores = f"{p}_call"
+    nodes.append(helper.make_node("LessOrEqual", [scores, up_to.name], [f"{prefix}few_excess"],
+                                  name=f"{p}_LessOrEqual"))
+    return nodes, [zero, beyond, heads, up_to]
 
 
 def _large_call_cond(batch: str, new: str, keys: str, large: dict, prefix: str, out: str) -> tuple[list, list]:
@@ -565,12 +600,19 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
         prefill = shapes[short_call["cache_input"]][2] == 0
         path.append(bool(keys <= short_call["max_keys"] and prefill))
         if not path[-1] and short_call.get("masked_keys"):  # the masked short-call programs' Ifs, inside
-            masked = keys <= short_call["masked_keys"] and prefill
+            excess = short_call.get("masked_excess")
+
+            def masked(b: int) -> bool:  # _excess_cond's condition, beside the key count's
+                few = keys <= short_call["masked_keys"] or (
+                    excess is not None
+                    and b * excess["heads"] * keys * max(0, keys - excess["beyond"]) <= excess["up_to"])
+                return bool(few and prefill)
+
             if short_call.get("masked_large_call"):  # attention by sample, outside the plain one's If
-                path.append(bool(masked and _large(batch, keys, keys, short_call["masked_large_call"])))
+                path.append(masked(1) and _large(batch, keys, keys, short_call["masked_large_call"]))
                 if path[-1]:
                     return tuple(path)
-            path.append(bool(masked))
+            path.append(masked(batch))
         return tuple(path)
     if dense:
         rows = shapes[dense["rows_input"]]

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.graphs.ops.budgeted_attention import ACTIVE_HEADS_WASTE_ROWS, group_ratio
 from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
-from adaptex.graphs.ops.elastic_attention import ENCODER_MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO
+from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO
 
 DOMAIN = "adaptex"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
@@ -597,7 +597,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     sample (H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
     pairs' keys outside their reach masked; with the default an encoder's call (causal_known False)
     also does where masking adds few scores over block-local attention
-    (elastic_attention.encoder_runs_masked; the translation's test, with `heads`). dense: the full
+    (elastic_attention.call_runs_masked; the translation's test, with `heads`). dense: the full
     score matrix for every head, SA heads through a band mask (static shapes). Padding masks by
     addition (a bias per key), causality by one Trilu of NEG above the diagonal (no T x S
     comparisons). causal_known (the call's causal flag where
@@ -747,11 +747,11 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         HT = b("Mul", H, T)
         few = b("LessOrEqual", b("Mul", HT, S), b.const(up_to))
         if causal_known is False and masked_up_to is None:  # an encoder's call: also where masking adds few
-            # scores over block-local attention (elastic_attention.encoder_runs_masked)
+            # scores over block-local attention (elastic_attention.call_runs_masked)
             B = b("Squeeze", b("Shape", q, start=0, end=1), b.const([0]))
             beyond = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)  # keys past a row
             excess = b("Mul", b("Mul", B, HT), beyond)
-            few = b("Or", few, b("LessOrEqual", excess, b.const(ENCODER_MASKED_EXCESS_UP_TO)))
+            few = b("Or", few, b("LessOrEqual", excess, b.const(MASKED_EXCESS_UP_TO)))
         return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
@@ -955,7 +955,7 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # bias planes (2 B, T, S: a sample's padding bias, and that with the keys outside an SA query's reach
 # hidden; empty, (2 B, 0, S), for a call past MIXED_CALL_MASKED_UP_TO) and each sample's first plane
 # (B, 1: 2 b), and whether the call attends every pair masked (a bool scalar: the test of
-# elastic_attention.encoder_runs_masked). lowerings.elastic_encoder_node_for computes them in the graph
+# elastic_attention.call_runs_masked). lowerings.elastic_encoder_node_for computes them in the graph
 # once for all the layers, where each layer's body had run about thirty small kernels for them.
 ENCODER_SHARED = ["reach", "unpadded", "flat_mask", "planes", "first", "masked"]
 

@@ -106,10 +106,10 @@ def elastic_encoder_node_for(heads: int):
                           op.Concat(ints(-1), S1, axis=0))  # (B H, S)
         # a masked call's bias planes, (2 B, Tm, S): Tm = T where the body takes the masked path, else 0
         few = op.LessOrEqual(op.Mul(S, S), op.Constant(value_int=fx.MIXED_CALL_MASKED_UP_TO // heads))
-        if fx.MIXED_CALL_MASKED_UP_TO > 0:  # also where masking adds few scores (encoder_runs_masked)
+        if fx.MIXED_CALL_MASKED_UP_TO > 0:  # also where masking adds few scores (call_runs_masked)
             beyond = op.Max(op.Sub(S, op.Constant(value_int=sink + 2 * window)), zero)  # keys past a row
             excess = op.Mul(op.Mul(op.Mul(B, op.Constant(value_int=heads)), S), beyond)
-            few = op.Or(few, op.LessOrEqual(excess, op.Constant(value_int=fx.ENCODER_MASKED_EXCESS_UP_TO)))
+            few = op.Or(few, op.LessOrEqual(excess, op.Constant(value_int=fx.MASKED_EXCESS_UP_TO)))
         Tm = op.Where(few, S, zero)
         a = op.Unsqueeze(op.Range(zero, Tm, one), ints(1))  # (Tm, 1) query positions
         j = op.Unsqueeze(op.Range(zero, S, one), ints(0))  # (1, S)
