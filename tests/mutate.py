@@ -110,11 +110,11 @@ MUTANTS = [
            "executed = flops_per_token(cfg, ctx, [1.0] * len(rates))",
            "bench: TSA's sparse graph accounted as executing every token",
            ("tests/test_bench_accounting.py",)),
-    Mutant("masked_large_batched", "exporter/targets/onnx/dispatch.py",
+    Mutant("excess_per_sample", "exporter/targets/onnx/dispatch.py",
            "_excess_cond(None if large else batch, keys, excess, prefix)",
-           "_excess_cond(batch, keys, excess, prefix)",
-           "a decoder's large prefill counts its whole batch's excess scores, though its attention runs a sample "
-           "at a time (the masked program's by-sample form never taken past the key count's rule)",
+           "_excess_cond(None, keys, excess, prefix)",
+           "a decoder's batched prefill counts a sample's excess scores, not the batch's (the masked program "
+           "taken where it costs more)",
            ("tests/test_decode_graph.py",)),
     Mutant("excess_ignored_by_bench", "exporter/targets/onnx/dispatch.py",
            "            excess = short_call.get(\"masked_excess\")\n",
