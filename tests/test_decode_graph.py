@@ -231,10 +231,10 @@ def test_a_longer_prefill_runs_the_masked_program_where_masking_adds_few_scores(
 def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph_does(
         longer_decoder, tmp_path, batch, seq, pad, branch):
     """The branch the graph takes is the one dispatch.taken (and so bench) names, the masked ones
-    where elastic_attention.call_runs_masked says at the batch the attention runs (a sample's where it
-    runs by sample); its outputs are the general graph's, decisions exactly, where parity compares
-    them (the contract's select: a padded position's logits and cache entries, which the gathering
-    and the masked paths compute differently, mean nothing)."""
+    where elastic_attention.call_runs_masked says (a sample's excess where the call is large); its
+    outputs are the general graph's, decisions exactly, where parity compares them (the contract's
+    select: a padded position's logits and cache entries, which the gathering and the masked paths
+    compute differently, mean nothing)."""
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.graphs.ops.elastic_attention import call_runs_masked
     from adaptex.runtimes.bench import ran_graph
@@ -243,10 +243,10 @@ def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph
     sess = _session(path)
     feeds = _feeds(sess, batch, seq, 0, "mixed", pad)
     assert _ran(path, feeds, tmp_path) == {branch}
-    names = {"masked": "masked short-call", "masked_large": "masked short-call (attention by sample)", "long": "general"}
+    names = {"masked": "masked short-call", "masked_large": "masked short-call (attention by sample)",
+             "long": "general"}
     assert ran_graph(read_onnx_metadata(path), seq, 0, batch) == names[branch]
-    by_sample = batch > 1 and batch * 4 * seq * seq >= fx.BY_SAMPLE_FROM
-    assert call_runs_masked(1 if by_sample else batch, 4, seq, 2, 8) == (branch != "long")
+    assert call_runs_masked(batch, 4, seq, 2, 8) == (branch != "long")
     out, rows = [o.name for o in sess.get_outputs()], np.arange(batch)
     got, want = ([longer_decoder["contract"].select(n, v, feeds, {"past": 0}, rows) for n, v in zip(out, values)]
                  for values in (sess.run(None, feeds), _session(longer_decoder["general"]).run(None, feeds)))

@@ -251,6 +251,22 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
         assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, bound
         ran = [out[p].shape for p in probes if out[p].size]
         assert (ran == [(B, H, T, T)]) == masks, (bound, ran)
+    # a large call (B > 1 and B H T T >= BY_SAMPLE_FROM: its gathering paths go a sample or a pair at a
+    # time) counts a sample's excess: within the bound at that threshold, past it one score below
+    monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", excess // B)
+    monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", excess // B)
+    for from_scores, masks in ((B * H * T * T, True), (B * H * T * T + 1, False)):
+        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", from_scores)
+        monkeypatch.setattr(ea, "BY_SAMPLE_FROM", from_scores)
+        assert call_runs_masked(B, H, T, sink, window) == masks
+        proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
+        probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
+        out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
+                                  "key_mask": km.numpy()})
+        ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, False)
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, from_scores
+        ran = [out[p].shape for p in probes if out[p].size]
+        assert (ran == [(B, H, T, T)]) == masks, (from_scores, ran)
 
 
 def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
@@ -366,22 +382,27 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-@pytest.mark.parametrize("up_to", [None, 0, "excess"])
+@pytest.mark.parametrize("up_to", [None, 0, "excess", "large"])
 def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, monkeypatch,
                                                                               capsys, up_to):
     """An encoder's ONNX Runtime calls read what every layer derives alike from the key mask
     (fx.ENCODER_SHARED: the reach and padding tests, the pairs' key mask, a masked call's bias planes)
     as inputs that the graph computes once; the artifact passes parity with its small calls masked
     (the default threshold), with every call gathering pairs by mode (the threshold at 0), and with
-    every call masked by the encoder's second test alone (masking adds few scores: "excess")."""
+    every call masked by the encoder's second test alone (masking adds few scores: "excess"), and the
+    probed call masked only by that test counting a sample's excess, the call large ("large")."""
     import onnx
 
-    if up_to == "excess":
+    model, info = checkpoint.load(elastic_ckpt)
+    if up_to in ("excess", "large"):
         monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
         monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
     elif up_to is not None:
         monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", up_to)
-    model, info = checkpoint.load(elastic_ckpt)
+    if up_to == "large":  # the probed call (2 samples of T = 20): its batch's excess past the bound, a sample's not
+        H, cfg = model.cfg.num_heads, model.cfg
+        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", H * 20 * (20 - cfg.sink - 2 * cfg.window))
+        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 2 * H * 20 * 20)
     path = tmp_path / "el.onnx"
     zoo.export(model, info, path)
     graph = onnx.load(path).graph

@@ -29,6 +29,8 @@ import math
 import torch
 from torch import Tensor
 
+from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
+
 OP_NAME = "adaptex::elastic_attention"
 NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, never NaN)
 
@@ -55,7 +57,10 @@ MIXED_CALL_MASKED_UP_TO = 1 << 17
 # the general graph): B1, T = 256 0.911, T = 288 0.929, T = 320 0.972, T = 352 0.990, T = 384 1.032;
 # B2, T = 224 0.915, T = 256 0.957, T = 288 0.987; B4, T = 192 0.954, T = 224 0.971, T = 256 1.061;
 # B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130, and a
-# decoder's prefill B1 up to T = 297, B2 up to T = 236 and B4 up to T = 195 (elastic-charlm).
+# decoder's prefill B1 up to T = 297, B2 up to T = 236 and B4 up to T = 195 (elastic-charlm). A large
+# call counts a sample's excess (call_runs_masked): elastic-minilm B32, T = 128 0.971 and 0.974, B64,
+# T = 128 0.960 and 0.966, B64, T = 160 0.998 and 0.997, B64, T = 192 1.009 (two runs), where B16,
+# T = 128 (below the threshold) ran 0.990; elastic-charlm's by-sample prefills B64, T = 192 0.908.
 MASKED_EXCESS_UP_TO = 3 << 16
 
 
@@ -73,10 +78,13 @@ def masked_excess(batch: int, pairs: int, T: int, sink: int, window: int) -> int
 
 def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int) -> bool:
     """runs_masked for a call whose T tokens are its keys (an encoder's; a decoder's prefill, which its
-    masked short-call program runs): also where masked_excess fits MASKED_EXCESS_UP_TO (never with
-    MIXED_CALL_MASKED_UP_TO at 0, which turns the masked path off)."""
+    masked short-call program runs): also where masked_excess fits MASKED_EXCESS_UP_TO, a sample's
+    where the call is large (batch > 1, batch x pairs x T x T >= BY_SAMPLE_FROM: the gathering paths
+    then attend a sample or a pair at a time, as the decoder's masked program does); never with
+    MIXED_CALL_MASKED_UP_TO at 0, which turns the masked path off."""
+    counted = 1 if batch > 1 and batch * pairs * T * T >= BY_SAMPLE_FROM else batch
     return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1
-                                        and masked_excess(batch, pairs, T, sink, window) <= MASKED_EXCESS_UP_TO)
+                                        and masked_excess(counted, pairs, T, sink, window) <= MASKED_EXCESS_UP_TO)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:

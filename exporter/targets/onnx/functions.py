@@ -750,7 +750,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
             # scores over block-local attention (elastic_attention.call_runs_masked)
             B = b("Squeeze", b("Shape", q, start=0, end=1), b.const([0]))
             beyond = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)  # keys past a row
-            excess = b("Mul", b("Mul", B, HT), beyond)
+            large = b("And", b("Greater", B, c1), b("GreaterOrEqual", b("Mul", b("Mul", B, HT), S),
+                                                     b.const(BY_SAMPLE_FROM)))
+            excess = b("Mul", b("Mul", b("Where", large, c1, B), HT), beyond)  # a large call's: a sample's
             few = b("Or", few, b("LessOrEqual", excess, b.const(MASKED_EXCESS_UP_TO)))
         return b.if_(few, masked, by_mode)
 

@@ -108,7 +108,10 @@ def elastic_encoder_node_for(heads: int):
         few = op.LessOrEqual(op.Mul(S, S), op.Constant(value_int=fx.MIXED_CALL_MASKED_UP_TO // heads))
         if fx.MIXED_CALL_MASKED_UP_TO > 0:  # also where masking adds few scores (call_runs_masked)
             beyond = op.Max(op.Sub(S, op.Constant(value_int=sink + 2 * window)), zero)  # keys past a row
-            excess = op.Mul(op.Mul(op.Mul(B, op.Constant(value_int=heads)), S), beyond)
+            HS = op.Mul(op.Constant(value_int=heads), S)
+            large = op.And(op.Greater(B, one),
+                           op.GreaterOrEqual(op.Mul(op.Mul(B, HS), S), op.Constant(value_int=fx.BY_SAMPLE_FROM)))
+            excess = op.Mul(op.Mul(op.Where(large, one, B), HS), beyond)  # a large call's: a sample's
             few = op.Or(few, op.LessOrEqual(excess, op.Constant(value_int=fx.MASKED_EXCESS_UP_TO)))
         Tm = op.Where(few, S, zero)
         a = op.Unsqueeze(op.Range(zero, Tm, one), ints(1))  # (Tm, 1) query positions
