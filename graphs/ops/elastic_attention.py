@@ -58,9 +58,9 @@ MIXED_CALL_MASKED_UP_TO = 1 << 17
 # B2, T = 224 0.915, T = 256 0.957, T = 288 0.987; B4, T = 192 0.954, T = 224 0.971, T = 256 1.061;
 # B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130, and a
 # decoder's prefill B1 up to T = 297, B2 up to T = 236 and B4 up to T = 195 (elastic-charlm). A large
-# call counts a sample's excess (call_runs_masked): elastic-minilm B32, T = 128 0.971 and 0.974, B64,
-# T = 128 0.960 and 0.966, B64, T = 160 0.998 and 0.997, B64, T = 192 1.009 (two runs), where B16,
-# T = 128 (below the threshold) ran 0.990; elastic-charlm's by-sample prefills B64, T = 192 0.908.
+# call counts a sample's excess (call_runs_masked). elastic-minilm, two runs: B32, T = 128 0.971 and
+# 0.974, B64, T = 128 0.960 and 0.966, B64, T = 160 0.998 and 0.997; one: B64, T = 192 1.009, and
+# B16, T = 128 (below the threshold) 0.990. elastic-charlm's by-sample prefills: B64, T = 192 0.908.
 MASKED_EXCESS_UP_TO = 3 << 16
 
 
