@@ -228,7 +228,8 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
     """An encoder's body (causal known False, the default threshold) also attends every pair masked
     where the scores masking adds over block-local SA, B H T (T - sink - 2 window), fit
     MASKED_EXCESS_UP_TO, though H T T is past MIXED_CALL_MASKED_UP_TO; one score past that
-    bound it gathers. The reference's output either way, as call_runs_masked says."""
+    bound it gathers; a large call counts a sample's excess. The reference's output either way, as
+    call_runs_masked says."""
     from adaptex.graphs.ops.elastic_attention import call_runs_masked
     from tests import planted
 
@@ -239,18 +240,22 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
     monkeypatch.setattr(ea, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)
     q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
     sa[0, 0], sa[0, 1] = True, False  # a mix
-    for bound, masks in ((excess, True), (excess - 1, False)):
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", bound)
-        monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", bound)
+
+    def runs(masks: bool, why) -> None:  # the reference's output, by the path call_runs_masked names
         assert call_runs_masked(B, H, T, sink, window) == masks
         proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
         probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
         out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
                                   "key_mask": km.numpy()})
         ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, False)
-        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, bound
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, why
         ran = [out[p].shape for p in probes if out[p].size]
-        assert (ran == [(B, H, T, T)]) == masks, (bound, ran)
+        assert (ran == [(B, H, T, T)]) == masks, (why, ran)
+
+    for bound, masks in ((excess, True), (excess - 1, False)):
+        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", bound)
+        monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", bound)
+        runs(masks, bound)
     # a large call (B > 1 and B H T T >= BY_SAMPLE_FROM: its gathering paths go a sample or a pair at a
     # time) counts a sample's excess: within the bound at that threshold, past it one score below
     monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", excess // B)
@@ -258,15 +263,7 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
     for from_scores, masks in ((B * H * T * T, True), (B * H * T * T + 1, False)):
         monkeypatch.setattr(fx, "BY_SAMPLE_FROM", from_scores)
         monkeypatch.setattr(ea, "BY_SAMPLE_FROM", from_scores)
-        assert call_runs_masked(B, H, T, sink, window) == masks
-        proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
-        probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
-        out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
-                                  "key_mask": km.numpy()})
-        ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, False)
-        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, from_scores
-        ran = [out[p].shape for p in probes if out[p].size]
-        assert (ran == [(B, H, T, T)]) == masks, (from_scores, ran)
+        runs(masks, from_scores)
 
 
 def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
