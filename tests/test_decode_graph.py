@@ -199,18 +199,18 @@ def longer_decoder(tmp_path_factory) -> dict:
     block-local attention, batch x 4 heads x T x (T - sink - 2 window = T - 18), are at most
     MASKED_EXCESS_UP_TO (3 x 2^16): B1 up to T = 230, B2 not past 181; a batch whose attention runs a
     sample at a time (batch x 4 x T^2 >= fx.BY_SAMPLE_FROM = 2^22) counts as B1."""
+    from adaptex.graphs.family import family_contract
+
     d = tmp_path_factory.mktemp("longer")
     checkpoint.save(d / "ck", zoo.tiny_elastic_decoder(max_len=320), {"description": "longer decoder"})
     model, info = checkpoint.load(d / "ck")
     paths = {"default": d / "m.onnx", "general": d / "g.onnx"}
     zoo.export(model, info, paths["default"])
     zoo.export(model, info, paths["general"], decode_graph="off", short_graph="off")
-    from adaptex.graphs.family import family_contract
-
     return {**paths, "contract": family_contract(model)}
 
 
-def test_a_longer_prefill_runs_the_masked_program_where_masking_adds_few_scores(longer_decoder):
+def test_the_artifact_records_where_longer_prefills_run_the_masked_program(longer_decoder):
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO
 
