@@ -46,7 +46,7 @@ from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_famil
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
-from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO, NEG, runs_masked
+from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, PREFILL_MASKED_EXCESS_UP_TO, runs_masked
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -511,12 +511,12 @@ class ElasticDecoderFamily(DecoderContract):
 
     def masked_call_excess(self) -> dict | None:
         # longer prefills too, where the scores masking adds over block-local attention are few
-        # (elastic_attention.call_runs_masked; elastic-charlm, B1: 0.911 of the general graph at T = 256,
-        # 0.929 at T = 288; docs/benchmarking.md#short-calls)
+        # (elastic_attention.call_runs_masked with PREFILL_MASKED_EXCESS_UP_TO; elastic-charlm, B1: 0.911
+        # of the general graph at T = 256, 0.929 at T = 288; docs/benchmarking.md#short-calls)
         cfg = self.cfg
         if (self.masked_call_keys() or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
             return None
-        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": MASKED_EXCESS_UP_TO}
+        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": PREFILL_MASKED_EXCESS_UP_TO}
 
     def routing_meta(self) -> dict:
         cfg = self.cfg

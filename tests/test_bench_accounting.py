@@ -316,12 +316,12 @@ def test_a_prefill_the_masked_program_runs_executes_every_key():
     """A prefill longer than the general body's per-sample rule that the masked short-call program
     runs (its masked_excess: runtimes.bench.MASKED_PROGRAMS) is counted as every key; the same
     prefill in the general graph as the decisions' FLOPs."""
-    from adaptex.graphs.ops.elastic_attention import call_runs_masked, runs_masked
+    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO, call_runs_masked, runs_masked
     from adaptex.runtimes.bench import MASKED_PROGRAMS
 
     model = zoo.tiny_elastic_decoder(max_len=320)
-    contract, T = family_contract(model), 230
-    assert not runs_masked(4, T, T) and call_runs_masked(1, 4, T, 2, 8)
+    contract, T = family_contract(model), 265
+    assert not runs_masked(4, T, T) and call_runs_masked(1, 4, T, 2, 8, PREFILL_MASKED_EXCESS_UP_TO)
     assert {"masked short-call", "masked short-call (attention by sample)"} <= set(MASKED_PROGRAMS)
     out = {f"decisions.layer{i}.sa": np.array([[True, False, True, True]]) for i in range(model.cfg.num_layers)}
     r = contract.flops(out, "sparse", T, masked_program=True)

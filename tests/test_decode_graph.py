@@ -197,7 +197,7 @@ def longer_decoder(tmp_path_factory) -> dict:
     past its masked short-call program's 181 tokens (4 heads x 181^2 scores a sample is within
     MIXED_CALL_MASKED_UP_TO), a prefill also runs that program where the scores masking adds over
     block-local attention, batch x 4 heads x T x (T - sink - 2 window = T - 18), are at most
-    MASKED_EXCESS_UP_TO (3 x 2^16): B1 up to T = 230, B2 not past 181; a batch whose attention runs a
+    PREFILL_MASKED_EXCESS_UP_TO (2^18): B1 up to T = 265, B2 up to 190; a batch whose attention runs a
     sample at a time (batch x 4 x T^2 >= fx.BY_SAMPLE_FROM = 2^22) counts as B1."""
     from adaptex.graphs.family import family_contract
 
@@ -212,20 +212,21 @@ def longer_decoder(tmp_path_factory) -> dict:
 
 def test_the_artifact_records_where_longer_prefills_run_the_masked_program(longer_decoder):
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO
+    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO
 
     within = read_onnx_metadata(longer_decoder["default"])["short_call"]
-    assert within["masked_keys"] == 181 and MASKED_EXCESS_UP_TO == 3 << 16
-    assert within["masked_excess"] == {"heads": 4, "beyond": 18, "up_to": MASKED_EXCESS_UP_TO}
+    assert within["masked_keys"] == 181 and PREFILL_MASKED_EXCESS_UP_TO == 1 << 18
+    assert within["masked_excess"] == {"heads": 4, "beyond": 18, "up_to": PREFILL_MASKED_EXCESS_UP_TO}
 
 
 @pytest.mark.parametrize("batch, seq, pad, branch", [
-    (1, 230, 0, "masked"),       # 4 x 230 x 212 = 195,040 excess scores
-    (1, 231, 0, "long"),         # 196,812: past the bound
+    (1, 265, 0, "masked"),       # 4 x 265 x 247 = 261,820 excess scores
+    (1, 266, 0, "long"),         # 263,872: past the bound
     (2, 181, 3, "masked"),       # within 181 tokens at any batch
-    (2, 182, 0, "long"),         # 2 x 4 x 182 x 164 = 238,784
+    (2, 190, 2, "masked"),       # 2 x 4 x 190 x 172 = 261,440
+    (2, 191, 0, "long"),         # 264,344
     (27, 200, 5, "masked_large"),  # 27 x 4 x 200^2 >= 2^22: a sample at a time, each sample's excess 145,600
-    (27, 231, 0, "long"),        # ... each sample's past the bound
+    (27, 266, 0, "long"),        # ... each sample's past the bound
     (26, 200, 0, "long"),        # below 2^22: batched, 26 x 145,600
 ])
 def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph_does(
@@ -236,7 +237,7 @@ def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph
     select: a padded position's logits and cache entries, which the gathering and the masked paths
     compute differently, mean nothing)."""
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.graphs.ops.elastic_attention import call_runs_masked
+    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO, call_runs_masked
     from adaptex.runtimes.bench import ran_graph
 
     path = longer_decoder["default"]
@@ -246,7 +247,7 @@ def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph
     names = {"masked": "masked short-call", "masked_large": "masked short-call (attention by sample)",
              "long": "general"}
     assert ran_graph(read_onnx_metadata(path), seq, 0, batch) == names[branch]
-    assert call_runs_masked(batch, 4, seq, 2, 8) == (branch != "long")
+    assert call_runs_masked(batch, 4, seq, 2, 8, PREFILL_MASKED_EXCESS_UP_TO) == (branch != "long")
     out, rows = [o.name for o in sess.get_outputs()], np.arange(batch)
     got, want = ([longer_decoder["contract"].select(n, v, feeds, {"past": 0}, rows) for n, v in zip(out, values)]
                  for values in (sess.run(None, feeds), _session(longer_decoder["general"]).run(None, feeds)))

@@ -56,12 +56,19 @@ MIXED_CALL_MASKED_UP_TO = 1 << 17
 # T = 128 1.003; B8, T = 128 1.031. elastic-charlm's prefills (its masked short-call program against
 # the general graph): B1, T = 256 0.911, T = 288 0.929, T = 320 0.972, T = 352 0.990, T = 384 1.032;
 # B2, T = 224 0.915, T = 256 0.957, T = 288 0.987; B4, T = 192 0.954, T = 224 0.971, T = 256 1.061;
-# B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130, and a
-# decoder's prefill B1 up to T = 297, B2 up to T = 236 and B4 up to T = 195 (elastic-charlm). A large
+# B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130; a decoder's
+# prefill takes PREFILL_MASKED_EXCESS_UP_TO, below. A large
 # call counts a sample's excess (call_runs_masked). elastic-minilm, two runs: B32, T = 128 0.971 and
 # 0.974, B64, T = 128 0.960 and 0.966, B64, T = 160 0.998 and 0.997; one: B64, T = 192 1.009, and
 # B16, T = 128 (below the threshold) 0.990. elastic-charlm's by-sample prefills: B64, T = 192 0.908.
 MASKED_EXCESS_UP_TO = 3 << 16
+
+# A decoder's prefill (its masked short-call program) gained further: past 3 x 2^16 its program against
+# the one at 3 x 2^16 (elastic-charlm, same CPU and settings) ran B1, T = 320 0.975 and T = 330 0.979,
+# B2, T = 248 0.953 and T = 256 0.965, B4, T = 200 0.929 and T = 210 0.948 (240,640 to 261,440 excess
+# scores), and masking against gathering was even by about 360,000 (B2, T = 288 0.987, B8, T = 192
+# 1.005). This bound takes elastic-charlm's B1 up to T = 330, B2 up to T = 258 and B4 up to T = 210.
+PREFILL_MASKED_EXCESS_UP_TO = 1 << 18
 
 
 def runs_masked(pairs: int, T: int, S: int) -> bool:
@@ -76,15 +83,17 @@ def masked_excess(batch: int, pairs: int, T: int, sink: int, window: int) -> int
     return batch * pairs * T * max(0, T - sink - 2 * window)
 
 
-def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int) -> bool:
+def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int, up_to: int | None = None) -> bool:
     """runs_masked for a call whose T tokens are its keys (an encoder's; a decoder's prefill, which its
-    masked short-call program runs): also where masked_excess fits MASKED_EXCESS_UP_TO, a sample's
-    where the call is large (batch > 1, batch x pairs x T x T >= BY_SAMPLE_FROM: the gathering paths
-    then attend a sample or a pair at a time, as the decoder's masked program does); never with
-    MIXED_CALL_MASKED_UP_TO at 0, which turns the masked path off."""
+    masked short-call program runs): also where masked_excess fits `up_to` (MASKED_EXCESS_UP_TO; a
+    decoder's prefill PREFILL_MASKED_EXCESS_UP_TO), a sample's where the call is large (batch > 1,
+    batch x pairs x T x T >= BY_SAMPLE_FROM: the gathering paths then attend a sample or a pair at a
+    time, as the decoder's masked program does); never with MIXED_CALL_MASKED_UP_TO at 0, which turns
+    the masked path off."""
+    bound = MASKED_EXCESS_UP_TO if up_to is None else up_to
     counted = 1 if batch > 1 and batch * pairs * T * T >= BY_SAMPLE_FROM else batch
     return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1
-                                        and masked_excess(counted, pairs, T, sink, window) <= MASKED_EXCESS_UP_TO)
+                                        and masked_excess(counted, pairs, T, sink, window) <= bound)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:
