@@ -149,7 +149,7 @@ def validate(meta, where) -> dict:
         excess = within.get("masked_excess")
         if excess is not None and (
                 longer is None or not isinstance(excess, dict) or set(excess) != {"heads", "beyond", "up_to"}
-                or not _whole(excess, ("heads", "up_to")) or not _whole({"b": excess["beyond"]}, ("b",), least=0)):
+                or not _whole(excess, ("heads", "up_to")) or not _whole(excess, ("beyond",), least=0)):
             raise AdaptexError(f"{where}: metadata 'short_call' masked_excess needs masked_keys beside it and only "
                                "heads, up_to (whole numbers >= 1) and beyond (>= 0); re-export it with adaptex")
     large = meta.get("large_call")
