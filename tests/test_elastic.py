@@ -442,6 +442,23 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
 
 
+@pytest.mark.parametrize("sink,window", [(0, 3), (3, 1), (4, 64)])
+def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path, monkeypatch, capsys, sink, window):
+    """An encoder's artifact, its calls reading what every layer derives alike (fx.ENCODER_SHARED),
+    with SA pairs block-local in every call (the masked threshold at 0): no sink and an odd window, a
+    window of one (no key beside the query's own) and a window wider than most calls (one block, a
+    call shorter than it). It passes `adaptex check` over prompts of many lengths, padded and not."""
+    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    checkpoint.save(tmp_path / "ck", zoo.tiny_elastic(sink=sink, window=window), {"description": "blocks"})
+    model, info = checkpoint.load(tmp_path / "ck")
+    path = tmp_path / "el.onnx"
+    zoo.export(model, info, path)
+    capsys.readouterr()
+    assert main(["check", str(path), "--samples", "40", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+
+
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
 def test_tensorrt_bound_onnx_lints_and_passes(artifacts, capsys, variant):
     import onnx
