@@ -368,13 +368,19 @@ def elastic_ckpt(family_checkpoints):
     return family_checkpoints / "el"
 
 
+def _checked(capsys, path) -> dict:
+    """`adaptex check` of an artifact over 40 inputs: passed, no unexcused flip, decisions that vary."""
+    capsys.readouterr()
+    assert main(["check", str(path), "--samples", "40", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    return r
+
+
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
 def test_export_and_parity(artifacts, capsys, variant):
     out = artifacts("el", "onnx", variant)
-    capsys.readouterr()
-    assert main(["check", str(out), "--samples", "40", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    r = _checked(capsys, out)
     seen = r["decisions"]["decisions.layer0.sa"]["values_seen"]
     assert seen["SA"] > 0 and seen["FA"] > 0
 
@@ -436,10 +442,7 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     H = np.asarray(out["decisions.layer0.sa"]).shape[-1]
     masked = [[out[p].shape for p in call if out[p].size] == [(2, H, 20, 20)] for call in probes]
     assert masked == [up_to != 0] * len(calls), masked
-    capsys.readouterr()
-    assert main(["check", str(path), "--samples", "40", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    _checked(capsys, path)
 
 
 @pytest.mark.parametrize("sink,window", [(0, 3), (3, 1), (4, 64)])
@@ -453,10 +456,7 @@ def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path
     model, info = checkpoint.load(tmp_path / "ck")
     path = tmp_path / "el.onnx"
     zoo.export(model, info, path)
-    capsys.readouterr()
-    assert main(["check", str(path), "--samples", "40", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert r["passed"] and r["unexcused_flips"] == 0 and r["decisions_vary"]
+    _checked(capsys, path)
 
 
 @pytest.mark.parametrize("variant", ["sparse", "dense"])
