@@ -77,10 +77,11 @@ def runs_masked(pairs: int, T: int, S: int) -> bool:
     return T > 1 and pairs * T * S <= MIXED_CALL_MASKED_UP_TO
 
 
-def masked_excess(batch: int, pairs: int, T: int, sink: int, window: int) -> int:
+def masked_excess(batch: int, pairs: int, T: int, beyond: int) -> int:
     """The scores that attending a call of `batch` samples of T tokens (its keys), `pairs` (B, H) pairs a
-    sample, every pair masked adds over block-local attention."""
-    return batch * pairs * T * max(0, T - sink - 2 * window)
+    sample, every pair masked adds over block-local attention, whose rows hold about `beyond` = sink +
+    2 window keys (also the metadata's short_call.masked_excess, dispatch.taken)."""
+    return batch * pairs * T * max(0, T - beyond)
 
 
 def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int, up_to: int | None = None) -> bool:
@@ -93,7 +94,7 @@ def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int, up_
     bound = MASKED_EXCESS_UP_TO if up_to is None else up_to
     counted = 1 if batch > 1 and batch * pairs * T * T >= BY_SAMPLE_FROM else batch
     return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1
-                                        and masked_excess(counted, pairs, T, sink, window) <= bound)
+                                        and masked_excess(counted, pairs, T, sink + 2 * window) <= bound)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:

@@ -57,6 +57,7 @@ from onnx import helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets.onnx.passes import masks_once, reads, rename_reads, shared_subexpressions, subgraphs
+from adaptex.graphs.ops.elastic_attention import masked_excess
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
@@ -604,8 +605,7 @@ def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | N
 
             def masked(b: int) -> bool:  # _excess_cond's condition, beside the key count's
                 few = keys <= short_call["masked_keys"] or (
-                    excess is not None
-                    and b * excess["heads"] * keys * max(0, keys - excess["beyond"]) <= excess["up_to"])
+                    excess is not None and masked_excess(b, excess["heads"], keys, excess["beyond"]) <= excess["up_to"])
                 return bool(few and prefill)
 
             if short_call.get("masked_large_call"):  # attention by sample, outside the plain one's If
