@@ -15,7 +15,11 @@ every artifact takes every place once. The ratio is the median over all rounds a
 baseline's, with [min, max] over the blocks, and the largest output difference from the baseline is
 printed beside it (a change of speed that changes values is a bug). Differences of 1 to 3% need a
 control: pass a byte-identical copy of the baseline too, and read the new artifact against the
-baseline only where the copy's interval holds 1.000.
+baseline only where the copy's interval holds 1.000. A copy cannot show what ONNX Runtime's memory
+plan (enable_mem_pattern: buffers laid out once per input shape) does to a changed graph: two graphs
+of nearly the same work ran 1.034 of each other with it on and 0.986 with it off at a call of 1,024
+rows (docs/benchmarking.md). --memory-plan both times every point with the plan on, then off: a
+gain that holds only with it on is the buffers' layout, not the change's work.
 Against the fastest dense graph, use `adaptex bench`; this script compares adaptive graphs only.
 Each file runs in one ONNX Runtime session, as an app that loads it runs it: a file with run-time
 dispatch is timed with its top-level Ifs, where adaptex's runner (and `adaptex bench`) would run each
@@ -43,7 +47,8 @@ def max_diff(a: dict, b: dict) -> float:
     return out
 
 
-def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng) -> tuple[int, dict, dict]:
+def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng,
+            memory_plan: bool = True) -> tuple[int, dict, dict]:
     """Interleaved rounds within about `budget_s`, in one block per artifact whose sessions are
     created in the order of `paths` rotated by the block's index: (rounds, path -> list of ns,
     path -> the median ns of each block)."""
@@ -56,7 +61,7 @@ def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng) -
         order = paths[block:] + paths[:block]
         fns = {}
         for p in order:  # the first run allocates; it is not timed
-            fns[p] = _ort_runner(p, threads)
+            fns[p] = _ort_runner(p, threads, memory_plan=memory_plan)
             fns[p](feeds)
         if rounds is None:
             t0 = time.perf_counter()
@@ -86,6 +91,9 @@ def main(argv=None) -> int:
                     help="BATCHxNEWxCACHED, comma-separated (encoders: cached 0)")
     ap.add_argument("--budget", type=float, default=15.0, help="seconds of timing per point (default 15)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--memory-plan", choices=("on", "off", "both"), default="on",
+                    help="ONNX Runtime's buffer plan per input shape (enable_mem_pattern) in the timed sessions; "
+                         "both: time each point with it on, then off, the control for a layout effect (default on)")
     args = ap.parse_args(argv)
     import adaptex
     from adaptex.graphs.errors import AdaptexError
@@ -121,15 +129,18 @@ def main(argv=None) -> int:
             diffs = {a: max_diff(ref, fns[a](feeds)) for a in args.artifacts}
             del fns
             gc.collect()
-            rounds, times, medians = compare(args.artifacts, args.threads, feeds, args.budget, rng)
-            b50 = np.median(times[base])
-            cells = []
-            for a in args.artifacts:
-                per_block = [m / mb for m, mb in zip(medians[a], medians[base])]
-                cells.append(f"{Path(a).name} {np.median(times[a]) / 1e6:.3f} ms {np.median(times[a]) / b50:.3f} "
-                             f"[{min(per_block):.3f}, {max(per_block):.3f}] diff {diffs[a]:.1e}")
-            print(f"B{batch} T{seq} past {past} ({rounds} rounds in {len(args.artifacts)} blocks, {args.threads} "
-                  f"thread(s)): " + "; ".join(cells), flush=True)
+            for plan in ("on", "off") if args.memory_plan == "both" else (args.memory_plan,):
+                rounds, times, medians = compare(args.artifacts, args.threads, feeds, args.budget, rng,
+                                                 memory_plan=plan == "on")
+                b50 = np.median(times[base])
+                cells = []
+                for a in args.artifacts:
+                    per_block = [m / mb for m, mb in zip(medians[a], medians[base])]
+                    cells.append(f"{Path(a).name} {np.median(times[a]) / 1e6:.3f} ms {np.median(times[a]) / b50:.3f} "
+                                 f"[{min(per_block):.3f}, {max(per_block):.3f}] diff {diffs[a]:.1e}")
+                planned = "" if args.memory_plan == "on" else f", memory plan {plan}"
+                print(f"B{batch} T{seq} past {past} ({rounds} rounds in {len(args.artifacts)} blocks, {args.threads} "
+                      f"thread(s){planned}): " + "; ".join(cells), flush=True)
     return 0
 
 

@@ -108,18 +108,22 @@ def _size_mb(path: str) -> float:
     return p.stat().st_size / 2**20
 
 
-def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[str, int] | None = None):
+def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[str, int] | None = None,
+                memory_plan: bool = True):
     """A callable from feeds to outputs by name: one session of the file, or with programs=True the
     adaptex runner's way (runtimes.onnxruntime.Programs: a session per program of a dispatching
     artifact). chunks=(rows input, rows): a call of more rows runs in chunks of whole samples
-    (runtimes/chunks.py), whichever the graph, as the runner runs the artifact."""
+    (runtimes/chunks.py), whichever the graph, as the runner runs the artifact. memory_plan: see
+    session_options (one session of the file only)."""
     import onnxruntime as ort
 
+    if programs and not memory_plan:
+        raise ValueError("_ort_runner: memory_plan=False is for one session of the file, not the runner's programs")
     if programs:
         runner = OnnxRuntimeRunner(path, threads, chunk_rows=chunks[1] if chunks else None).activate()
         names, takes = runner.output_names(), set(runner.input_metadata())
         return lambda feeds: dict(zip(names, runner.run_raw({k: v for k, v in feeds.items() if k in takes})))
-    sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(path, session_options(threads, memory_plan), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     takes = {i.name for i in sess.get_inputs()}  # a dense graph takes no decisions (head_modes)
 

@@ -23,12 +23,15 @@ _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(bool
               "tensor(float16)": "float16", "tensor(int32)": "int32"}
 
 
-def session_options(threads: int | None):
+def session_options(threads: int | None, memory_plan: bool = True):
+    """memory_plan=False: no buffer plan per input shape (enable_mem_pattern), the control a timing
+    uses to tell a graph's work from where the plan happened to lay its buffers out."""
     import onnxruntime as ort
 
     check_threads(threads)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.enable_mem_pattern = memory_plan
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads

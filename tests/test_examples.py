@@ -68,6 +68,24 @@ def test_compare_artifacts_times_artifacts_of_one_model_side_by_side(tiny_tsa_ch
     bad = subprocess.run([sys.executable, script, str(ck), str(onnx_path), str(other), "--points", "1x1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "BATCHxNEWxCACHED" in bad.stderr
+    both = subprocess.run([sys.executable, script, str(ck), str(onnx_path), str(other), "--points", "2x4x0",
+                           "--budget", "0.2", "--memory-plan", "both"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert both.returncode == 0, both.stderr[-3000:]
+    lines = both.stdout.strip().splitlines()  # the same point with the plan on, then off: a row each
+    assert [line.split(": ")[0].split(", ")[-1] for line in lines] == ["memory plan on)", "memory plan off)"], lines
+    assert all(" 1.000 [1.000, 1.000] diff 0.0e+00" in line.split("; ")[0] for line in lines), lines
+
+
+def test_timed_sessions_take_the_memory_plan_on_or_off():
+    """The control compare_artifacts --memory-plan off times with: ONNX Runtime's plan per input
+    shape switched off in the session, and refused where the runner's programs would ignore it."""
+    from adaptex.runtimes.bench import _ort_runner
+    from adaptex.runtimes.onnxruntime import session_options
+
+    assert session_options(1).enable_mem_pattern and not session_options(1, memory_plan=False).enable_mem_pattern
+    with pytest.raises(ValueError, match="one session of the file"):
+        _ort_runner("unused.onnx", 1, programs=True, memory_plan=False)
 
 
 def test_if_branch_cost_times_a_graph_as_it_is_and_as_an_ifs_branch(tiny_tsa_chars):
