@@ -117,9 +117,9 @@ def _ort_runner(path: str, threads: int, programs: bool = False, chunks: tuple[s
     session_options (one session of the file only)."""
     import onnxruntime as ort
 
-    if programs and not memory_plan:
-        raise ValueError("_ort_runner: memory_plan=False is for one session of the file, not the runner's programs")
     if programs:
+        if not memory_plan:
+            raise ValueError("_ort_runner: memory_plan=False is for one session of the file, not the runner's programs")
         runner = OnnxRuntimeRunner(path, threads, chunk_rows=chunks[1] if chunks else None).activate()
         names, takes = runner.output_names(), set(runner.input_metadata())
         return lambda feeds: dict(zip(names, runner.run_raw({k: v for k, v in feeds.items() if k in takes})))
