@@ -79,7 +79,7 @@ test: $(STAMP) apps-deps
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/unit/test_fuzz.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests import zoo
+from tests.support import zoo
 
-# `make fuzz` (HYPOTHESIS_PROFILE=fuzz): tests/test_fuzz.py with many examples (FUZZ_EXAMPLES, default
+# `make fuzz` (HYPOTHESIS_PROFILE=fuzz): tests/unit/test_fuzz.py with many examples (FUZZ_EXAMPLES, default
 # 2000) instead of the few that keep `make test` fast.
 settings.register_profile("fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "2000")), deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -52,7 +52,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _browser_reason() -> str | None:
-    from tests.cdp import find_chromium
+    from tests.support.cdp import find_chromium
 
     if importlib.util.find_spec("websocket") is None:
         return "websocket-client is not installed (pip install -e '.[test]')"

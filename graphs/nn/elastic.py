@@ -238,8 +238,8 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         op path does. The exporter's masked short-call program (graphs.nn.record.traced_short_call)
         runs it; the plain one, whose output no decision changes, runs attend_biased and routes
         every layer at once after the last (route_layers). The op computes the same on such calls
-        (tests/test_elastic_decoder.py, and the artifact's graphs against each other in
-        tests/test_decode_graph.py)."""
+        (tests/models/test_elastic_decoder.py, and the artifact's graphs against each other in
+        tests/targets/test_decode_graph.py)."""
         if not self.causal:
             raise ValueError("attend_within_reach serves causal (decoder) calls")
         logits = self.route(k, key_mask.bool(), expand=False)

@@ -88,6 +88,6 @@ def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda m
     with deterministic():
         # seeded before the recipe builds its model: a router's initial weights come from the global
         # generators, so the same options trained the same routers only in a fresh process (in a
-        # process that had traced a model before, tests/test_hf.py's LLaMA routers started elsewhere)
+        # process that had traced a model before, tests/models/test_hf.py's LLaMA routers started elsewhere)
         seed_everything(opts.seed)
         return importlib.import_module(RECIPES[family]).run(opts, say, session)

@@ -14,7 +14,7 @@ directory (the product model's current weights, loadable and exportable like any
 numpy and torch generators, the loop's own numbers (`state`, e.g. a Lagrange multiplier) and the
 finished phases' weights. `resume` reads it back: finished phases restore their weights without
 training, the interrupted one continues at the next step, and the run ends with the weights a run
-without the interruption ends with (same seed, same thread count: tests/test_train_session.py).
+without the interruption ends with (same seed, same thread count: tests/integration/test_train_session.py).
 
 The state holds tensors (safetensors) and JSON, nothing that executes when read.
 """
