@@ -129,7 +129,7 @@ def test_attention_whose_probabilities_are_read_again_is_left_alone():
 
 
 def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_path):
-    """Every call counted large (BY_SAMPLE_FROM = 1): the gated blocks' attention (the op bodies)
+    """Every call counted large (policy.by_sample_from = 1): the gated blocks' attention (the op bodies)
     runs a sample at a time, with the outputs of the artifact exported as shipped. The first block's
     plain attention stays batched: a decoder's main graph also serves its decode steps, where the
     pass's If would only cost (with --dense-rows, its sparse branch gets it: the test below)."""

@@ -184,7 +184,7 @@ def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decode
 def longer_decoder(tmp_path_factory) -> dict:
     """The tiny elastic decoder with 320 positions, exported by default and as its general graph alone:
     past its masked short-call program's 181 tokens (4 heads x 181^2 scores a sample is within
-    MIXED_CALL_MASKED_UP_TO), a prefill also runs that program where the scores masking adds over
+    policy.mixed_call_masked_up_to), a prefill also runs that program where the scores masking adds over
     block-local attention, batch x 4 heads x T x (T - sink - 2 window = T - 18), are at most
     policy.prefill_masked_excess_up_to (2^18): B1 up to T = 265, B2 up to 190; a batch whose attention
     runs a sample at a time (batch x 4 x T^2 >= policy.by_sample_from = 2^22) counts as B1."""

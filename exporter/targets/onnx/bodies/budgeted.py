@@ -160,7 +160,7 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None,
                 padded = b("Mul", B0, b("ReduceMax", k, keepdims=0))  # () B * max k
                 used = b("ReduceSum", k, keepdims=0)  # () sum k
                 group = b("Less", b("Mul", used, b.const(den)), b("Mul", padded, b.const(num)))
-                # the active heads where (B x A - sum_b k_b) x T <= ACTIVE_HEADS_WASTE_ROWS
+                # the active heads where (B x A - sum_b k_b) x T <= policy.active_heads_waste_rows
                 active = b("Greater", b("ReduceMax", mask_f, c0, keepdims=0), b.const(0.0, np.float32))  # (H,)
                 n_active = b("ReduceSum", b("Cast", active, to=TensorProto.INT64), keepdims=0)  # () A
                 waste = b("Mul", b("Sub", b("Mul", B0, n_active), used),

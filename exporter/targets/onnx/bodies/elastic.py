@@ -401,7 +401,7 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # the same for every layer: whether every key lies within an SA query's reach (a bool scalar), whether
 # no key is padded (a bool scalar), the key mask per (sample, head) pair (B*H, S), a masked call's
 # bias planes (2 B, T, S: a sample's padding bias, and that with the keys outside an SA query's reach
-# hidden; empty, (2 B, 0, S), for a call past MIXED_CALL_MASKED_UP_TO) and each sample's first plane
+# hidden; empty, (2 B, 0, S), for a call past policy.mixed_call_masked_up_to) and each sample's first plane
 # (B, 1: 2 b), and whether the call attends every pair masked (a bool scalar: the test of
 # elastic_attention.call_runs_masked). lowerings.elastic_encoder_node_for computes them in the graph
 # once for all the layers, where each layer's body had run about thirty small kernels for them.
