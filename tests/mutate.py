@@ -127,6 +127,17 @@ MUTANTS = [
            "dispatch.taken (so the runner and bench) ignores masked_excess: it names and runs the general "
            "program where the graph's If takes the masked one",
            ("tests/targets/test_decode_graph.py",)),
+    Mutant("k_margin_loosened", "runtimes/report.py",
+           'MARGINS = {"fp32": {"budget": 1e-4,',
+           'MARGINS = {"fp32": {"budget": 1e-2,',
+           "parity: the fp32 budget (k) margin loosened from 1e-4 to 1e-2 (docs/parity.md publishes 1e-4)",
+           ("tests/unit/test_margins.py",)),
+    Mutant("budget_margin_floor", "graphs/nn/budgeted.py",
+           'margins={"k": (sH - sH.round()).abs()}',
+           'margins={"k": (sH - sH.floor()).abs()}',
+           "the budget margin measured to floor(s*H), not to the nearest integer: a flip just below one "
+           "reads as far from its boundary",
+           ("tests/unit/test_margins.py",)),
     Mutant("mil_gather_nd_transposed", "runtimes/coreml_mil.py",
            "return x[tuple(np.moveaxis(indices.astype(np.int64), -1, 0))]",
            "return x[tuple(np.moveaxis(indices.astype(np.int64)[..., ::-1], -1, 0))]",
