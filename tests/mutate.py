@@ -105,7 +105,7 @@ MUTANTS = [
            "a[i:i + per - 1] if n in split else a",
            "parity: cutting a caller's batch loses a row of each piece (those rows never compared)",
            ("tests/integration/test_parity.py",)),
-    Mutant("realisation_inverted", "runtimes/bench.py",
+    Mutant("realisation_inverted", "runtimes/bench_accounting.py",
            "realisations = [(1 - r) / (1 - flop_ratio) for r in ratios]",
            "realisations = [(1 - flop_ratio) / (1 - r) for r in ratios]",
            "bench: the realisation formula inverted",
@@ -121,7 +121,7 @@ MUTANTS = [
            "a decoder's batched prefill counts a sample's excess scores, not the batch's (the masked program "
            "taken where it costs more)",
            ("tests/targets/test_decode_graph.py",)),
-    Mutant("excess_ignored_by_bench", "exporter/targets/onnx/dispatch.py",
+    Mutant("excess_ignored_by_bench", "exporter/targets/onnx/programs.py",
            "            excess = short_call.get(\"masked_excess\")\n",
            "            excess = None\n",
            "dispatch.taken (so the runner and bench) ignores masked_excess: it names and runs the general "
