@@ -149,8 +149,8 @@ CASES = {"budget": budget, "head_set": head_set, "keep": keep, "head_mode": head
          "head_mode (decoder)": head_mode_decoder}
 # each kind's boundary approached from both sides (a head set's gap has one)
 SIDES = {"budget": (1, -1), "head_set": (1,), "keep": (1, -1), "head_mode": (1, -1), "head_mode (decoder)": (1, -1)}
-# the distance achieved for a requested gap: a keep p and a head-set gap live in (0, 1), s*H in (0, H)
-REACH = {"budget": 1.0, "head_set": 0.5, "keep": 0.5, "head_mode": math.inf, "head_mode (decoder)": math.inf}
+# the farthest a decision can sit from its boundary: s*H from the nearest integer, p from 0.5 and a head-set gap 0.5
+REACH = {"budget": 0.5, "head_set": 0.5, "keep": 0.5, "head_mode": math.inf, "head_mode (decoder)": math.inf}
 
 
 def _flip_report(case: str, gap: float, side: int, precision: str):
