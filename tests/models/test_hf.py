@@ -1,7 +1,8 @@
 """Hugging Face checkpoints as frozen backbones: random-initialised GPT-2, LLaMA (grouped-query
 attention), RoBERTa and DistilBERT directories written by transformers match transformers on their
 dense path; every parameter loaded (BERT too) is its tensor in the file, by name; elastic routers
-train on them from a text file, export to ONNX and Core ML, and pass `adaptex check`; the artifacts carry the tokenizer; bad directories are one-line errors."""
+train on them from a text file, export to ONNX and Core ML, and pass `adaptex check`; the artifacts
+carry the tokenizer; bad directories are one-line errors."""
 from __future__ import annotations
 
 import json
