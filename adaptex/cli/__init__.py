@@ -1,4 +1,4 @@
-"""The `adaptex` command line: models, train, export, inspect, lint, check, bench.
+"""The `adaptex` command line: models, train, export, inspect, lint, check, bench, triton, serve.
 
 One module per command, each with `add_parser(subparsers)` and `run(args) -> exit code`; argument
 parsing and printing only, the work is done by the rooms below. Every error reaches the user as
@@ -12,10 +12,10 @@ import logging
 import os
 import sys
 
-from adaptex.cli import bench, check, export, inspect, lint, models, train
+from adaptex.cli import bench, check, export, inspect, lint, models, serve, train, triton
 from adaptex.cli._util import EXIT_ERROR, UsageError, err
 
-COMMANDS = (models, train, export, inspect, lint, check, bench)
+COMMANDS = (models, train, export, inspect, lint, check, bench, triton, serve)
 
 
 class _Parser(argparse.ArgumentParser):
