@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
     try:
         args, extra = build_parser().parse_known_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: a command may run itself again
         if extra:  # named with the command's own help, not the top-level one
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
         return args.run(args)

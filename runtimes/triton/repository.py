@@ -87,19 +87,20 @@ def _single_file(path: Path) -> None:
 
 
 def write(artifact: str | Path, repo: str | Path, *, name: str | None = None, max_batch: int = MAX_BATCH,
-          instances: int = 1, say=lambda s: None) -> Path:
+          instances: int = 1, say=lambda s: None, meta: dict | None = None) -> Path:
     """Write `<repo>/<name>/` for `artifact` (ONNX or a TensorRT engine), atomically: the model directory
     is the old one or the new one at every instant, and other models in `repo` are never touched.
+    `meta` describes a graph that carries no adaptex metadata (a dense yardstick of the same weights).
     Returns the model directory."""
     from adaptex.exporter.metadata import atomic_dir
     from adaptex.runtimes.open import artifact_kind, read_metadata
 
     artifact = Path(artifact)
     kind = artifact_kind(artifact)
-    if kind == "coreml":
+    if kind == "coreml":  # checked before any metadata is read
         raise AdaptexError(f"{artifact}: Triton has no Core ML backend; export --target onnx (or a TensorRT "
                            "engine) and write its repository")
-    meta = read_metadata(artifact)
+    meta = meta if meta is not None else read_metadata(artifact)
     name = name or model_name(meta, artifact)
     if not _NAME.fullmatch(name):
         raise AdaptexError(f"--name {name!r}: use letters, digits, '_', '-' and '.' only (at most 128)")

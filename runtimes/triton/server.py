@@ -56,12 +56,13 @@ class Server:
     """A running Triton server for one artifact: start(), then stop() (or use it as a context)."""
 
     def __init__(self, artifact: str | Path, *, port: int = 8000, max_batch: int = 64, instances: int = 1,
-                 threads: int = 1, python: str | None = None, log: str | Path | None = None, say=lambda s: None):
+                 threads: int = 1, python: str | None = None, log: str | Path | None = None, say=lambda s: None,
+                 name: str | None = None, meta: dict | None = None):
         if not 1 <= port <= 65533:
             raise AdaptexError(f"--port {port}: give 1 to 65533 (HTTP there, gRPC and metrics on the next two)")
         self.artifact, self.port, self.max_batch, self.instances, self.threads = Path(artifact), port, max_batch, \
             instances, threads
-        self.python, self.say, self.log = python, say, log
+        self.python, self.say, self.log, self._name, self._meta = python, say, log, name, meta
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.name = ""
@@ -71,7 +72,8 @@ class Server:
 
         python = serving_python(self.python)
         self._tmp = tempfile.TemporaryDirectory(prefix="adaptex-serve-")
-        model_dir = repository.write(self.artifact, self._tmp.name, max_batch=self.max_batch, instances=self.instances)
+        model_dir = repository.write(self.artifact, self._tmp.name, max_batch=self.max_batch, instances=self.instances,
+                                     name=self._name, meta=self._meta)
         self.name = model_dir.name
         log = Path(self.log) if self.log else Path(self._tmp.name) / "triton.log"
         cmd = [python, str(_WORKER), str(model_dir), "--name", self.name, "--http-port", str(self.port),
