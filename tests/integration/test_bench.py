@@ -578,7 +578,7 @@ def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(
     exported both ways, is timed beside the dense graphs, and it is the same function."""
     from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
     from adaptex.graphs.hf import load_encoder
-    from tests import hf_dirs
+    from tests.support import hf_dirs
 
     path = hf_dirs.make("roberta", tmp_path)
     backbone, _, info = load_encoder(path)
