@@ -264,12 +264,13 @@ class TSAFamily(DecoderContract):
         if variant == "dense":
             executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
         else:
-            executed = flops_per_token(cfg, ctx, rates, [self._query_share(k, seq, past, target) for k in keeps])
+            shares = [self._query_share(k, seq, past, target, policy or DEFAULT) for k in keeps]
+            executed = flops_per_token(cfg, ctx, rates, shares)
         return {"flop_ratio": flops_per_token(cfg, ctx, rates) / dense, "executed_flop_ratio": executed / dense,
                 "keep_rate_per_block": rates}
 
 
-    def _query_share(self, keep: np.ndarray, seq: int, past: int, target: str) -> float:
+    def _query_share(self, keep: np.ndarray, seq: int, past: int, target: str, policy: OrtPolicy) -> float:
         """The share of a block's (B, seq) query rows its sparse body runs (see flops)."""
         B, n = keep.shape[0], float(keep.sum(1).max())
         if target != "onnx":  # TensorRT-bound: a step whose every token skips still attends one (ungated) row

@@ -111,7 +111,7 @@ MUTANTS = [
            "bench: the realisation formula inverted",
            ("tests/unit/test_bench_accounting.py", "tests/integration/test_bench.py")),
     Mutant("tsa_executed_is_dense", "graphs/tsa.py",
-           "executed = flops_per_token(cfg, ctx, rates, [self._query_share(k, seq, past, target) for k in keeps])",
+           "executed = flops_per_token(cfg, ctx, rates, shares)",
            "executed = flops_per_token(cfg, ctx, [1.0] * len(rates))",
            "bench: TSA's sparse graph accounted as executing every token",
            ("tests/unit/test_bench_accounting.py",)),
