@@ -60,31 +60,27 @@ class Compare:
 
 
 @dataclass(frozen=True)
-class AllOf:
+class _Parts:
+    """Guards combined: every one holds (AllOf) or any one (AnyOf)."""
     parts: tuple
+    key = ""  # the metadata's word for it
 
     def holds(self, shapes: dict) -> bool:
-        return all(p.holds(shapes) for p in self.parts)
+        return (all if self.key == "all" else any)(p.holds(shapes) for p in self.parts)
 
     def inputs(self) -> set[str]:
         return set().union(*(p.inputs() for p in self.parts))
 
     def to_dict(self) -> dict:
-        return {"all": [p.to_dict() for p in self.parts]}
+        return {self.key: [p.to_dict() for p in self.parts]}
 
 
-@dataclass(frozen=True)
-class AnyOf:
-    parts: tuple
+class AllOf(_Parts):
+    key = "all"
 
-    def holds(self, shapes: dict) -> bool:
-        return any(p.holds(shapes) for p in self.parts)
 
-    def inputs(self) -> set[str]:
-        return set().union(*(p.inputs() for p in self.parts))
-
-    def to_dict(self) -> dict:
-        return {"any": [p.to_dict() for p in self.parts]}
+class AnyOf(_Parts):
+    key = "any"
 
 
 Guard = Compare | AllOf | AnyOf
