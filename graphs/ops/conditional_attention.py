@@ -49,7 +49,7 @@ DENSE_QUERY_SHARE = 0.97
 # A call's attention runs a sample at a time, in a Loop, where the batch's scores (B x H x n x S)
 # hold at least this many floats and B > 1: each sample's scores, bias and probabilities then stay
 # in cache between the kernels that read them, where the batch's spill to memory. Measured alone
-# (examples/by_sample_cost.py, ONNX Runtime 1.32, 1 thread, H = 4, dh = 32): 0.92 of the batched
+# (lab/by_sample_cost.py, ONNX Runtime 1.32, 1 thread, H = 4, dh = 32): 0.92 of the batched
 # kernels at B8, T = 512, 0.85 at B64, T = 512, 0.92 at B64, T = 128, 0.91 at B16, T = 256; less or
 # slower below: 0.96 at B8, T = 256 and 1.00 at B2, T = 512 (2^21 floats), 1.16 at B8, T = 128, 1.35
 # at B64, T = 64.
