@@ -88,7 +88,7 @@ class Contract:
     config_cls = model_cls = None  # a shipped family's config dataclass and model (checkpoints load them)
     decoder = False  # prefill then decode steps over a KV cache
     decode_graph = False  # ONNX exports of a decoder: a decode-step graph too by default (--decode-graph)
-    recipe: str | None = None  # graphs.recipes name, for `adaptex train`
+    recipe: str | None = None  # its module in graphs/recipes/: `adaptex train FAMILY` runs it (recipes())
     counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports
     ort_model_type = "bert"  # bench: the model_type ONNX Runtime's transformer optimizer tries on the dense graph
     coreml_default_precision = "fp16"

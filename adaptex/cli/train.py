@@ -81,11 +81,12 @@ def run(args) -> int:
     import time
 
     from adaptex.graphs import checkpoint
-    from adaptex.graphs.recipes import RECIPES, TrainError, TrainOptions, train
+    from adaptex.graphs.recipes import TrainError, TrainOptions, recipes, train
     from adaptex.graphs.recipes.session import SUMMARY, Session
 
-    if args.family not in RECIPES:
-        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    known = recipes()
+    if args.family not in known:
+        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(known)}")
     if args.save_every is not None and args.save_every < 1:
         raise UsageError(f"--save-every {args.save_every}: must be at least 1")
     out = Path(args.output)
