@@ -75,7 +75,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     bias Add + Softmax + MatMul (0.74 at T = 128); with a padding mask the kernel gains only 10%, so
     padded calls keep the plain body. SA pairs stay out of it: the kernel's band mask sends its exp
     through subnormal floats (2.6x the unmasked kernel on the earlier CPU, 1.22x on the AMD EPYC with
-    AVX-512 and still no faster than the chain there, examples/fused_mask_cost.py; a mask near -80
+    AVX-512 and still no faster than the chain there, lab/fused_mask_cost.py; a mask near -80
     is fast only while scores stay within a few units of each other), where block_local's floored
     Softmax does not.
     Encoders only, because their yardstick has the same kernel (ONNX Runtime's transformer optimizer
