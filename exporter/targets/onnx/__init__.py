@@ -21,6 +21,7 @@ from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx import passes
+from adaptex.exporter.targets.onnx import quantize as qz
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 
@@ -262,7 +263,7 @@ def short_graph_option(value, contract) -> bool:
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
            tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None,
-           softmax_floor=None) -> dict:
+           softmax_floor=None, quantize=None, quantize_routers=None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
@@ -272,7 +273,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     where the model has one (contract.masked_call_keys(), masked_call_excess()) its masked form for
     the prefills a little longer. softmax_floor (default on): passes.softmax_floor in every graph but
     the decode-step ones; off for a CPU whose Softmax takes masked scores at full speed
-    (docs/benchmarking.md#the-softmax-floor)."""
+    (docs/benchmarking.md#the-softmax-floor). quantize: int8 or int4 weights on ONNX Runtime's integer
+    kernels, the routers fp32 unless quantize_routers (quantize.py; docs/quantization.md)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -303,6 +305,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                           "(--short-graph off or --dense-rows off)")
     short = short and variant == "sparse" and rows is None
     floor = _on_off(softmax_floor, "--softmax-floor", True)
+    scheme = qz.scheme_option(quantize, _on_off(quantize_routers, "--quantize-routers", False))
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
@@ -407,11 +410,15 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
             proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
                                                keys=(keys_input, near, cells, *capped.values()), domain=fx.DOMAIN)
             stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, **capped)
+    quantized = None
+    if scheme is not None:
+        say(f"quantizing the weights to {scheme.name} (routers {'too' if scheme.routers else 'stay fp32'}) ...")
+        quantized = qz.quantize(proto, scheme)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
                           tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within,
-                          large_call=large, softmax_floor=floor)
+                          large_call=large, softmax_floor=floor, quantize=quantized)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -446,4 +453,10 @@ TARGET = register_target(Target(
                                        "minus 80 before the Softmax, so ONNX Runtime's exp never makes subnormal "
                                        "floats, which are slow on some CPUs; off leaves it out, for a CPU where "
                                        "they are not (adaptex bench says which; "
-                                       "docs/benchmarking.md#the-softmax-floor)"))))
+                                       "docs/benchmarking.md#the-softmax-floor)"),
+             Option("--quantize", "int8: weight matrices stored int8 (one scale per output column; the op bodies' "
+                                  "heads gathered before dequantisation) on ONNX Runtime's integer kernels; int4: "
+                                  "4-bit blocks (MatMulNBits) for the graph's matrices; routers stay fp32 "
+                                  "(docs/quantization.md)"),
+             Option("--quantize-routers", "with --quantize: the routers too (check reports the decisions that "
+                                          "flip)", action="store_true"))))
