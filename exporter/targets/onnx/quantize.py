@@ -89,7 +89,7 @@ def routing_initializers(proto: onnx.ModelProto) -> set[str]:
     from adaptex.graphs.nn import routing_class_names
 
     routing = set(routing_class_names())
-    inits = {i.name for i in proto.graph.initializer}
+    inits = {i.name for g in _graphs(proto.graph) for i in g.initializer}
     out = set()
     for g in _graphs(proto.graph):
         for n in g.node:
@@ -136,8 +136,10 @@ def int4_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, int]
 class _Pass:
     def __init__(self, proto: onnx.ModelProto, scheme: Scheme):
         self.proto, self.scheme = proto, scheme
-        self.inits = {i.name: i for i in proto.graph.initializer}
+        # a program merged behind an If keeps the weights only it reads in its branch (dispatch.py)
+        self.inits = {i.name: i for g in _graphs(proto.graph) for i in g.initializer}
         self.routers = set() if scheme.routers else routing_initializers(proto)
+        self.blocked = _read_otherwise(proto, set(self.inits))
         self.new_inits: dict[str, onnx.TensorProto] = {}
         self.by_content: dict[tuple, str] = {}
         self.cache: dict[tuple, tuple[str, ...]] = {}
@@ -164,7 +166,8 @@ class _Pass:
     def weight(self, name: str) -> np.ndarray | None:
         """The fp32 matrix an initializer holds, or None where it is not one this pass quantizes."""
         t = self.inits.get(name)
-        if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2 or name in self.routers:
+        if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2 or name in self.routers \
+                or name in self.blocked:
             return None
         return numpy_helper.to_array(t)
 
@@ -248,14 +251,20 @@ def quantize(proto: onnx.ModelProto, scheme: Scheme) -> dict:
     """Quantize `proto` in place by `scheme`; returns what the artifact's metadata records of it."""
     from adaptex.exporter.targets.onnx.quantize_bodies import Bodies
 
+    folded = _unfold_branches(proto)
     p = _Pass(proto, scheme)
     p.bodies = Bodies(p)
     p.rewrite_graph(proto.graph)
     p.bodies.finish()
+    _fold_branches(folded, list(p.new_inits.values()))
     used = _reads(proto)
-    kept = [i for i in proto.graph.initializer if i.name in used]
-    del proto.graph.initializer[:]
-    proto.graph.initializer.extend(kept + list(p.new_inits.values()))
+    kept = []
+    for g in _graphs(proto.graph):
+        here = [i for i in g.initializer if i.name in used]
+        del g.initializer[:]
+        g.initializer.extend(here)
+        kept += here
+    proto.graph.initializer.extend(p.new_inits.values())
     if not any(o.domain == MS_DOMAIN for o in proto.opset_import) and scheme.bits == 4:
         proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     quantized = sum(p.counts.values())
@@ -277,6 +286,64 @@ def quantize(proto: onnx.ModelProto, scheme: Scheme) -> dict:
         "fp32_routers": routers,
         "fp32_other_matrices": len(left) - len(routers),
     }
+
+
+def _rewritable(n: onnx.NodeProto, i: int) -> bool:
+    """Whether _Pass rewrites this read (input `i` of `n`) of a weight."""
+    if n.domain == "adaptex":
+        return True
+    if n.domain not in ("", "ai.onnx"):
+        return False
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if n.op_type == "MatMul":
+        return i == 1
+    if n.op_type == "Gemm":
+        return i == 1 and not attrs.get("transA", 0) and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+    return n.op_type == "Gather" and i == 0 and attrs.get("axis", 0) == 0
+
+
+def _read_otherwise(proto: onnx.ModelProto, names: set[str]) -> set[str]:
+    """The initializers among `names` that some node reads in a way the pass does not rewrite: they
+    stay fp32 (quantizing the other reads would store the weight twice)."""
+    out = set()
+    for g in _graphs(proto.graph):
+        for n in g.node:
+            out |= {x for i, x in enumerate(n.input) if x in names and not _rewritable(n, i)}
+        for o in g.output:
+            out.add(o.name)
+    return out & names
+
+
+def _unfold_branches(proto: onnx.ModelProto) -> list[tuple[onnx.GraphProto, str]]:
+    """Point a merged artifact's branches (dispatch.py) at the main graph's weights themselves, their
+    fold Reshape pairs gone, so the pass sees which MatMul reads which weight; returns the branches
+    that had pairs, with their tags, for _fold_branches."""
+    from adaptex.exporter.targets.onnx import dispatch
+
+    out = []
+    for g in list(_graphs(proto.graph))[1:]:
+        tags = {n.name[len(dispatch.RESERVED):].split(".fold.")[0] for n in g.node
+                if n.op_type == "Reshape" and n.name.startswith(dispatch.RESERVED) and ".fold." in n.name}
+        if len(tags) == 1:
+            kept = dispatch._unfolded(list(g.node))
+            del g.node[:]
+            g.node.extend(kept)
+            out.append((g, tags.pop()))
+    return out
+
+
+def _fold_branches(folded: list[tuple[onnx.GraphProto, str]], weights: list[onnx.TensorProto]) -> None:
+    """Give each branch that had fold pairs its pairs again, for the quantized weights it reads (ONNX
+    Runtime folds them into the branch at load: an If branch reading main-graph initializers pays for
+    them on every call, dispatch.py)."""
+    from adaptex.exporter.targets.onnx import dispatch
+
+    for g, tag in folded:
+        nodes = list(g.node)
+        fold, inits = dispatch._local_weights(nodes, weights, tag)
+        del g.node[:]
+        g.node.extend(fold + nodes)
+        g.initializer.extend(inits)
 
 
 def _reads(proto: onnx.ModelProto) -> set[str]:

@@ -37,6 +37,9 @@ def _sub_outputs(nodes) -> set[str]:
 
 
 DOMAIN = "adaptex.quantized"
+# ops that select part of a tensor: never evaluated ahead (a body's per-head slices of a weight, taken
+# by constant indices, would each be stored beside the whole weight)
+_SELECTING = {"Gather", "GatherElements", "GatherND", "Slice", "Split"}
 
 
 class _Spec:
@@ -60,12 +63,13 @@ class _Spec:
         for n in nodes:
             ins = [i for i in n.input if i]
             if not any(True for _ in subgraphs(n)) and all(i in self.const or i in self.cone for i in ins):
-                if any(i in self.cone for i in ins):
+                if any(i in self.cone for i in ins) and n.op_type not in _SELECTING:
                     self.evaluated.append(n)
                     self.cone.update(o for o in n.output if o)
                     continue
-                self.evaluated.append(n)  # constant-only: stays in the body, and the evaluation reads it
-                self.const.update(o for o in n.output if o)
+                if not any(i in self.cone for i in ins):
+                    self.evaluated.append(n)  # constant-only: stays in the body, and the evaluation reads it
+                    self.const.update(o for o in n.output if o)
             m = onnx.NodeProto()
             m.CopyFrom(n)
             for a in m.attribute:
