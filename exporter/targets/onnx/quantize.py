@@ -173,14 +173,21 @@ class _Pass:
 
     # -- integer MatMul --
 
-    def int8_matmul(self, a: str, bq: str, bs: str, out: str, tag: str) -> list[onnx.NodeProto]:
-        """out = a @ dequant(bq, bs): the activation quantized at run time, the product on integers."""
+    def int8_matmul(self, a: str, bq: str, bs: str, out: str, tag: str, fused: bool = True) -> list[onnx.NodeProto]:
+        """out = a @ dequant(bq, bs): the activation quantized at run time, the product on integers.
+        fused: the product scaled by (a's scale x bs) in one Mul, the pattern ONNX Runtime fuses into
+        DynamicQuantizeMatMul (for a constant bq); else scaled twice, which it leaves alone: its fused
+        kernel gave wrong values for a bq computed at run time with per-column scales (ONNX Runtime
+        1.32, the op bodies' gathered heads: errors of 0.9 of the output's largest value)."""
         aq, ascale, azero, yi, yf, s = (f"{tag}.{k}" for k in ("a_q", "a_scale", "a_zero", "int32", "float", "scale"))
-        return [helper.make_node("DynamicQuantizeLinear", [a], [aq, ascale, azero], name=f"{tag}.quantize"),
+        head = [helper.make_node("DynamicQuantizeLinear", [a], [aq, ascale, azero], name=f"{tag}.quantize"),
                 helper.make_node("MatMulInteger", [aq, bq, azero], [yi], name=f"{tag}.matmul"),
-                helper.make_node("Cast", [yi], [yf], to=TensorProto.FLOAT, name=f"{tag}.cast"),
-                helper.make_node("Mul", [ascale, bs], [s], name=f"{tag}.scales"),
-                helper.make_node("Mul", [yf, s], [out], name=f"{tag}.dequantize")]
+                helper.make_node("Cast", [yi], [yf], to=TensorProto.FLOAT, name=f"{tag}.cast")]
+        if fused:
+            return head + [helper.make_node("Mul", [ascale, bs], [s], name=f"{tag}.scales"),
+                           helper.make_node("Mul", [yf, s], [out], name=f"{tag}.dequantize")]
+        return head + [helper.make_node("Mul", [yf, ascale], [s], name=f"{tag}.activation_scale"),
+                       helper.make_node("Mul", [s, bs], [out], name=f"{tag}.dequantize")]
 
     def matmul(self, a: str, name: str, w: np.ndarray, key: tuple, out: str) -> list[onnx.NodeProto]:
         """a @ w (w: [K, N]) on the scheme's kernel."""

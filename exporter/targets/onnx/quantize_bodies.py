@@ -263,7 +263,7 @@ class Bodies:
         for n in nodes:
             if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in pairs:
                 q, s = pairs[n.input[1]]
-                out += self.p.int8_matmul(n.input[0], q, s, n.output[0], f"{n.name or n.output[0]}.int8")
+                out += self.p.int8_matmul(n.input[0], q, s, n.output[0], f"{n.name or n.output[0]}.int8", fused=False)
                 continue
             if n.op_type in ("Gather", "Reshape") and n.input[0] in pairs:
                 (q, s), o = pairs[n.input[0]], n.output[0]
