@@ -325,14 +325,14 @@ def _unfold_branches(proto: onnx.ModelProto) -> list[tuple[onnx.GraphProto, str]
     """Point a merged artifact's branches (dispatch.py) at the main graph's weights themselves, their
     fold Reshape pairs gone, so the pass sees which MatMul reads which weight; returns the branches
     that had pairs, with their tags, for _fold_branches."""
-    from adaptex.exporter.targets.onnx import dispatch
+    from adaptex.exporter.targets.onnx import dispatch, programs
 
     out = []
     for g in list(_graphs(proto.graph))[1:]:
         tags = {n.name[len(dispatch.RESERVED):].split(".fold.")[0] for n in g.node
                 if n.op_type == "Reshape" and n.name.startswith(dispatch.RESERVED) and ".fold." in n.name}
         if len(tags) == 1:
-            kept = dispatch._unfolded(list(g.node))
+            kept = programs._unfolded(list(g.node))
             del g.node[:]
             g.node.extend(kept)
             out.append((g, tags.pop()))
