@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+import adaptex.graphs.ops  # noqa: F401  (registers the ops and their facts)
+from adaptex.graphs.ops.facts import margin_units, margins
+
 # Tolerances by body precision (docs/parity.md); never loosened silently. A quantized artifact's
 # (docs/quantization.md): atol is a fraction of each output's largest |value| in the batch
 # ("of_largest"), as int8 rounding error scales with the values it rounds; the activations' one
@@ -18,15 +21,13 @@ TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol
 # flip is counted and replayed, and the check fails when the flip rate (1 - agreement over every
 # decision compared) passes this bound.
 FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02}
-# Decision margins by decision kind (graphs.nn.DECISION_KINDS): a flip is excused only when the
-# reference was closer than this to the boundary, in the kind's own unit.
-MARGINS = {"fp32": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
-           "int8": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
-           "int4": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
-           "fp16": {"budget": 1e-2, "head_set": 1e-3, "keep": 1e-2, "head_mode": 1e-2}}
+# Decision margins by decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS): a flip is
+# excused only when the reference was closer than this to the boundary, in the kind's own unit. A
+# quantized artifact's margins are fp32's (its routers are fp32; a flip past them is counted).
+MARGINS = margins()
+MARGINS.update({"int8": MARGINS["fp32"], "int4": MARGINS["fp32"]})
 # What each kind's margin measures, for failure messages
-MARGIN_UNITS = {"budget": "|s*H - round(s*H)|", "head_set": "gap between the k-th and (k+1)-th p",
-                "keep": "|p - threshold|", "head_mode": "FA/SA logit gap"}
+MARGIN_UNITS = margin_units()
 
 
 @dataclass
