@@ -344,10 +344,11 @@ def _fold_branches(folded: list[tuple[onnx.GraphProto, str]], weights: list[onnx
     Runtime folds them into the branch at load: an If branch reading main-graph initializers pays for
     them on every call, dispatch.py)."""
     from adaptex.exporter.targets.onnx import dispatch
+    from adaptex.graphs.ops.policy import OrtPolicy
 
     for g, tag in folded:
         nodes = list(g.node)
-        fold, inits = dispatch._local_weights(nodes, weights, tag)
+        fold, inits = dispatch._local_weights(nodes, weights, tag, OrtPolicy().copied_up_to)
         del g.node[:]
         g.node.extend(fold + nodes)
         g.initializer.extend(inits)
