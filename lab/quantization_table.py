@@ -3,8 +3,8 @@ fp32 and with each `--quantize` scheme, its size against fp32 and its `adaptex c
 eager fp32 model (decision agreement, flip rate, the largest output error as a fraction of the
 output's largest value). Size and agreement do not depend on the machine's load.
 
-    python examples/quantization_table.py                          # every shipped model, int8 and int4
-    python examples/quantization_table.py --models budgetformer-graded --samples 16   # a smoke run
+    python lab/quantization_table.py                          # every shipped model, int8 and int4
+    python lab/quantization_table.py --models budgetformer-graded --samples 16   # a smoke run
 
 Writes docs/results/quantization.md (the table, with its date, CPU and command).
 """
