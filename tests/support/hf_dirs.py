@@ -41,6 +41,11 @@ def _model(layout: str, seed: int):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=2,
                              eos_token_id=3, pad_token_id=0, **common)
         return tf.LlamaForCausalLM(cfg), tokenizer(["<pad>", "<unk>", "<s>", "</s>"])
+    if layout == "bert":
+        cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=128, pad_token_id=0, **common)
+        return tf.BertModel(cfg, add_pooling_layer=False), tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
+                                                                     ("[CLS]", "[SEP]"), "[UNK]")
     if layout == "roberta":
         cfg = tf.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                intermediate_size=64, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
@@ -54,7 +59,7 @@ def _model(layout: str, seed: int):
 
 
 def make(layout: str, root: Path, seed: int = 0) -> Path:
-    """A directory of `layout` (gpt2, llama, roberta, distilbert) under root: config.json,
+    """A directory of `layout` (gpt2, llama, roberta, distilbert, or bert) under root: config.json,
     model.safetensors, tokenizer.json."""
     model, tok = _model(layout, seed)
     path = Path(root) / layout
