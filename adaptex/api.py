@@ -65,7 +65,7 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
 
 def _validated(write, t, model, example, path, contract, say, options) -> dict:
     """write() into a staging path beside `path`, check it there, and only then give it its name."""
-    from adaptex.exporter.errors import ExportError
+    from adaptex.exporter.errors import AdaptexError, ExportError
     from adaptex.exporter.metadata import check_writable
     from adaptex.runtimes import validation
 
@@ -80,7 +80,13 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
         n = f"{len(inputs)} inputs derived from the example" if inputs is not None else \
             f"{validation.VALIDATION_SAMPLES} generated sequences"
         tell(f"validating the artifact against the eager model on {n} (--no-validate skips this) ...")
-        report = check(work, model, inputs, samples=validation.VALIDATION_SAMPLES)
+        try:
+            report = check(work, model, inputs, samples=validation.VALIDATION_SAMPLES)
+        except AdaptexError as e:  # the check could not run (an op the MIL evaluation lacks, say)
+            failed = validation.reject(work, path)
+            raise validation.ValidationFailed(
+                f"{path}: the artifact could not be checked ({e}); it is kept as {failed} and {path} is "
+                "unchanged; pass --no-validate (validate=False) to write it unchecked", None, failed) from e
         if report.passed:
             validation.promote(work, path)
             tell(f"validated: {report.samples} sequences, max abs error {report.max_abs_err:.2g}, "
@@ -91,7 +97,7 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
     first = (report.failures or ["see the report"])[0]
     raise validation.ValidationFailed(
         f"{path}: the artifact does not compute what the eager model does ({first}); it is kept as {failed} "
-        f"and nothing was written at {path}; export another precision, variant or target, or pass --no-validate "
+        f"and {path} is unchanged; export another precision, variant or target, or pass --no-validate "
         "(validate=False) to write it unchecked", report, failed)
 
 

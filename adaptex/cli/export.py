@@ -73,7 +73,8 @@ def run(args) -> int:
         meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say,
                       fp16_audit=not args.no_fp16_audit, validate=not args.no_validate, **given)
     except ValidationFailed as e:
-        print(e.report.format())
+        if e.report is not None:
+            print(e.report.format())
         err(str(e))
         return EXIT_FAILED
     routed = (meta.get("dispatch") or {}).get("dense_rows")

@@ -173,7 +173,7 @@ def _linear(m: nn.Module) -> tuple[Tensor, Tensor]:
     return m.weight.t(), m.bias
 
 
-def _hf_budgeted(parent: nn.Module, name: str, module: nn.Module, layout: str, options: dict) -> nn.Module:
+def _hf_budgeted(parent: nn.Module, module: nn.Module, layout: str, options: dict) -> nn.Module:
     if layout == "distilbert":
         q, k, v, out = module.q_lin, module.k_lin, module.v_lin, module.out_lin
         H = module.n_heads
@@ -187,7 +187,7 @@ def _hf_budgeted(parent: nn.Module, name: str, module: nn.Module, layout: str, o
     return BudgetedSelfAttention(attn)
 
 
-def _hf_elastic(module: nn.Module, layout: str, options: dict) -> None:
+def _hf_elastic(module: nn.Module, options: dict) -> None:
     cfg = module.config
     H = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or cfg.n_heads
     Hkv = getattr(cfg, "num_key_value_heads", None) or H
@@ -225,9 +225,9 @@ def adapt(model: nn.Module, kind: str = "budgeted", *, causal: bool = False, sin
                     raise ValueError(f"{type(child).__name__}: budgeted heads serve encoders (bidirectional "
                                      "attention); use kind='elastic' for GPT-2, LLaMA or a causal model")
                 if kind == "budgeted":
-                    setattr(parent, name, _hf_budgeted(parent, name, child, layout, options))
+                    setattr(parent, name, _hf_budgeted(parent, child, layout, options))
                 else:
-                    _hf_elastic(child, layout, options)
+                    _hf_elastic(child, options)
                 found += 1
     if not found:
         raise ValueError(f"{type(model).__name__} has no attention adapt knows: it adapts transformers BERT, RoBERTa, "
