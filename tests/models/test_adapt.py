@@ -1,5 +1,5 @@
 """adaptex.nn.adapt: a pretrained transformers model (BERT, GPT-2, LLaMA: random-initialised directories
-written by save_pretrained, every parameter perturbed so that a loading or copying bug shows), or a
+written by save_pretrained, every parameter perturbed so that a copying bug shows), or a
 model of torch nn.MultiheadAttention layers, made adaptive in one call. With routing off it computes
 what it computed before; only the routers train; it exports (validated) and passes `check` on padded,
 varied inputs."""
@@ -40,36 +40,36 @@ class Outputs(torch.nn.Module):
 
 
 def _pretrained(path, layout: str):
-    """The directory's model with every parameter perturbed (seeded), and an adapt-ready copy."""
+    """The directory's model (tests.support.hf_dirs perturbs every parameter), and an adapt-ready copy."""
     import transformers
 
     if layout == "bert":
         net = transformers.BertModel.from_pretrained(path, add_pooling_layer=False)
     else:
         net = transformers.AutoModelForCausalLM.from_pretrained(path)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
     net.eval()
     return Outputs(net).eval(), Outputs(copy.deepcopy(net)).eval()
 
 
-def _padded(B: int = 3, T: int = 12, seed: int = 1):
+def _vocab(model) -> int:
+    return model.net.config.vocab_size
+
+
+def _padded(vocab: int, B: int = 3, T: int = 12, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, hf_dirs.VOCAB, (B, T), generator=g)
+    ids = torch.randint(4, vocab, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
     for b in range(1, B):
         mask[b, T - 3 * b:] = 0
     return ids, mask
 
 
-def _varied(n: int = 8, seed: int = 0):
+def _varied(vocab: int, n: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         B, T = [1, 2, 4][i % 3], int(rng.choice([1, 5, 16]))
-        ids = rng.integers(4, hf_dirs.VOCAB, (B, T)).astype(np.int64)
+        ids = rng.integers(4, vocab, (B, T)).astype(np.int64)
         mask = np.ones((B, T), np.int64)
         if B > 1 and T > 1:
             mask[1:, rng.integers(1, T):] = 0
@@ -86,7 +86,7 @@ def test_routing_off_computes_what_the_model_computed(dirs, layout, kind):
     ref, model = _pretrained(dirs[layout], layout)
     frozen = {n: p.clone() for n, p in model.named_parameters()}
     ann.adapt(model, kind, **ROUTER)
-    ids, mask = _padded()
+    ids, mask = _padded(_vocab(model))
     want = ref(ids, mask)
     with ann.adaptive_mode("dense"):
         got = model(ids, mask)
@@ -108,7 +108,7 @@ def _train(model, ref, kind: str, steps: int = 3) -> None:
     before = [p.clone() for p in routers]
     backbone = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = torch.optim.Adam(routers, lr=1e-2)
-    ids, mask = _padded()
+    ids, mask = _padded(_vocab(model))
     with torch.no_grad():
         want = ref(ids, mask)
     model.train()
@@ -130,13 +130,13 @@ def test_routers_train_then_the_model_exports_and_passes_check(dirs, layout, kin
     ref, model = _pretrained(dirs[layout], layout)
     ann.adapt(model, kind, **ROUTER)
     _train(model, ref, kind)
-    example = (torch.randint(4, hf_dirs.VOCAB, (2, 10)), torch.ones(2, 10, dtype=torch.long))
+    example = (torch.randint(4, _vocab(model), (2, 10)), torch.ones(2, 10, dtype=torch.long))
     path = tmp_path / f"{layout}.onnx"
     meta = adaptex.export(model, example, path)  # validated on derived inputs before it is written
     field = "k" if kind == "budgeted" else "sa"
     assert sum(name.endswith(f".{field}") for name in meta["decisions"]) == 2
     assert meta["inputs"]["attention_mask"].get("mask") is True
-    report = adaptex.check(path, model, inputs=_varied())
+    report = adaptex.check(path, model, inputs=_varied(_vocab(model)))
     assert report.passed, report.format()
 
 
@@ -144,10 +144,10 @@ def test_a_budgeted_bert_becomes_a_checked_coreml_package(dirs, tmp_path):
     """docs/api.md's one-call path, on a BERT directory."""
     ref, model = _pretrained(dirs["bert"], "bert")
     ann.adapt(model, "budgeted", router_hidden=16)
-    example = (torch.randint(4, hf_dirs.VOCAB, (2, 10)), torch.ones(2, 10, dtype=torch.long))
+    example = (torch.randint(4, _vocab(model), (2, 10)), torch.ones(2, 10, dtype=torch.long))
     path = tmp_path / "bert.mlpackage"
     adaptex.export(model, example, path, target="coreml", precision="fp32")
-    report = adaptex.check(path, model, inputs=_varied(4))
+    report = adaptex.check(path, model, inputs=_varied(_vocab(model), 4))
     assert report.passed, report.format()
 
 
