@@ -77,11 +77,11 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
     with validation.staged(path) as work:
         meta = write(work)
         inputs = validation.validation_inputs(meta, model, contract, example)
-        n = f"{len(inputs)} inputs derived from the example" if inputs is not None else \
-            f"{validation.VALIDATION_SAMPLES} generated sequences"
+        samples = validation.VALIDATION_SAMPLES.get(t.name, validation.VALIDATION_SAMPLES["onnx"])
+        n = f"{len(inputs)} inputs derived from the example" if inputs is not None else f"{samples} generated sequences"
         tell(f"validating the artifact against the eager model on {n} (--no-validate skips this) ...")
         try:
-            report = check(work, model, inputs, samples=validation.VALIDATION_SAMPLES)
+            report = check(work, model, inputs, samples=samples)
         except AdaptexError as e:  # the check could not run (an op the MIL evaluation lacks, say)
             failed = validation.reject(work, path)
             raise validation.ValidationFailed(

@@ -5,7 +5,7 @@ first), and only then moved into place; one that fails is moved to `<stem>.faile
 `adaptex check` and `inspect`) and the export raises `ValidationFailed` with the check's report, so a
 wrong artifact never sits at the name an app loads. The inputs:
 - a shipped model: its family's generated parity inputs (varied batches, lengths, padding,
-  difficulty), VALIDATION_SAMPLES sequences;
+  difficulty), VALIDATION_SAMPLES[target] sequences;
 - a model of your own: the example inputs and variations derived from them through the metadata's
   named axes: batch 1 and one more than the example, each sequence-like axis at 1, half and twice
   its length, and, for every input that reaches an adaptex op's key mask (exporter.trace.mask_inputs)
@@ -24,7 +24,9 @@ import numpy as np
 from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 
-VALIDATION_SAMPLES = 32  # a shipped model's generated sequences: about 10% of its ONNX export's time
+# A shipped model's generated sequences, by target: about 10% of the export's CPU time (budgetformer-graded
+# ONNX: 1.4 s of 11 s; elastic-minilm Core ML, whose MIL evaluation is numpy: 32 took 16 s of 65 s)
+VALIDATION_SAMPLES = {"onnx": 32, "tensorrt": 32, "coreml": 16}
 
 
 class ValidationFailed(AdaptexError):
