@@ -219,7 +219,8 @@ def adapt(model: nn.Module, kind: str = "budgeted", *, causal: bool = False, sin
                 _check_mha(child)
                 setattr(parent, name, AdaptedMultiheadAttention(child, kind, causal, **options))
                 found += 1
-            elif type(child).__name__ in HF_ATTENTION and hasattr(getattr(child, "config", None), "_attn_implementation"):
+            elif type(child).__name__ in HF_ATTENTION and hasattr(getattr(child, "config", None),
+                                                                  "_attn_implementation"):
                 layout, decoder = HF_ATTENTION[type(child).__name__]
                 if kind == "budgeted" and (decoder or getattr(child, "is_causal", False)):
                     raise ValueError(f"{type(child).__name__}: budgeted heads serve encoders (bidirectional "
