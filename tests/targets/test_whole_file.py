@@ -23,44 +23,38 @@ def _call(vocab: int, batch: int, length: int, prefill: int, seed: int = 0) -> d
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "prefill": prefill}
 
 
+def _leaves(guard: dict) -> list[dict]:
+    """The comparisons of a stored guard."""
+    parts = guard.get("all") or guard.get("any")
+    return [leaf for g in parts for leaf in _leaves(g)] if parts else [guard]
+
+
 def switch_points(meta: dict, max_len: int) -> list[tuple[str, dict, dict]]:
-    """(what switches, the call just inside, the call just past) for each dispatch threshold the
-    metadata states: (batch, length, prefill) of each call."""
+    """(what switches, the call just inside, the call just past) for each bound the stored guards
+    state on a prefill's key count or a call's token rows: (batch, length, prefill) of each call."""
     points = []
-    short = meta.get("short_call") or {}
-    for key in ("max_keys", "masked_keys"):  # a prefill's key count
-        n = short.get(key)
-        if n and n + 1 <= max_len:
-            points.append((f"short_call.{key} = {n}", dict(batch=1, length=n, prefill=n),
-                           dict(batch=1, length=n + 1, prefill=n + 1)))
-    step = meta.get("decode_step") or {}
-    n, cells, capped = step.get("near_keys"), step.get("near_cells") or 0, step.get("near_keys_cells")
-    if n and n + 1 <= max_len:  # a decode step's key count (the cache and the new token), at a batch
-        b = cells // (n + 1) + 1  # past the batch x keys cells that take the near program at any key count
-        if not capped or b * n <= capped:
-            points.append((f"decode_step.near_keys = {n} (batch {b})", dict(batch=b, length=n, prefill=n - 1),
-                           dict(batch=b, length=n + 1, prefill=n)))
-    if cells and cells + 1 <= max_len:
-        points.append((f"decode_step.near_cells = {cells}", dict(batch=1, length=cells, prefill=cells - 1),
-                       dict(batch=1, length=cells + 1, prefill=cells)))
-    dense = meta.get("dispatch") or {}
-    rows = dense.get("dense_rows")
-    if rows:  # a call's token rows (batch x new tokens), at the prompt and at a decode step
-        points.append((f"dispatch.dense_rows = {rows} (prompt)", dict(batch=2, length=rows // 2, prefill=rows // 2),
-                       dict(batch=2, length=rows // 2 + 1, prefill=rows // 2 + 1)))
-        if dense.get("step_graph"):
-            points.append((f"dispatch.dense_rows = {rows} (step)", dict(batch=rows, length=3, prefill=2),
-                           dict(batch=rows + 1, length=3, prefill=2)))
+    for program in meta.get("programs") or []:
+        leaves = _leaves(program["guard"]) if program["guard"] else []
+        step = any(c["op"] == "==" and c["axes"] == [["input_ids", 1]] for c in leaves)
+        for c in (c for c in leaves if c["op"] == "<="):
+            n, what = c["value"], f"{program['name']}: {c['axes']} <= {c['value']}"
+            if c["axes"] == [["attention_mask", 1]] and n + 1 <= max_len:  # a prefill's key count
+                points.append((what, dict(batch=1, length=n, prefill=n), dict(batch=1, length=n + 1, prefill=n + 1)))
+            elif c["axes"] == [["input_ids", 0], ["input_ids", 1]] and step:  # a decode step's rows
+                points.append((f"{what} (step)", dict(batch=n, length=3, prefill=2), dict(batch=n + 1, length=3, prefill=2)))
+            elif c["axes"] == [["input_ids", 0], ["input_ids", 1]]:  # a prompt's rows
+                points.append((f"{what} (prompt)", dict(batch=2, length=n // 2, prefill=n // 2),
+                               dict(batch=2, length=n // 2 + 1, prefill=n // 2 + 1)))
     return points
 
 
-def _taken(path, item: dict) -> tuple:
+def _taken(path, item: dict) -> str:
     """The program the runner takes for the item's last call (a decode step where it has one)."""
     runner = OnnxRuntimeRunner(path, threads=1, chunk_rows=None).activate()
     ids = item["input_ids"]
     T, P = ids.shape[1], item["prefill"]
     feeds = {n: a for n, a in _feeds(runner, ids.shape[0], 1 if T > P else P, T - 1 if T > P else 0).items()}
-    return runner.programs.taken(feeds)
+    return runner.programs.chosen(feeds)
 
 
 def _feeds(runner, batch: int, new: int, past: int) -> dict:
