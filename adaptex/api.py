@@ -46,8 +46,8 @@ def _measured_floor(say=None) -> dict:
 
 
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
-           precision: str | None = None, dynamic_shapes=None, *, fp16_audit: bool = True, say=None,
-           **options) -> dict:
+           precision: str | None = None, dynamic_shapes=None, *, validate: bool = True, fp16_audit: bool = True,
+           say=None, **options) -> dict:
     """Export `model` to `path`: ONNX (`.onnx`), Core ML (`.mlpackage`) or TensorRT (`.plan`, or the
     TensorRT-bound `.onnx` with onnx_only=True). Returns the artifact's metadata.
 
@@ -56,8 +56,12 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     An fp16 Core ML package is audited before it is written (runtimes/audit.py: fp16 arithmetic
     throughout, as the Neural Engine may compute); one that fails is refused with the layer and the
     range or drift; where fp16 was the model's default precision rather than asked for, the package is
-    written in fp32 instead, and `say` is told why. fp16_audit=False writes it unaudited."""
-    from adaptex.exporter.export import export as _export
+    written in fp32 instead, and `say` is told why. fp16_audit=False writes it unaudited.
+    validate (default True): the written artifact is checked against the eager model before it takes
+    its name (runtimes/validation.py: a shipped model's generated inputs, or your example inputs and
+    variations of their batch, lengths and padding); a mismatch raises ValidationFailed with the
+    report and keeps the artifact as `<stem>.failed<suffix>`. A TensorRT engine is not validated (it
+    needs TensorRT: check it with `adaptex check` where it runs)."""
     from adaptex.exporter.export import resolve
 
     contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
@@ -65,7 +69,70 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     recorded = (((getattr(model, "adaptex_source", None) or {}).get("export") or {}).get(t.name) or {})
     if t.name == "onnx" and options.get("softmax_floor") is None and "softmax_floor" not in recorded:
         options["softmax_floor"] = _measured_floor(say)
-    if t.name != "coreml" or prec != "fp16":
+
+    def write(out) -> dict:
+        return _write(model, example_inputs, out, t.name, variant, precision, prec, dynamic_shapes, contract,
+                      fp16_audit, say, options)
+
+    if not validate or (t.name == "tensorrt" and not options.get("onnx_only")):
+        return write(path)
+    return _validated(write, t, model, example_inputs, path, contract, say, options)
+
+
+def _validated(write, t, model, example, path, contract, say, options) -> dict:
+    """write() into a staging path beside `path`, check it there, and only then give it its name."""
+    from adaptex.exporter.errors import AdaptexError, ExportError
+    from adaptex.exporter.metadata import check_writable
+    from adaptex.runtimes import validation
+
+    if path is None:
+        raise ExportError("export needs a path to write, e.g. adaptex.export(model, inputs, 'model.onnx')")
+    t.check_output(path, options)
+    check_writable(path, _is_artifact)
+    tell = say or (lambda m: None)
+    with validation.staged(path) as work:
+        meta = write(work)
+        inputs = validation.validation_inputs(meta, model, contract, example)
+        samples = validation.VALIDATION_SAMPLES.get(t.name, validation.VALIDATION_SAMPLES["onnx"])
+        n = f"{len(inputs)} inputs derived from the example" if inputs is not None else f"{samples} generated sequences"
+        tell(f"validating the artifact against the eager model on {n} (--no-validate skips this) ...")
+        try:
+            report = check(work, model, inputs, samples=samples)
+        except AdaptexError as e:  # the check could not run (an op the MIL evaluation lacks, say)
+            failed = validation.reject(work, path)
+            raise validation.ValidationFailed(
+                f"{path}: the artifact could not be checked ({e}); it is kept as {failed} and {path} is "
+                "unchanged; pass --no-validate (validate=False) to write it unchecked", None, failed) from e
+        if report.passed:
+            validation.promote(work, path)
+            tell(f"validated: {report.samples} sequences, max abs error {report.max_abs_err:.2g}, "
+                 f"{report.unexcused_flips} unexcused flips")
+            return meta
+        failed = validation.reject(work, path)
+    report.artifact = str(failed)
+    first = (report.failures or ["see the report"])[0]
+    raise validation.ValidationFailed(
+        f"{path}: the artifact does not compute what the eager model does ({first}); it is kept as {failed} "
+        f"and {path} is unchanged; export another precision, variant or target, or pass --no-validate "
+        "(validate=False) to write it unchecked", report, failed)
+
+
+def _is_artifact(path) -> bool:
+    from adaptex.runtimes.open import read_metadata
+
+    try:
+        read_metadata(path)
+        return True
+    except Exception:
+        return False
+
+
+def _write(model, example_inputs, path, target, variant, precision, prec, dynamic_shapes, contract, fp16_audit, say,
+           options) -> dict:
+    """The artifact at `path`, as `export` describes it, unchecked."""
+    from adaptex.exporter.export import export as _export
+
+    if target != "coreml" or prec != "fp16":
         return _export(model, example_inputs, path, target, variant, prec, dynamic_shapes, contract=contract,
                        say=say, **options)
     try:

@@ -67,6 +67,30 @@ def module_path(node: torch.fx.Node) -> str:
     return [v[0] for v in stack.values()][-1] if stack else ""
 
 
+# the arguments of the adaptex ops that carry the key padding (1 = a real token), by schema name
+MASK_ARGUMENTS = ("key_mask", "bias")
+
+
+def mask_inputs(ep: torch.export.ExportedProgram, names: list[str]) -> set[str]:
+    """The user inputs (by `names`, in the graph's order) that reach an adaptex op's key mask: the
+    inputs whose padding an adaptive layer reads (export's validation pads their tails)."""
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    user = {placeholders[p]: name for p, name in zip(ep.graph_signature.user_inputs, names)}
+    found, seen = set(), set()
+    todo = [a for node in adaptex_nodes(ep)
+            for arg, a in zip(node.target._schema.arguments, node.args)
+            if arg.name in MASK_ARGUMENTS and isinstance(a, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in user:
+            found.add(user[n])
+        todo += n.all_input_nodes
+    return found
+
+
 _NP_DTYPES = {torch.int64: "int64", torch.int32: "int32", torch.float32: "float32", torch.float16: "float16",
               torch.bool: "bool", torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8"}
 
@@ -92,7 +116,8 @@ def _declared_names(contract: Contract, mode: str) -> dict[tuple[int, int], str]
 
 def io_specs(ep: torch.export.ExportedProgram, contract: Contract, mode: str = "hard") -> tuple[dict, dict]:
     """The artifact's inputs and outputs by name: numpy dtype and shape, each dynamic axis named (an
-    output's as an expression of the inputs' axes, e.g. 'past_sequence + sequence')."""
+    output's as an expression of the inputs' axes, e.g. 'past_sequence + sequence'); an input that
+    reaches an adaptex op's key mask is marked "mask": true."""
     import sympy
 
     nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
@@ -135,8 +160,9 @@ def io_specs(ep: torch.export.ExportedProgram, contract: Contract, mode: str = "
                 out.append(int(size))
         return out
 
+    masks = mask_inputs(ep, contract.input_names(mode))
     inputs = {name: {"dtype": _NP_DTYPES.get(n.meta["val"].dtype, str(n.meta["val"].dtype)),
-                     "shape": shape(n.meta["val"], i)}
+                     "shape": shape(n.meta["val"], i), **({"mask": True} if name in masks else {})}
               for i, (name, n) in enumerate(zip(contract.input_names(mode), user))}
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]

@@ -1,7 +1,7 @@
 """`adaptex export`: a shipped model, a checkpoint or a model of your own to a runtime artifact."""
 from __future__ import annotations
 
-from adaptex.cli._util import UsageError, load_model, read_inputs, say
+from adaptex.cli._util import EXIT_FAILED, UsageError, err, load_model, read_inputs, say
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     s.add_argument("--no-fp16-audit", action="store_true",
                    help="coreml fp16: write the package without the worst-case fp16 audit (fp16 arithmetic "
                         "throughout, as the Neural Engine may compute) that refuses an unsafe one")
+    s.add_argument("--no-validate", action="store_true",
+                   help="write the artifact without checking it against the eager model first (by default it is "
+                        "checked on generated or derived inputs and, on a mismatch, kept as NAME.failed.SUFFIX with "
+                        "exit 1)")
     s.add_argument("--inputs", default=None,
                    help="MODULE:FUNCTION models: an .npz of example inputs by name (batch >= 2), if the function "
                         "returns the model alone")
@@ -63,8 +67,16 @@ def run(args) -> int:
     say(f"exporting {name or type(model).__name__} to {args.target} ({args.variant}) ...")
     if args.no_fp16_audit and args.target != "coreml":
         raise UsageError("--no-fp16-audit applies to --target coreml only")
-    meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say,
-                  fp16_audit=not args.no_fp16_audit, **given)
+    from adaptex.runtimes.validation import ValidationFailed
+
+    try:
+        meta = export(model, example, args.output, args.target, args.variant, args.precision, say=say,
+                      fp16_audit=not args.no_fp16_audit, validate=not args.no_validate, **given)
+    except ValidationFailed as e:
+        if e.report is not None:
+            print(e.report.format())
+        err(str(e))
+        return EXIT_FAILED
     routed = (meta.get("dispatch") or {}).get("dense_rows")
     say(f"wrote {args.output}: {len(meta['outputs'])} outputs ({len(meta['decisions'])} decisions), "
         f"lowerings {meta['lowerings']}"

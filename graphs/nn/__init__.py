@@ -27,6 +27,7 @@ recorded, with their distance to the decision boundary, while a recorder is acti
 (parity uses it to excuse a flip at the boundary without counting it again as a value error).
 Exported, each decision becomes a named output, `decisions.<module path>.<field>`.
 """
+from adaptex.graphs.nn.adapt import adapt  # noqa: F401
 from adaptex.graphs.nn.budgeted import (BudgetedAttention, BudgetRouter, RoutingSchedule, budget_hinge,  # noqa: F401
                                         budget_loss, masked_mean)
 from adaptex.graphs.nn.elastic import ElasticAttention, HeadRouter, sparsity  # noqa: F401
@@ -36,7 +37,7 @@ from adaptex.graphs.nn.record import (ALIASES, DECISION_KINDS, MODES, AdaptiveLa
 from adaptex.graphs.nn.tsa import (CausalSelfAttention, ConditionalBlock, TokenRouter, causal_bias,  # noqa: F401
                                    causal_visibility, depth_loss)
 
-__all__ = ["BudgetedAttention", "BudgetRouter", "RoutingSchedule", "TokenRouter", "ConditionalBlock",
+__all__ = ["adapt", "BudgetedAttention", "BudgetRouter", "RoutingSchedule", "TokenRouter", "ConditionalBlock",
            "ElasticAttention", "HeadRouter", "Recorder", "record_decisions", "adaptive_mode", "causal_bias",
            "budget_loss", "depth_loss", "sparsity", "masked_mean", "DECISION_KINDS"]
 
