@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    from adaptex.graphs import files
+    from adaptex.graphs import files, memory
     from adaptex.graphs.errors import AdaptexError
 
     files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
@@ -66,6 +66,7 @@ def _main(argv: list[str] | None) -> int:
         args, extra = build_parser().parse_known_args(argv)
         if extra:  # named with the command's own help, not the top-level one
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
+        memory.set_limit(getattr(args, "max_memory", None))
         code = args.run(args)
         return _terminated() if files.terminated() else code  # a SIGTERM a library swallowed whole
     except AdaptexError as e:  # UsageError included

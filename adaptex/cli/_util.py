@@ -30,6 +30,29 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def count(text: str) -> int:
+    """An argparse type for whole numbers that also takes exact scientific notation (1e6)."""
+    import argparse
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if v != v or v in (float("inf"), float("-inf")) or v != int(v):
+        raise argparse.ArgumentTypeError(f"invalid whole number: {text!r}")
+    return int(v)
+
+
+def add_memory_flag(s) -> None:
+    s.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="the memory adaptex may plan for, e.g. 8G or 512M (default: half of this machine's, or "
+                        "$ADAPTEX_MAX_MEMORY); larger requests are refused before any work, naming what fits")
+
+
 def at_least(args, **bounds) -> None:
     """Refuse numeric flags below their bound, and NaN or infinite ones: at_least(args, samples=1)."""
     import math

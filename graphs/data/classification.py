@@ -92,14 +92,15 @@ class JsonlClassification:
             else:
                 held.setdefault(label, where)
 
-        self.index = LineIndex(data_files(path), jsonl_rule(holdout=eval_path is None), visit)
+        self.index = LineIndex(data_files(path), jsonl_rule(holdout=eval_path is None), visit,
+                               whole_lines=True)
         require_lines(self.index, path, "train", "examples")
         for label, where in held.items():
             if label not in self.train_labels:
                 raise self._unknown(label, where)
         if eval_path is not None:
             self.eval_index = LineIndex(data_files(eval_path, "--eval"), jsonl_rule(False, "val"),
-                                        lambda s, raw, where: visit(s, raw, where, file_eval=True))
+                                        lambda s, raw, where: visit(s, raw, where, file_eval=True), whole_lines=True)
         else:
             self.eval_index = self.index
         require_lines(self.eval_index, eval_path or path, "val", "examples")
