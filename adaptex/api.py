@@ -43,7 +43,19 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     An fp16 Core ML package is audited before it is written (runtimes/audit.py: fp16 arithmetic
     throughout, as the Neural Engine may compute); one that fails is refused with the layer and the
     range or drift; where fp16 was the model's default precision rather than asked for, the package is
-    written in fp32 instead, and `say` is told why. fp16_audit=False writes it unaudited."""
+    written in fp32 instead, and `say` is told why. fp16_audit=False writes it unaudited. The model's
+    training mode (every submodule's) is as it was when export returns or raises."""
+    modes = [(m, m.training) for m in model.modules()] if hasattr(model, "modules") else []
+    try:
+        return _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes,
+                             fp16_audit=fp16_audit, say=say, **options)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes, *, fp16_audit, say,
+                  **options) -> dict:
     from adaptex.exporter.export import export as _export
     from adaptex.exporter.export import resolve
 
@@ -99,6 +111,15 @@ def _feeds(inputs: Iterable, names: list[str]) -> list[dict[str, np.ndarray]]:
     out = []
     for item in inputs:
         if isinstance(item, dict):
+            unknown = [k for k in item if k not in names]
+            if unknown:
+                import difflib
+
+                from adaptex.graphs.errors import InputError
+
+                close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+                raise InputError(f"{unknown[0]!r}: not an input of this artifact" + (f" (did you mean {close[0]!r}?)"
+                                 if close else "") + f"; its inputs are {', '.join(names)}")
             out.append({k: _array(v, k) for k, v in item.items()})
             continue
         item = item if isinstance(item, (tuple, list)) else (item,)
