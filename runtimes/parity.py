@@ -194,7 +194,7 @@ def _bounded(item: dict, heads: int, batched: set[str] | None) -> list[dict]:
         return [item]
     rows = np.shape(item[split[0]])[0]
     keys = max((np.shape(item[n])[1] for n in split if np.ndim(item[n]) == 2), default=1)
-    per = max(1, PARITY_SCORES_PER_BATCH // (heads * keys * keys))
+    per = max(1, PARITY_SCORES_PER_BATCH // max(1, heads * keys * keys))  # keys 0: the runner names the empty input
     if rows <= per:
         return [item]
     return [{n: a[i:i + per] if n in split else a for n, a in item.items()} for i in range(0, rows, per)]
@@ -339,14 +339,17 @@ def _compare_values(report: ParityReport, name: str, a: np.ndarray, r: np.ndarra
     if a.shape != r.shape:
         report.failures.append(f"{name}: shape {list(a.shape)} at {where}, the reference's is {list(r.shape)}")
         return
-    err = np.abs(a - r)
-    if not np.isfinite(err).all():
-        report.failures.append(f"{name}: non-finite values at {where} (the artifact's or the reference's)")
-        err = np.where(np.isfinite(err), err, np.inf)
-    need = float(np.max(err - tol["rtol"] * np.abs(r)))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        err = np.abs(a - r)
+        finite = bool(np.isfinite(err).all())
+        if not finite:  # NaN or Inf on either side: every figure of this output is inf, as printed
+            report.failures.append(f"{name}: non-finite values at {where} (the artifact's or the reference's)")
+            err = np.where(np.isfinite(err), err, np.inf)
+        need = float(np.max(err - tol["rtol"] * np.abs(r))) if finite else float("inf")
+        rel = float((err / np.maximum(np.abs(r), 1e-12)).max()) if finite else float("inf")
     if err.max() > st.max_abs_err:
         st.max_abs_err, st.worst_input = float(err.max()), where
-    st.max_rel_err = max(st.max_rel_err, float((err / np.maximum(np.abs(r), 1e-12)).max()))
+    st.max_rel_err = max(st.max_rel_err, rel)
     st.needed_atol = max(st.needed_atol, need)
     if need > tol["atol"]:
         report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "

@@ -129,7 +129,8 @@ def run(args) -> int:
 
         if len(seqs) * len(batches) * len(pasts) > 1:
             raise UsageError("--inputs times the inputs as given: drop the --seq/--batch/--past lists")
-        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9) if args.inputs else None
+        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9,
+                             specs=runner.meta["inputs"]) if args.inputs else None
         model = load_model(args.model)[0] if args.model else None
         _, reference, fl, info = _reference(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"]))
                                             if inputs else None, threads[0])

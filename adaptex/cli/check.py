@@ -53,7 +53,7 @@ def run(args) -> int:
                    one_session=args.one_session)
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
-    inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
+    inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), specs=runner.meta["inputs"])
     with progress_bar("check", total=None if inputs else args.samples, unit="seq",
                       enabled=not (args.json or args.quiet)) as bar:
         report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
