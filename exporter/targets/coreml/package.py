@@ -125,8 +125,14 @@ def check_output(out: Path) -> None:
         hint = out.with_suffix(".mlpackage") if out.suffix else Path(f"{out}.mlpackage")
         raise ExportError(f"{out}: a Core ML package's name must end in .mlpackage; use -o {hint}")
     parent = out.absolute().parent
+    if not parent.exists():
+        try:  # like mkdir -p, as for every other artifact and a checkpoint
+            parent.mkdir(parents=True)
+        except OSError as e:
+            raise ExportError(f"{out}: cannot create directory {parent} ({e.strerror or e}); create it or choose "
+                              "another -o") from None
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ExportError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+        raise ExportError(f"{out}: directory {parent} is not a writable directory; choose another -o")
     if out.exists():
         try:
             package_meta(load_spec(out), out)
