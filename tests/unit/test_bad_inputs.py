@@ -195,3 +195,17 @@ def test_core_ml_output_directory_is_made_as_the_docs_say(tmp_path):
 
     check_output(tmp_path / "new" / "dir" / "m.mlpackage")
     assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_an_export_over_a_package_does_not_open_the_old_one_for_writing(artifacts, tmp_path):
+    """What export reads of the package it will replace (is it adaptex's?) is read only: on a full disk
+    coremltools' reader left empty Manifest.<uuid> files inside the old package."""
+    import shutil
+
+    from adaptex.exporter.targets.coreml.package import check_output
+
+    pkg = tmp_path / "m.mlpackage"
+    shutil.copytree(artifacts("bf", "coreml", "dense"), pkg)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in pkg.rglob("*"))
+    check_output(pkg)
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in pkg.rglob("*")) == before
