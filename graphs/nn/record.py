@@ -198,7 +198,7 @@ def check_inputs(layer: str, x: Tensor, mask: Tensor | None, width: int | None, 
     NaN/Inf features (routing ranks and gathers on them, and a NaN index crashes)."""
     import torch
 
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return
     xn, mn = names
     if not x.is_floating_point():
