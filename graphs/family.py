@@ -315,7 +315,6 @@ class GenericContract(Contract):
         if clash:
             raise AdaptexError(f"the model's outputs {sorted(clash)} clash with its decision names; rename them")
         dynamic = tuple(dynamic_shapes) if dynamic_shapes is not None else _auto_dynamic(example)
-        refuse_unexportable_examples(input_names, example, dynamic, explicit=dynamic_shapes is not None)
         contract = cls(input_names, names, recorded, example, dynamic, lambda o: _flatten_outputs(o)[1],
                        type(model).__name__)
         if any(isinstance(m, ConditionalBlock) for m in model.modules()):
@@ -369,7 +368,7 @@ def _dynamic_axes(spec, rank: int) -> set[int]:
 
 def refuse_unexportable_examples(names: list[str], example: tuple, dynamic: tuple | None,
                                  explicit: bool = False) -> None:
-    """Example inputs that cannot export a usable artifact, refused before tracing: an axis of size 0
+    """(An export's, once its dynamic shapes are normalised; a check's inputs may be of any size.) Example inputs that cannot export a usable artifact, refused before tracing: an axis of size 0
     (ONNX Runtime then refuses the file), or a size of 1 on an axis meant to be dynamic (torch.export
     fixes it to 1: the artifact would take only that size). Without explicit dynamic_shapes, the batch
     and length axes (0, 1) are the ones meant to be dynamic."""
