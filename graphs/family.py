@@ -173,12 +173,12 @@ class Contract:
         prefill may have to run it; None for models without one."""
         return None
 
-    def masked_call_keys(self) -> int | None:
+    def masked_call_keys(self, policy=None) -> int | None:
         """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
         prefill may have to run it at any batch (more than short_call_keys()); None for models without one."""
         return None
 
-    def masked_call_excess(self) -> dict | None:
+    def masked_call_excess(self, policy=None) -> dict | None:
         """Decoders with a masked short-call program: {"heads", "beyond", "up_to"}, where longer prefills
         also run it, batch x heads x keys x max(0, keys - beyond) <= up_to; None for none."""
         return None
@@ -213,7 +213,8 @@ class Contract:
         Original (bench times its stock export as a dense candidate), else None."""
         return None
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict | None:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              policy=None) -> dict | None:
         """{'flop_ratio', 'executed_flop_ratio', and a summary of the decisions}, or None. `target`
         is the artifact's (its lowerings may execute differently: ONNX Runtime's dispatch at run time)."""
         return None
