@@ -123,8 +123,8 @@ def validate(meta, where) -> dict:
             raise AdaptexError(f"{where}: metadata {key!r} is {shown(meta[key])}, not one of {', '.join(allowed)}; "
                                "re-export it with adaptex")
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", meta["family"]):
-        raise AdaptexError(f"{where}: metadata 'family' is {shown(meta['family'])}, not a family name (letters, digits, "
-                           "'_', '.', '-'; at most 64); re-export it with adaptex")
+        raise AdaptexError(f"{where}: metadata 'family' is {shown(meta['family'])}, not a family name (letters, "
+                           "digits, '_', '.', '-'; at most 64); re-export it with adaptex")
     if "max_sequence" in meta and meta["max_sequence"] < 1:
         raise AdaptexError(f"{where}: metadata 'max_sequence' is {meta['max_sequence']}, not a length (at least 1); "
                            "re-export it with adaptex")

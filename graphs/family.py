@@ -369,7 +369,8 @@ def _dynamic_axes(spec, rank: int) -> set[int]:
 
 def refuse_unexportable_examples(names: list[str], example: tuple, dynamic: tuple | None,
                                  explicit: bool = False) -> None:
-    """(An export's, once its dynamic shapes are normalised; a check's inputs may be of any size.) Example inputs that cannot export a usable artifact, refused before tracing: an axis of size 0
+    """An export's example inputs (once its dynamic shapes are normalised; a check's inputs may be of
+    any size) that cannot export a usable artifact, refused before tracing: an axis of size 0
     (ONNX Runtime then refuses the file), or a size of 1 on an axis meant to be dynamic (torch.export
     fixes it to 1: the artifact would take only that size). Without explicit dynamic_shapes, the batch
     and length axes (0, 1) are the ones meant to be dynamic."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adaptex.cli._util import UsageError, add_memory_flag, at_least, load_model, progress_bar, read_inputs, say, set_threads
+from adaptex.cli._util import (UsageError, add_memory_flag, at_least, load_model, progress_bar, read_inputs, say,
+                               set_threads)
 from adaptex.runtimes.base import check_threads
 from adaptex.runtimes.chunks import CHUNK_ROWS
 

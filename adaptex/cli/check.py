@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import EXIT_FAILED, add_memory_flag, at_least, count, load_model, progress_bar, read_inputs, set_threads
+from adaptex.cli._util import (EXIT_FAILED, add_memory_flag, at_least, count, load_model, progress_bar, read_inputs,
+                               set_threads)
 
 
 def add_parser(sub) -> None:

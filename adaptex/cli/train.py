@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
     s.add_argument("--ops-saved", type=float, default=None,
                    help="tsa --init: the fraction of token-layer ops to save (default 0.15); the compute "
                         "penalty follows it")
-    s.add_argument("--steps", type=count, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
+    s.add_argument("--steps", type=count, default=None,
+                   help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
     s.add_argument("--batch-size", type=count, default=None)
     s.add_argument("--lr", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)

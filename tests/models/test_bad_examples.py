@@ -17,7 +17,8 @@ def _example(B=2, N=6):
 
 @pytest.mark.parametrize("shape, message", [
     ((0, 6), r"patches: the example has batch 0 .* pass an example of batch >= 2"),
-    ((1, 6), r"patches: the example has batch 1 .* meant to be dynamic.* batch >= 2, or mark the axis static in dynamic_shapes"),
+    ((1, 6), r"patches: the example has batch 1 .* meant to be dynamic.* batch >= 2, or mark the axis static in "
+             r"dynamic_shapes"),
     ((2, 1), r"patches: the example has length 1 .* length >= 2"),
 ])
 def test_examples_that_cannot_export_a_usable_artifact_are_refused(tmp_path, shape, message):
@@ -63,7 +64,8 @@ def test_an_export_restores_the_training_mode(tmp_path):
     (torch.ones(2, 5, 16, dtype=torch.int64), None, "x has dtype torch.int64; pass floating-point features"),
     (torch.randn(2, 5), None, r"x has shape \[2, 5\]; this layer takes \(B, T, 16\)"),
     (torch.randn(2, 5, 8), None, r"x has shape \[2, 5, 8\]; this layer takes \(B, T, 16\)"),
-    (torch.randn(2, 5, 16), torch.ones(2, 4, dtype=torch.bool), r"mask has shape \[2, 4\].*pass a mask of shape \[2, 5\]"),
+    (torch.randn(2, 5, 16), torch.ones(2, 4, dtype=torch.bool),
+     r"mask has shape \[2, 4\].*pass a mask of shape \[2, 5\]"),
     (torch.randn(2, 5, 16), torch.full((2, 5), 0.5), "mask has dtype torch.float32; pass a bool or integer 0/1 mask"),
 ])
 def test_budgeted_attention_refuses_what_it_cannot_take(x, mask, message):

@@ -77,7 +77,8 @@ def test_eval_ids_outside_the_training_vocabulary_are_refused(tmp_path):
 
     train = _jsonl(tmp_path / "t.jsonl", [{"ids": [1, 2, 3], "label": i % 2} for i in range(40)])
     held = _jsonl(tmp_path / "e.jsonl", [{"ids": [1, 10**12], "label": 0}])
-    with pytest.raises(DataError, match=r"e.jsonl:1: token id 1000000000000 is outside the training vocabulary \(0..3\)"):
+    with pytest.raises(DataError,
+                       match=r"e.jsonl:1: token id 1000000000000 is outside the training vocabulary \(0..3\)"):
         JsonlClassification(train, held)
 
 
@@ -147,7 +148,8 @@ def test_a_checkpoints_artifact_against_a_model_of_your_own_names_the_checkpoint
     from adaptex.runtimes.source import check_source
 
     meta = {"source": {"checkpoint": "/models/bf", "sha256": "ab" * 32}}
-    with pytest.raises(AdaptexError, match=r"exported from a checkpoint \(/models/bf\) \(weights sha256 abababababab\)"):
+    with pytest.raises(AdaptexError,
+                       match=r"exported from a checkpoint \(/models/bf\) \(weights sha256 abababababab\)"):
         check_source(meta, model=zoo.tiny_model(), name="Tiny")
 
 
