@@ -18,12 +18,17 @@ SERVE  := $(PYTHON) -m http.server -d $(WEB) --bind 127.0.0.1 $(PORT)
 
 .PHONY: demo test test-slow test-gpu fuzz mutate install clean apps-deps chromium web serve serve-env
 
+# pip at -qq prints its errors only: a pip configuration may name index folders that do not exist
+# (a "Location ... is ignored" warning a package), and setuptools' editable install adds a note; a
+# failed install still says why and stops make.
+PIP    := $(PY) -m pip --quiet --quiet
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PIP) install --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel that lies on disk.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,coreml,bench]'
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test,coreml,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -106,7 +111,7 @@ mutate: $(STAMP)
 
 # On an NVIDIA GPU machine: TensorRT 10 and cuda-python, then the engine tests (skipped elsewhere).
 test-gpu: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[tensorrt]'
+	$(PIP) install -e '.[tensorrt]'
 	$(PY) -m pytest -q -m tensorrt -rs
 
 clean:

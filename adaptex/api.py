@@ -202,7 +202,7 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
     runner, reference, feeds, info = _reference(path, model, inputs, threads, compute_units=compute_units,
                                                 accumulate=fp16_accumulation, ranges=ranges,
                                                 one_session=one_session)
-    precision = runner.meta.get("precision", "fp32")
+    precision = (runner.meta.get("quantize") or {}).get("scheme") or runner.meta.get("precision", "fp32")
     if against is not None:
         from adaptex.graphs.errors import InputError
         from adaptex.runtimes.open import open_artifact
@@ -213,8 +213,8 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
                              f"({other.meta.get('source')} vs {runner.meta.get('source')}); compare artifacts of "
                              "one checkpoint")
         reference = ArtifactReference(other, reference)
-        loosest = ["fp32", "fp16"]
-        theirs = other.meta.get("precision", "fp32")
+        loosest = ["fp32", "fp16", "int8", "int4"]
+        theirs = (other.meta.get("quantize") or {}).get("scheme") or other.meta.get("precision", "fp32")
         if theirs in loosest and precision in loosest:  # the looser of the two (printed in the report)
             precision = max(precision, theirs, key=loosest.index)
     report = _check(runner, reference, samples=samples, task=(info.get("training") or {}).get("task"),

@@ -90,6 +90,7 @@ SCHEMA = {
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
     "tensorrt": (dict, False), "dispatch": (dict, False), "programs": (list, False), "policy": (dict, False),
     "softmax_floor": (bool, False), "softmax_floor_why": (str, False),
+    "quantize": (dict, False),
 }
 
 

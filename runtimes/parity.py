@@ -18,7 +18,8 @@ from adaptex.graphs import memory
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.family import PARITY_SCORES_PER_BATCH, Contract, Reference, family_contract
 from adaptex.runtimes.base import Runner
-from adaptex.runtimes.report import MARGIN_UNITS, MARGINS, TOLERANCES, DecisionStat, OutputStat, ParityReport
+from adaptex.runtimes.report import (FLIP_BOUNDS, MARGIN_UNITS, MARGINS, TOLERANCES, DecisionStat, OutputStat,
+                                     ParityReport)
 from adaptex.runtimes.torch_ref import TorchRunner
 
 
@@ -89,7 +90,7 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
     tol.update({k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None})
     kinds = {d.kind for d in contract.decisions(reference.mode)}
     margins = {k: v for k, v in MARGINS[precision].items() if k in kinds}
-    report = ParityReport(artifact_name, artifact.name, precision, tol, margins)
+    report = ParityReport(artifact_name, artifact.name, precision, tol, margins, flip_bound=FLIP_BOUNDS.get(precision))
     if "MIL reference" in artifact.name:
         report.note = ("the saved ML program evaluated op by op in numpy (MIL reference evaluation), "
                        "not the Core ML runtime")
@@ -138,6 +139,10 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
                 feeds, info = walk.send(ref)
             except StopIteration:
                 break
+    if report.flip_bound is not None and report.flip_rate > report.flip_bound:
+        report.failures.append(f"{report.flip_rate:.4f} of the decisions flipped under {precision}, past the bound "
+                               f"{report.flip_bound:g} (agreement {report.decision_agreement:.4f}); keep the routers "
+                               "fp32 (no --quantize-routers) or quantize to more bits")
     report.ranges = getattr(artifact, "ranges", None)
     if report.ranges is not None:
         report.failures += [f"{name} ({r.op_type}): reaches {r.worst:.4g}, past fp16's 65504"
@@ -259,8 +264,13 @@ def _decisions(report: ParityReport, contract: Contract, reference: TorchRunner,
                 flip = flip & region
         limit = report.margins[d.kind]
         ok = margin < limit
+        if report.flip_bound is not None:  # quantized: a flip is counted (excused or not) and replayed
+            st = report.decisions.setdefault(d.name, DecisionStat(kind=d.kind))
+            st.count(flip, ok, region)
+            ok = np.ones_like(ok, dtype=bool)
         st = report.decisions.setdefault(d.name, DecisionStat(kind=d.kind))
-        st.count(flip, ok, region)
+        if report.flip_bound is None:
+            st.count(flip, ok, region)
         _count_values(st, d.kind, g, region)
         for idx in zip(*np.nonzero(flip & ~ok)):
             bad[idx[0]] = True
@@ -347,10 +357,13 @@ def _compare_values(report: ParityReport, name: str, a: np.ndarray, r: np.ndarra
             err = np.where(np.isfinite(err), err, np.inf)
         need = float(np.max(err - tol["rtol"] * np.abs(r))) if finite else float("inf")
         rel = float((err / np.maximum(np.abs(r), 1e-12)).max()) if finite else float("inf")
+        if tol.get("of_largest") and finite:  # a quantized artifact's: atol as a fraction of the largest |value|
+            need /= max(float(np.abs(r).max()), 1e-12)
     if err.max() > st.max_abs_err:
         st.max_abs_err, st.worst_input = float(err.max()), where
     st.max_rel_err = max(st.max_rel_err, rel)
     st.needed_atol = max(st.needed_atol, need)
     if need > tol["atol"]:
-        report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g} "
-                               f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}")
+        of = " of the largest |value|" if tol.get("of_largest") else ""
+        report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g}{of} "
+                               f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}{of}")

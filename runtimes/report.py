@@ -6,15 +6,28 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# Tolerances by body precision (docs/parity.md); never loosened silently.
-TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
-# Decision margins by decision kind (graphs.nn.DECISION_KINDS): a flip is excused only when the
-# reference was closer than this to the boundary, in the kind's own unit.
-MARGINS = {"fp32": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
-           "fp16": {"budget": 1e-2, "head_set": 1e-3, "keep": 1e-2, "head_mode": 1e-2}}
+import adaptex.graphs.ops  # noqa: F401  (registers the ops and their facts)
+from adaptex.graphs.ops.facts import margin_units, margins
+
+# Tolerances by body precision (docs/parity.md); never loosened silently. A quantized artifact's
+# (docs/quantization.md): atol is a fraction of each output's largest |value| in the batch
+# ("of_largest"), as int8 rounding error scales with the values it rounds; the activations' one
+# scale per call (DynamicQuantizeLinear) rounds at 1/255 of their range at every MatMul, and
+# budgetformer-graded's logits (fp32 routers, every decision agreeing) move by 0.030 of their largest.
+TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2},
+              "int8": {"atol": 0.05, "rtol": 0.0, "of_largest": True},
+              "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True}}
+# A quantized artifact's decisions may flip where int8 noise moves a score across its boundary: each
+# flip is counted and replayed, and the check fails when the flip rate (1 - agreement over every
+# decision compared) passes this bound.
+FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02}
+# Decision margins by decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS): a flip is
+# excused only when the reference was closer than this to the boundary, in the kind's own unit. A
+# quantized artifact's margins are fp32's (its routers are fp32; a flip past them is counted).
+MARGINS = margins()
+MARGINS.update({"int8": MARGINS["fp32"], "int4": MARGINS["fp32"]})
 # What each kind's margin measures, for failure messages
-MARGIN_UNITS = {"budget": "|s*H - round(s*H)|", "head_set": "gap between the k-th and (k+1)-th p",
-                "keep": "|p - threshold|", "head_mode": "FA/SA logit gap"}
+MARGIN_UNITS = margin_units()
 
 
 @dataclass
@@ -59,6 +72,11 @@ class ParityReport:
     note: str = ""
     reference: str = "eager PyTorch (hard mode)"
     ranges: object = None  # runtimes.fp16.Ranges, when the artifact's fp16 ranges were tracked
+    flip_bound: float | None = None  # a quantized artifact's: flips counted, failing past this rate
+
+    @property
+    def flip_rate(self) -> float:
+        return 1.0 - self.decision_agreement
 
     @property
     def max_abs_err(self) -> float:
@@ -94,7 +112,7 @@ class ParityReport:
             "tolerance": self.tolerance, "margins": self.margins,
             "decision_agreement": self.decision_agreement,
             "unexcused_flips": self.unexcused_flips, "excused_flips": self.excused_flips,
-            "decisions_vary": self.decisions_vary,
+            "decisions_vary": self.decisions_vary, "flip_rate": self.flip_rate, "flip_bound": self.flip_bound,
             "outputs": {k: asdict(v) for k, v in self.outputs.items()},
             "decisions": {k: {**asdict(v), "values_seen": {str(a): b for a, b in sorted(v.values_seen.items())}}
                           for k, v in self.decisions.items()},
@@ -105,12 +123,17 @@ class ParityReport:
 
     def format(self) -> str:
         tol = self.tolerance
+        scaled = " (atol: a fraction of each output's largest |value|)" if tol.get("of_largest") else ""
         lines = [f"parity: {self.artifact} on {self.runtime} against {self.reference}",
                  f"  {self.samples} sequences in {self.batches} batches; {self.precision} tolerance "
-                 f"atol={tol['atol']:g} rtol={tol['rtol']:g}"]
+                 f"atol={tol['atol']:g} rtol={tol['rtol']:g}{scaled}"]
+        if self.flip_bound is not None:
+            lines.append(f"  quantized: each flipped decision is counted and replayed; the check fails past a flip "
+                         f"rate of {self.flip_bound:g} (this run: {self.flip_rate:.4f})")
         if self.note:
             lines.append(f"  note: {self.note}")
-        lines.append(f"  {'output':<30} {'max abs':>10} {'max rel':>10} {'needs atol':>11}")
+        need = "needs atol" if not scaled else "needs frac"
+        lines.append(f"  {'output':<30} {'max abs':>10} {'max rel':>10} {need:>11}")
         for name, o in self.outputs.items():
             lines.append(f"  {name:<30} {o.max_abs_err:10.2e} {o.max_rel_err:10.2e} {o.needed_atol:11.2e}")
         lines.append(f"  {'decision':<30} {'agree':>10} {'excused':>8} {'unexcused':>10}  values seen")
@@ -124,8 +147,10 @@ class ParityReport:
         if self.ranges is not None:
             lines += self.ranges.format()
         verdict = "PASSED" if self.passed else "FAILED"
-        lines.append(f"  {verdict}: decision agreement {self.decision_agreement:.4f}, "
-                     f"unexcused flips {self.unexcused_flips}, max abs error {self.max_abs_err:.2e}")
+        flips = (f"flip rate {self.flip_rate:.4f} (bound {self.flip_bound:g})" if self.flip_bound is not None
+                 else f"unexcused flips {self.unexcused_flips}")
+        lines.append(f"  {verdict}: decision agreement {self.decision_agreement:.4f}, {flips}, "
+                     f"max abs error {self.max_abs_err:.2e}")
         if not self.decisions_vary and self.decisions:
             lines.append("  warning: the decisions were the same on every input; the checked inputs did not exercise the routing")
         return "\n".join(lines)

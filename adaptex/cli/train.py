@@ -83,13 +83,14 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from adaptex.graphs import checkpoint
-    from adaptex.graphs.recipes import RECIPES, TrainError
+    from adaptex.graphs.recipes import TrainError, recipes
     from adaptex.graphs.recipes.parallel import DataParallel
 
     if args.nproc is not None:
         return _launch(args)
-    if args.family not in RECIPES:
-        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    known = recipes()
+    if args.family not in known:
+        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(known)}")
     if args.save_every is not None and args.save_every < 1:
         raise UsageError(f"--save-every {args.save_every}: must be at least 1")
     out = Path(args.output)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
 
 OP_NAME = "adaptex::budgeted_attention"
 # ONNX Runtime's sparse lowering (exporter/targets/onnx/bodies/) runs one of three bodies a call,
@@ -175,3 +176,11 @@ def budgeted_attention_dense_reference(
     w = head_weights(s, p, num_heads) * selected
     o = (o * w[:, :, None, None].to(o.dtype)).transpose(1, 2).reshape(B, T, d)
     return F.linear(o, w_o, b_o), k, selected
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="BudgetedAttention", routing_inputs=("s", "p"),
+    decisions={"k": "budget", "head_mask": "head_set"},
+    margins={"budget": Margin(1e-4, 1e-2, "|s*H - round(s*H)|"),
+             "head_set": Margin(1e-5, 1e-3, "gap between the k-th and (k+1)-th p")}))

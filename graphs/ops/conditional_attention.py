@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
+
 OP_NAME = "adaptex::conditional_attention"
 
 
@@ -95,3 +97,10 @@ def conditional_attention_dense_reference(x: Tensor, hn: Tensor, keep: Tensor, g
     """Every query row attended, skipped ones zeroed: the obvious implementation (tests, hard_dense)."""
     upd = _attend_rows(hn, bias, k, v, wq, bq, wo, bo, num_heads)  # (B, T, d)
     return x + upd * (gate.to(upd.dtype) * keep.to(upd.dtype))[..., None]
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="ConditionalAttention", routing_inputs=("keep", "gate"),
+    decisions={"keep": "keep"}, margins={"keep": Margin(1e-4, 1e-2, "|p - threshold|")},
+    coreml_fp32_parts=("", "_kept", "_new")))  # the kept rows and the residual add, as conditional_ffn's

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
 
 OP_NAME = "adaptex::elastic_attention"
 NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, never NaN)
@@ -163,3 +164,9 @@ def elastic_attention_dense_reference(q: Tensor, k: Tensor, v: Tensor, sa: Tenso
     vis = ((m & sa_vis) | (~m & fa)) & key_mask[:, None, None, :]  # (B, H, T, S); no bool Where (ONNX Runtime lacks it)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     return torch.softmax(scores.masked_fill(~vis, NEG), dim=-1) @ v
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="ElasticAttention", routing_inputs=("sa",),
+    decisions={"sa": "head_mode"}, margins={"head_mode": Margin(1e-4, 1e-2, "FA/SA logit gap")}))

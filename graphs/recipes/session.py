@@ -26,6 +26,7 @@ import json
 import random
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
@@ -131,10 +132,12 @@ class Session:
     # --- what a checkpoint records ---------------------------------------------------------------
     def record(self) -> dict:
         """Seed, threads, torch and adaptex versions: every checkpoint's training section holds them."""
-        from adaptex import __version__
-
+        try:  # the installed distribution's version, read here: graphs/ imports nothing from above it
+            version = metadata.version("adaptex")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+source"
         rec = {"seed": self.options.get("seed", 0), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "adaptex": __version__, "deterministic": True}
+               "adaptex": version, "deterministic": True}
         if self.dp.world > 1:
             rec["processes"] = self.dp.world
         return rec

@@ -120,7 +120,7 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S. A step whose
     pairs are all FA or all SA takes a branch of its own (no gather of pairs, no scatter), and so
     does a step whose cache lies within sink + window (the FA branch: SA sees every key there)."""
-    from tests import planted
+    from tests.support import planted
 
     proto = _function_model("sparse", sink, window, True)
     # the general body's probes (else branch: mixed FA and SA, all FA, all SA) come first, then the
@@ -153,7 +153,7 @@ def test_onnx_calls_of_one_mode_take_their_own_body(causal):
     """ONNX Runtime bodies (T > 1): a call whose pairs are all FA attends in place, one all SA runs
     the block-local body on every pair, and only a mix splits the pairs (NonZero, gathers,
     ScatterND); each gives the reference's output."""
-    from tests import planted
+    from tests.support import planted
 
     proto = _function_model("sparse", 2, 6, causal)
     probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
@@ -183,7 +183,7 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
     window; encoder: S - 1 <= window // 2), SA sees what FA sees, so a call of any modes runs the
     plain FA body on every pair; one key more and a mixed call splits its pairs again. The output
     is the reference's on both sides of the boundary, prefill and (causal) decode step."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     proto = _function_model("sparse", sink, window, causal)
@@ -210,7 +210,7 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
     batch) attends every pair over every key as it is, the SA pairs' keys outside their reach masked
     (one (B, H, T, S) softmax, no gather): the reference's output, all SA or mixed; past the
     threshold it gathers again."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     B, H, T = 2, 3, 20
@@ -273,7 +273,7 @@ def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
     sinks + Bq + window). Both give the reference's output. Only encoder bodies on ONNX Runtime
     hold the kernel: decoders (their dense yardstick has no fused attention) and TensorRT-bound
     bodies never do."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     proto = _function_model("sparse", sink, window, False, fused=True)
@@ -313,7 +313,7 @@ def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):
     (BH, 1, dh) against (BH, T, dh), so the TensorRT-bound body is the general one alone, with no If
     at all (it computes a decode step too), and the ONNX Runtime body (of an artifact without a
     decode-step graph) holds the step If at its top."""
-    from tests import planted
+    from tests.support import planted
 
     for target, ifs, options in (("tensorrt", 0, {}), ("onnx", 1, {"decode_graph": "off", "short_graph": "off"})):
         proto = planted.load(artifacts("eldec", target, "sparse", **options))
@@ -424,7 +424,7 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     assert marked <= {o for n in made.values() for o in n.output}
     assert {o for n in made.values() if n.op_type == "Range" for o in n.output} <= marked
     # which path a call of 2 unpadded samples of T = 20 took: masked, every pair's (B, H, T, S) Softmax
-    from tests import planted
+    from tests.support import planted
 
     probed = onnx.load(path)
     probes = planted.expose(probed, "ElasticAttention", "Softmax", rank=4)

@@ -163,7 +163,7 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
     from adaptex.exporter.targets.onnx import bodies as fx
     from adaptex.graphs import checkpoint
     from adaptex.graphs.family import family_contract
-    from tests import zoo
+    from tests.support import zoo
 
     model = artifacts.model(family)
     cfg, contract = model.cfg, family_contract(model)

@@ -22,6 +22,7 @@ from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.exporter.targets.onnx import guards, passes, passes_by_sample
+from adaptex.exporter.targets.onnx import quantize as qz
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 from adaptex.graphs.errors import AdaptexError
@@ -289,7 +290,8 @@ def short_graph_option(value, contract) -> bool:
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
            tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None,
-           softmax_floor=None, policy: OrtPolicy | None = None) -> dict:
+           softmax_floor=None, policy: OrtPolicy | None = None, quantize=None,
+           quantize_routers=None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
@@ -300,7 +302,9 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     the prefills a little longer. softmax_floor (default on): passes.softmax_floor in every graph but
     the decode-step ones; off for a CPU whose Softmax takes masked scores at full speed
     (docs/benchmarking.md#the-softmax-floor). policy: ONNX Runtime's thresholds (graphs/ops/policy.py;
-    default OrtPolicy()), stored in the metadata with the guards of the programs (guards.py)."""
+    default OrtPolicy()), stored in the metadata with the guards of the programs (guards.py).
+    quantize: int8 or int4 weights on ONNX Runtime's integer kernels, the routers fp32 unless
+    quantize_routers (quantize.py; docs/quantization.md)."""
     policy = policy_option(policy)
     precision = precision or "fp32"
     if precision not in PRECISIONS:
@@ -332,6 +336,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                           "(--short-graph off or --dense-rows off)")
     short = short and variant == "sparse" and rows is None
     floor, floor_why = softmax_floor_option(softmax_floor)
+    scheme = qz.scheme_option(quantize, _on_off(quantize_routers, "--quantize-routers", False))
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
@@ -435,11 +440,16 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         guard = guards.decode_step(names[0], names[2])
         proto = dispatch.merge_decode_step(step_proto, proto, guard=guard, domain=fx.DOMAIN, policy=policy)
         on_top("decode-step", guard, lowerings=step_notes)
+    quantized = None
+    if scheme is not None:
+        say(f"quantizing the weights to {scheme.name} (routers {'too' if scheme.routers else 'stay fp32'}) ...")
+        quantized = qz.quantize(proto, scheme)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
                           tokenizer=tokenizer, dispatch=routed, programs=programs if len(programs) > 1 else None,
-                          policy=policy.to_dict(), softmax_floor=floor, softmax_floor_why=floor_why)
+                          policy=policy.to_dict(), softmax_floor=floor, softmax_floor_why=floor_why,
+                          quantize=quantized)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -477,4 +487,10 @@ TARGET = register_target(Target(
                                        "before the Softmax, so ONNX Runtime's exp never makes subnormal floats, "
                                        "which are slow on some CPUs; off leaves it out, for a CPU where they are "
                                        "not (default: whichever a causal Softmax timed plain and floored on this "
-                                       "CPU at export runs faster; adaptex inspect says which and why)"))))
+                                       "CPU at export runs faster; adaptex inspect says which and why)"),
+             Option("--quantize", "int8: weight matrices stored int8 (one scale per output column; the op bodies' "
+                                  "heads gathered before dequantisation) on ONNX Runtime's integer kernels; int4: "
+                                  "4-bit blocks (MatMulNBits) for the graph's matrices; routers stay fp32 "
+                                  "(docs/quantization.md)"),
+             Option("--quantize-routers", "with --quantize: the routers too (check reports the decisions that "
+                                          "flip)", action="store_true"))))

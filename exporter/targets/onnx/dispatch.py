@@ -106,7 +106,7 @@ def branch(graph: onnx.GraphProto, tag: str, outputs: list[onnx.ValueInfoProto],
     (the If's outputs take the graph's output names), reads of inputs unchanged, reads of
     initializers (the main graph's: `graph`'s own unless given) through the branch's fold nodes
     (_local_weights; local_weights=False reads them from the main graph, which
-    examples/if_branch_cost.py times), the adaptex calls pointed at `overload`."""
+    lab/if_branch_cost.py times), the adaptex calls pointed at `overload`."""
     nodes = [onnx.NodeProto() for _ in graph.node]
     for copy, node in zip(nodes, graph.node):
         copy.CopyFrom(node)

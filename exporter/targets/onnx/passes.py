@@ -33,7 +33,7 @@ softmax_floor: a masked score (NEG, -1e30) makes ONNX Runtime's Softmax run at a
 speed. Its exp (MLAS) clamps the input near -104 and scales the result by a power of two, which
 passes through subnormal floats, and x86 arithmetic on subnormals is slow: a causal (1, 4, 128, 128)
 Softmax took 172 us where the same call with no masked score took 31, and 31 again with ONNX
-Runtime's `session.set_denormal_as_zero` (ONNX Runtime 1.32, 1 thread; examples/softmax_floor_cost.py
+Runtime's `session.set_denormal_as_zero` (ONNX Runtime 1.32, 1 thread; lab/softmax_floor_cost.py
 times the three). Masking with -87 or anything below was as slow, with -80 not (one run over masked
 values from -20 to -inf, 2026-12-05). The pass raises every score to at least the
 row's largest minus SOFTMAX_FLOOR (80): Softmax(Max(x, ReduceMax(x) - 80)). A masked key then weighs

@@ -71,13 +71,10 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     releases for equal ranks, so its engines take the general body, which serves every call.
     fused (ONNX Runtime, encoders: causal_known False): FA pairs of a call with no padded key run
     ONNX Runtime's own fused attention kernel, com.microsoft.MultiHeadAttention (one head per pair).
-    Measured with 12 FA pairs of (512, 32), 1 thread: 4.3 ms against 6.5 ms for the floored MatMul +
-    bias Add + Softmax + MatMul (0.74 at T = 128); with a padding mask the kernel gains only 10%, so
-    padded calls keep the plain body. SA pairs stay out of it: the kernel's band mask sends its exp
-    through subnormal floats (2.6x the unmasked kernel on the earlier CPU, 1.22x on the AMD EPYC with
-    AVX-512 and still no faster than the chain there, examples/fused_mask_cost.py; a mask near -80
-    is fast only while scores stay within a few units of each other), where block_local's floored
-    Softmax does not.
+    The fused kernel beats the floored MatMul + bias Add + Softmax + MatMul for FA pairs; with a
+    padding mask it gains little, so padded calls keep the plain body. SA pairs stay out of it: the
+    kernel's band mask sends its exp through subnormal floats, where block_local's floored Softmax
+    does not (measurements: lab/notes/, lab/fused_mask_cost.py).
     Encoders only, because their yardstick has the same kernel (ONNX Runtime's transformer optimizer
     fuses the original checkpoint's attention into it); no dense decoder graph here does, so a
     decoder's FA heads keep the plain body rather than win by a kernel the dense graph lacks.

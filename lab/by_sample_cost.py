@@ -5,8 +5,8 @@ sample's scores, bias and probabilities stay in cache between the kernels. Inter
 1 thread. This is how the pass's threshold (OrtPolicy.by_sample_from, graphs/ops/policy.py)
 was chosen.
 
-    python examples/by_sample_cost.py                         # the shapes the threshold was chosen on
-    python examples/by_sample_cost.py --shapes 8x4x512x32 --rounds 60
+    python lab/by_sample_cost.py                         # the shapes the threshold was chosen on
+    python lab/by_sample_cost.py --shapes 8x4x512x32 --rounds 60
 
 A shape is BATCHxHEADSxTOKENSxHEAD_DIM (self-attention with a causal bias per sample). The outputs
 of the two graphs are checked against each other.
