@@ -62,7 +62,7 @@ def _meta(**change):
 
 def _jsonl(tmp, train_rows, eval_rows, long=False):
     from adaptex.graphs.data.classification import JsonlClassification
-    from adaptex.graphs.data.files import PIECE
+    from adaptex.graphs.data.lines import PIECE
 
     t, e = tmp / "t.jsonl", tmp / "e.jsonl"
     t.write_text("".join(json.dumps(r) + "\n" for r in train_rows))

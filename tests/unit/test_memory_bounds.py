@@ -91,7 +91,7 @@ def test_parity_inputs_are_made_a_chunk_at_a_time():
 
 def test_a_huge_single_line_is_read_in_pieces(tmp_path):
     from adaptex.graphs.data.corpus import TextFiles
-    from adaptex.graphs.data.files import PIECE
+    from adaptex.graphs.data.lines import PIECE
 
     text = ("é" * (3 * PIECE // 2)) + "\nshort line\n"
     path = tmp_path / "one-line.txt"
@@ -106,7 +106,7 @@ def test_a_huge_single_line_is_read_in_pieces(tmp_path):
 
 
 def test_a_jsonl_record_longer_than_a_piece_is_one_line(tmp_path):
-    from adaptex.graphs.data.files import LineIndex, PIECE, jsonl_rule
+    from adaptex.graphs.data.lines import LineIndex, PIECE, jsonl_rule
     from adaptex.graphs.errors import DataError
 
     path = tmp_path / "d.jsonl"
