@@ -61,7 +61,19 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     its name (runtimes/validation.py: a shipped model's generated inputs, or your example inputs and
     variations of their batch, lengths and padding); a mismatch raises ValidationFailed with the
     report and keeps the artifact as `<stem>.failed<suffix>`. A TensorRT engine is not validated (it
-    needs TensorRT: check it with `adaptex check` where it runs)."""
+    needs TensorRT: check it with `adaptex check` where it runs). The model's training mode (every
+    submodule's) is as it was when export returns or raises."""
+    modes = [(m, m.training) for m in model.modules()] if hasattr(model, "modules") else []
+    try:
+        return _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes,
+                             validate=validate, fp16_audit=fp16_audit, say=say, **options)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes, *, validate, fp16_audit,
+                  say, **options) -> dict:
     from adaptex.exporter.export import resolve
 
     contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
@@ -182,6 +194,15 @@ def _feeds(inputs: Iterable, names: list[str]) -> list[dict[str, np.ndarray]]:
     out = []
     for item in inputs:
         if isinstance(item, dict):
+            unknown = [k for k in item if k not in names]
+            if unknown:
+                import difflib
+
+                from adaptex.graphs.errors import InputError
+
+                close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+                raise InputError(f"{unknown[0]!r}: not an input of this artifact" + (f" (did you mean {close[0]!r}?)"
+                                 if close else "") + f"; its inputs are {', '.join(names)}")
             out.append({k: _array(v, k) for k, v in item.items()})
             continue
         item = item if isinstance(item, (tuple, list)) else (item,)

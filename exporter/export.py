@@ -7,7 +7,7 @@ from pathlib import Path
 from adaptex.exporter import metadata, targets
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import VARIANTS
-from adaptex.graphs.family import contract_for
+from adaptex.graphs.family import contract_for, refuse_unexportable_examples
 
 
 def resolve(model, example_inputs, target: str, precision: str | None, dynamic_shapes=None,
@@ -15,6 +15,9 @@ def resolve(model, example_inputs, target: str, precision: str | None, dynamic_s
     """(the model's contract, the target, the precision it will be exported in)."""
     t = targets.load(target)
     contract = contract_for(model, example_inputs, dynamic_shapes, input_names)
+    if example_inputs is not None:  # a model of your own: its example must make a usable artifact
+        refuse_unexportable_examples(contract.input_names(), contract.example_inputs(), contract.dynamic_shapes()[0],
+                                     explicit=dynamic_shapes is not None)
     prec = precision or t.default_precision(contract)
     if prec not in t.precisions:
         raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "

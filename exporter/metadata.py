@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from importlib import metadata as _pkg
 from pathlib import Path
 from typing import Iterator
@@ -93,6 +94,18 @@ SCHEMA = {
 }
 
 
+# key -> the values it may take (a schema enum: a precision adaptex has no tolerance for is no precision)
+ENUMS = {"target": ("onnx", "coreml", "tensorrt"), "variant": ("sparse", "dense"), "precision": ("fp32", "fp16")}
+SHOWN = 60  # characters of a metadata value an error message quotes
+
+
+def shown(value) -> str:
+    """A metadata value for an error message: quoted, and cut short when long (a 200 KB string is not
+    echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
 def validate(meta, where) -> dict:
     """Check metadata against SCHEMA (types of the known keys, each I/O entry's dtype and shape);
     a one-line AdaptexError names the first problem."""
@@ -106,6 +119,19 @@ def validate(meta, where) -> dict:
         if not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
             raise AdaptexError(f"{where}: metadata {key!r} is a {type(meta[key]).__name__}, expected "
                                f"{kind.__name__}; re-export it with adaptex")
+    for key, allowed in ENUMS.items():
+        if meta[key] not in allowed:
+            raise AdaptexError(f"{where}: metadata {key!r} is {shown(meta[key])}, not one of {', '.join(allowed)}; "
+                               "re-export it with adaptex")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", meta["family"]):
+        raise AdaptexError(f"{where}: metadata 'family' is {shown(meta['family'])}, not a family name (letters, "
+                           "digits, '_', '.', '-'; at most 64); re-export it with adaptex")
+    if "max_sequence" in meta and meta["max_sequence"] < 1:
+        raise AdaptexError(f"{where}: metadata 'max_sequence' is {meta['max_sequence']}, not a length (at least 1); "
+                           "re-export it with adaptex")
+    if not all(len(k) <= 200 for side in ("inputs", "outputs") for k in meta[side]):
+        raise AdaptexError(f"{where}: metadata names an input or output of over 200 characters; re-export it with "
+                           "adaptex")
     routed = meta.get("dispatch")
     if routed is not None:
         rows = routed.get("dense_rows")

@@ -55,6 +55,9 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
     path = resolve(model)
     cfg_path, w_path = path / CONFIG, path / WEIGHTS
     for f in (cfg_path, w_path):
+        if f.is_symlink():  # as in a Core ML package: what a checkpoint holds is read from inside it only
+            raise CheckpointError(f"{path}: {f.name} is a link (to {os.readlink(f)}); adaptex reads no checkpoint "
+                                  "or package file through a link: copy the real file into the checkpoint")
         if not f.is_file():
             raise CheckpointError(f"{path}: {f.name} is missing; a checkpoint holds {CONFIG} and "
                                   f"{WEIGHTS} as written by 'adaptex train'")
@@ -93,6 +96,10 @@ def load(model: str | os.PathLike | None = None) -> tuple[torch.nn.Module, dict]
         raise CheckpointError(f"{w_path}: weights do not match config.json (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}); the two files come from different runs")
     net.eval()
+    if "tokenizer" in info:  # copied into every artifact: checked here, once
+        from adaptex.graphs.tokenizers import check_spec
+
+        check_spec(info["tokenizer"], getattr(cfg, "vocab_size", None), str(cfg_path))
     if "tokenizer" not in info:  # derived for apps, so that every artifact of it can tokenise text
         from adaptex.graphs.tokenizers import for_checkpoint
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from adaptex.graphs import memory
 from adaptex.graphs.errors import CheckpointError
 
 
@@ -40,6 +41,7 @@ def from_dict(cls, d, where: str = "config"):
                           "(adaptex writes them all), so restore it rather than rely on a default")
     for key, value in d.items():
         _check(key, value, fields[key].type, where, name)
+    memory.require_config(d, where)  # max_len 10**9 is refused here, not by a failed allocation
     try:
         return cls(**{k: v for k, v in d.items() if fields[k].init})
     except (ValueError, TypeError) as e:

@@ -358,6 +358,41 @@ def _auto_dynamic(example: tuple) -> tuple:
     return tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in example)
 
 
+def _dynamic_axes(spec, rank: int) -> set[int]:
+    """The axes a normalised dynamic-shapes entry for one input marks dynamic (a dict by axis, or a
+    tuple/list per axis; None, an int or Dim.STATIC: static)."""
+    if spec is None:
+        return set()
+    items = spec.items() if isinstance(spec, dict) else enumerate(spec) if isinstance(spec, (tuple, list)) else ()
+    static = getattr(torch.export.Dim, "STATIC", None)
+    return {int(a) for a, d in items if d is not None and not isinstance(d, int) and d is not static and
+            0 <= int(a) < rank}
+
+
+def refuse_unexportable_examples(names: list[str], example: tuple, dynamic: tuple | None,
+                                 explicit: bool = False) -> None:
+    """An export's example inputs (once its dynamic shapes are normalised; a check's inputs may be of
+    any size) that cannot export a usable artifact, refused before tracing: an axis of size 0
+    (ONNX Runtime then refuses the file), or a size of 1 on an axis meant to be dynamic (torch.export
+    fixes it to 1: the artifact would take only that size). Without explicit dynamic_shapes, the batch
+    and length axes (0, 1) are the ones meant to be dynamic."""
+    axis_name = {0: ("batch", "batch >= 2"), 1: ("length", "length >= 2")}
+    specs = tuple(dynamic) if isinstance(dynamic, (tuple, list)) else (None,) * len(example)
+    for name, t, spec in zip(names, example, specs + (None,) * (len(example) - len(specs))):
+        for axis, size in enumerate(t.shape):
+            what, fix = axis_name.get(axis, (f"axis {axis}", f"axis {axis} >= 2"))
+            if size == 0:
+                raise InputError(f"{name}: the example has {what} 0 (shape {list(t.shape)}), which exports an artifact "
+                                 f"no runtime loads; pass an example of {fix}")
+        dyn = _dynamic_axes(spec, t.dim()) if explicit else ({0, 1} & _dynamic_axes(spec, t.dim()))
+        for axis in sorted(dyn):
+            if t.shape[axis] == 1:
+                what, fix = axis_name.get(axis, (f"axis {axis}", f"axis {axis} >= 2"))
+                raise InputError(f"{name}: the example has {what} 1 (shape {list(t.shape)}) on an axis meant to be "
+                                 f"dynamic, and torch.export fixes a size of 1; pass an example of {fix}, or mark "
+                                 f"the axis static in dynamic_shapes")
+
+
 # --- shipped families --------------------------------------------------------------------------------
 
 FAMILIES: dict[str, type[Contract]] = {}

@@ -137,6 +137,45 @@ def for_checkpoint(info: dict, model) -> dict | None:
     return None
 
 
+def check_spec(spec, vocab_size: int | None, where: str) -> None:
+    """A checkpoint's tokenizer spec, checked before any artifact carries it: a known kind, its fields
+    of the right types, its ids inside the model's vocabulary (CheckpointError naming the field)."""
+    def bad(what: str):
+        return CheckpointError(f"{where}: tokenizer {what}; restore the checkpoint's config.json as 'adaptex train' "
+                               "wrote it (or remove 'tokenizer' to derive it again)")
+
+    def an_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0 and (vocab_size is None or v < vocab_size)
+
+    if not isinstance(spec, dict):
+        raise bad(f"is a {type(spec).__name__}, not an object")
+    kind = spec.get("kind")
+    if kind not in ("ids", "chars", "words", "wordpiece"):
+        raise bad(f"kind {str(kind)[:40]!r} is not one of ids, chars, words, wordpiece")
+    for key in ("pad", "unk"):
+        if key in spec and not an_id(spec[key]):
+            raise bad(f"{key} {str(spec[key])[:40]} is not an id of the vocabulary (0..{(vocab_size or 0) - 1})")
+    if kind == "chars":
+        itos = spec.get("itos")
+        if not isinstance(itos, (list, str)) or not all(isinstance(c, str) for c in itos) \
+                or (vocab_size is not None and len(itos) > vocab_size):
+            raise bad(f"'itos' must list at most {vocab_size} characters")
+    if kind == "words":
+        vocab, filler = spec.get("vocab"), spec.get("filler")
+        if not isinstance(vocab, dict) or not all(isinstance(w, str) and an_id(i) for w, i in vocab.items()):
+            raise bad("'vocab' must map words to ids of the vocabulary")
+        if not (isinstance(filler, list) and len(filler) == 2 and all(an_id(i) for i in filler)
+                and filler[0] <= filler[1]):
+            raise bad("'filler' must be [first, last], ids of the vocabulary with first <= last")
+        if not isinstance(spec.get("separators"), str) or not spec["separators"]:
+            raise bad("'separators' must be a non-empty string")
+    if kind == "wordpiece":
+        vocab = spec.get("vocab")
+        if not isinstance(vocab, list) or not all(isinstance(w, str) for w in vocab) \
+                or (vocab_size is not None and len(vocab) > vocab_size):
+            raise bad(f"'vocab' must list at most {vocab_size} word pieces")
+
+
 # --- the tokenizers a user's data trains with ---------------------------------------------------
 
 PAD, UNK = 0, 1

@@ -58,7 +58,8 @@ def open_artifact(path: str | Path, threads: int | None = None, compute_units: s
     if kind == "onnx":
         from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
-        return OnnxRuntimeRunner(path, threads, programs=not one_session)
+        runner = OnnxRuntimeRunner(path, threads, programs=not one_session)
+        return _for_its_target(runner, path)
     if kind == "coreml":
         if not path.exists():
             raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
@@ -75,3 +76,26 @@ def open_artifact(path: str | Path, threads: int | None = None, compute_units: s
     from adaptex.runtimes.tensorrt import TensorRTRunner
 
     return TensorRTRunner(path)
+
+
+def _for_its_target(runner, path: Path):
+    """An .onnx is checked for the target its metadata names: an ONNX Runtime artifact as it is; a
+    TensorRT-bound one only once it passes TensorRT's parser rules (then run in ONNX Runtime, which
+    the report names); any other target is an inconsistent file."""
+    target = runner.meta.get("target", "onnx")
+    if target == "onnx":
+        return runner
+    if target != "tensorrt":
+        raise AdaptexError(f"{path}: an .onnx file whose metadata names target {target!r}; re-export it with "
+                           "--target onnx (or --target tensorrt --onnx-only)")
+    import onnx
+
+    from adaptex.exporter.targets.tensorrt import rules
+
+    violations = rules.lint(onnx.load(str(path), load_external_data=False))
+    if violations:
+        raise AdaptexError(f"{path}: its metadata names target tensorrt, but it breaks {len(violations)} of "
+                           f"TensorRT's parser rules (first: {violations[0]}); run 'adaptex lint {path}' for all, and "
+                           "re-export it with --target tensorrt --onnx-only")
+    runner.name = f"{runner.name} (the TensorRT-bound ONNX, which passes TensorRT's parser rules; TensorRT not run)"
+    return runner

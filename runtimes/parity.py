@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from adaptex.graphs import memory
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.family import PARITY_SCORES_PER_BATCH, Contract, Reference, family_contract
 from adaptex.runtimes.base import Runner
@@ -53,6 +54,32 @@ def parity_inputs(cfg, task: str | None, samples: int, seed: int = 0) -> list[di
     return family_contract(cfg).parity_items(task, samples, seed)
 
 
+PARITY_CHUNK = 1000  # generated samples made at a time: inputs are streamed, never all built up front
+LINE_BYTES = 256  # a failure line the report keeps, at most one per output and decision per batch
+
+
+def _generated(contract: Contract, task: str | None, samples: int, seed: int) -> Iterable | None:
+    """The contract's parity inputs, PARITY_CHUNK samples at a time (the first chunk is what
+    parity_items(task, min(samples, PARITY_CHUNK), seed) gives); None when it has no generator."""
+    first = contract.parity_items(task, min(samples, PARITY_CHUNK), seed)
+    if first is None:
+        return None
+
+    def chunks():
+        yield from first
+        for done in range(PARITY_CHUNK, samples, PARITY_CHUNK):
+            yield from contract.parity_items(task, min(PARITY_CHUNK, samples - done),
+                                             seed * 1_000_003 + done // PARITY_CHUNK)
+    return chunks() if first else []
+
+
+def bound_samples(samples: int, lines_per_batch: int) -> None:
+    """Refuse a --samples whose report could pass the memory limit (a failure line per output and
+    decision of every batch, a batch as small as one sample)."""
+    memory.require("--samples", samples, lambda n: n * lines_per_batch * LINE_BYTES,
+                   "the report's failure lines (one per output and decision of each batch, at worst)")
+
+
 def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task: str | None = None,
           precision: str = "fp32", seed: int = 0, artifact_name: str = "", inputs: Iterable | None = None,
           atol: float | None = None, rtol: float | None = None, progress: Callable | None = None) -> ParityReport:
@@ -67,14 +94,16 @@ def check(artifact: Runner, reference: TorchRunner, *, samples: int = 200, task:
     if "MIL reference" in artifact.name:
         report.note = ("the saved ML program evaluated op by op in numpy (MIL reference evaluation), "
                        "not the Core ML runtime")
-    items = list(inputs) if inputs is not None else contract.parity_items(task, samples, seed)
+    meta = getattr(artifact, "meta", None) or {}
+    if inputs is None:
+        bound_samples(samples, len(meta.get("outputs") or []) + len(contract.decisions(reference.mode)) + 1)
+    items = list(inputs) if inputs is not None else _generated(contract, task, samples, seed)
     if items is None:
         raise AdaptexError("this model has no parity input generator; pass its inputs (inputs=[...] in Python, "
                            "--inputs FILE.npz on the command line)")
     if not items:
         raise AdaptexError("no inputs to compare (an empty list); pass at least one batch, or let a shipped model "
                            "generate its own")
-    meta = getattr(artifact, "meta", None) or {}
     if inputs is not None:  # the caller's arrays, made to look like generated ones (dtypes, byte order, size)
         want, heads, batched = reference.input_metadata(), _heads(reference), _batched_inputs(meta)
         items = [piece for item in items
@@ -170,7 +199,7 @@ def _bounded(item: dict, heads: int, batched: set[str] | None) -> list[dict]:
         return [item]
     rows = np.shape(item[split[0]])[0]
     keys = max((np.shape(item[n])[1] for n in split if np.ndim(item[n]) == 2), default=1)
-    per = max(1, PARITY_SCORES_PER_BATCH // (heads * keys * keys))
+    per = max(1, PARITY_SCORES_PER_BATCH // max(1, heads * keys * keys))  # keys 0: the runner names the empty input
     if rows <= per:
         return [item]
     return [{n: a[i:i + per] if n in split else a for n, a in item.items()} for i in range(0, rows, per)]
@@ -320,16 +349,19 @@ def _compare_values(report: ParityReport, name: str, a: np.ndarray, r: np.ndarra
     if a.shape != r.shape:
         report.failures.append(f"{name}: shape {list(a.shape)} at {where}, the reference's is {list(r.shape)}")
         return
-    err = np.abs(a - r)
-    if not np.isfinite(err).all():
-        report.failures.append(f"{name}: non-finite values at {where} (the artifact's or the reference's)")
-        err = np.where(np.isfinite(err), err, np.inf)
-    need = float(np.max(err - tol["rtol"] * np.abs(r)))
-    if tol.get("of_largest"):  # a quantized artifact's: atol as a fraction of the largest |value|
-        need /= max(float(np.abs(r).max()), 1e-12)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        err = np.abs(a - r)
+        finite = bool(np.isfinite(err).all())
+        if not finite:  # NaN or Inf on either side: every figure of this output is inf, as printed
+            report.failures.append(f"{name}: non-finite values at {where} (the artifact's or the reference's)")
+            err = np.where(np.isfinite(err), err, np.inf)
+        need = float(np.max(err - tol["rtol"] * np.abs(r))) if finite else float("inf")
+        rel = float((err / np.maximum(np.abs(r), 1e-12)).max()) if finite else float("inf")
+        if tol.get("of_largest") and finite:  # a quantized artifact's: atol as a fraction of the largest |value|
+            need /= max(float(np.abs(r).max()), 1e-12)
     if err.max() > st.max_abs_err:
         st.max_abs_err, st.worst_input = float(err.max()), where
-    st.max_rel_err = max(st.max_rel_err, float((err / np.maximum(np.abs(r), 1e-12)).max()))
+    st.max_rel_err = max(st.max_rel_err, rel)
     st.needed_atol = max(st.needed_atol, need)
     if need > tol["atol"]:
         of = " of the largest |value|" if tol.get("of_largest") else ""

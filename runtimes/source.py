@@ -49,6 +49,12 @@ def check_source(meta: dict, *, info: dict | None = None, model=None, name: str 
     if want is None:
         if src.get("sha256") and getattr(model, "adaptex_source", None):
             return check_source(meta, info=model.adaptex_source, name=name)
+        if src.get("sha256"):  # a checkpoint's artifact, a model that is not loaded from a checkpoint
+            where = f" ({src['checkpoint']})" if src.get("checkpoint") else ""
+            raise AdaptexError(f"the artifact was exported from a checkpoint{where} (weights sha256 "
+                               f"{src['sha256'][:12]}), and {name} is a model built in Python with no checkpoint "
+                               "to compare; pass that checkpoint (--model, or adaptex.load(...) in Python), or "
+                               "re-export the artifact from this model")
         raise AdaptexError("the artifact records no hash of its source model, so this model cannot be verified "
                            f"as its source; {fix}")
     got = state_hash(model)

@@ -45,9 +45,20 @@ def _terminated() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command (argv None: the process's own arguments, and this is the process's last step)."""
+    from adaptex.graphs import files
+
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # a SIGTERM from here to the exit: status 143, no traceback from the shutdown
+            files.exit_on_terminate(EXIT_TERMINATED)
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    from adaptex.graphs import files
+    from adaptex.graphs import files, memory
     from adaptex.graphs.errors import AdaptexError
 
     files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
@@ -56,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: a command may run itself again
         if extra:  # named with the command's own help, not the top-level one
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
-        return args.run(args)
+        memory.set_limit(getattr(args, "max_memory", None))
+        code = args.run(args)
+        return _terminated() if files.terminated() else code  # a SIGTERM a library swallowed whole
     except AdaptexError as e:  # UsageError included
         if files.terminated():  # SIGTERM that a library turned into an error (torch.onnx.export's)
             return _terminated()

@@ -30,6 +30,29 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def count(text: str) -> int:
+    """An argparse type for whole numbers that also takes exact scientific notation (1e6)."""
+    import argparse
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if v != v or v in (float("inf"), float("-inf")) or v != int(v):
+        raise argparse.ArgumentTypeError(f"invalid whole number: {text!r}")
+    return int(v)
+
+
+def add_memory_flag(s) -> None:
+    s.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="the memory adaptex may plan for, e.g. 8G or 512M (default: half of this machine's, or "
+                        "$ADAPTEX_MAX_MEMORY); larger requests are refused before any work, naming what fits")
+
+
 def at_least(args, **bounds) -> None:
     """Refuse numeric flags below their bound, and NaN or infinite ones: at_least(args, samples=1)."""
     import math
@@ -78,9 +101,11 @@ def load_model(spec: str | None):
     return load(spec), None
 
 
-def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8) -> list[dict] | None:
+def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8,
+                specs: dict | None = None) -> list[dict] | None:
     """--inputs FILE.npz: arrays by input name (or arr_0, arr_1, ... in the model's argument order),
-    sharing their first axis, the batch; split into batches of `batch` rows."""
+    sharing their first axis, the batch; split into batches of `batch` rows. specs (an artifact's
+    metadata inputs): each array's rank is checked against its input's, on the whole array."""
     if path is None:
         return None
     import numpy as np
@@ -90,7 +115,17 @@ def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8
     except Exception as e:
         raise UsageError(f"--inputs {path}: not a readable .npz of arrays ({type(e).__name__}); write one with "
                          "numpy.savez(path, input_ids=..., attention_mask=...)") from None
-    arrays = dict(data.items())
+    try:
+        arrays = dict(data.items())
+    except ValueError as e:
+        if "pickle" not in str(e):
+            raise UsageError(f"--inputs {path}: an array cannot be read ({str(e)[:100]}); write it again with "
+                             "numpy.savez") from None
+        raise UsageError(f"--inputs {path}: holds a pickled (object) array, and adaptex never unpickles a file; "
+                         "save numeric arrays (numpy.savez(path, input_ids=ids.astype('int64'), ...))") from None
+    except Exception as e:
+        raise UsageError(f"--inputs {path}: not a readable .npz of arrays ({type(e).__name__}); write one with "
+                         "numpy.savez(path, input_ids=..., attention_mask=...)") from None
     if names and not set(names) <= set(arrays):
         if all(f"arr_{i}" in arrays for i in range(len(names))):
             arrays = {n: arrays[f"arr_{i}"] for i, n in enumerate(names)}
@@ -109,6 +144,16 @@ def read_inputs(path: str | None, names: list[str] | None = None, batch: int = 8
     n = rows.pop()
     if n == 0:
         raise UsageError(f"--inputs {path}: the arrays hold no rows (a batch of 0); pass at least one input")
+    for k in keys:
+        spec = (specs or {}).get(k)
+        rank = len(spec["shape"]) if isinstance(spec, dict) and isinstance(spec.get("shape"), list) else None
+        if rank is not None and arrays[k].ndim != rank:
+            axes = ", ".join(str(d) for d in spec["shape"])
+            raise UsageError(f"--inputs {path}: {k} has shape {list(arrays[k].shape)} (rank {arrays[k].ndim}); this "
+                             f"artifact takes {k} as [{axes}] (rank {rank})")
+        if 0 in arrays[k].shape:
+            raise UsageError(f"--inputs {path}: {k} has shape {list(arrays[k].shape)}, an axis of length 0 (a "
+                             "sequence of no tokens); pass at least one token per row")
     return [{k: arrays[k][i:i + batch] for k in keys} for i in range(0, n, batch)]
 
 

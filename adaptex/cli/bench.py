@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adaptex.cli._util import UsageError, at_least, load_model, progress_bar, read_inputs, say, set_threads
+from adaptex.cli._util import (UsageError, add_memory_flag, at_least, load_model, progress_bar, read_inputs, say,
+                               set_threads)
 from adaptex.runtimes.base import check_threads
 from adaptex.runtimes.chunks import CHUNK_ROWS
 
@@ -54,13 +55,16 @@ def add_parser(sub) -> None:
                    help="Core ML packages on macOS: which units Core ML may use (default all)")
     s.add_argument("--quiet", action="store_true", help="no progress messages or bar")
     s.add_argument("--json", action="store_true")
+    add_memory_flag(s)
     s.set_defaults(run=run)
 
 
 def _ints(flag: str, text: str, low: int, example: str) -> list[int]:
+    from adaptex.cli._util import count
+
     try:
-        values = [int(x) for x in str(text).split(",")]
-    except ValueError:
+        values = [count(x) for x in str(text).split(",")]
+    except Exception:
         raise UsageError(f"{flag} {text!r}: expected a number or a comma-separated list (e.g. {flag} {example})") \
             from None
     if any(v < low for v in values):
@@ -68,11 +72,34 @@ def _ints(flag: str, text: str, low: int, example: str) -> list[int]:
     return values
 
 
+def _bound_points(meta: dict, batches: list[int], seqs: list[int], pasts: list[int]) -> None:
+    """Refuse, before any setup, a point past the model's positions (every point, when there is one)
+    or one whose inputs and activations would pass the memory limit, naming the largest that fits."""
+    from adaptex.graphs import memory
+
+    limit = meta.get("max_sequence")
+    if isinstance(limit, int) and limit > 0 and all(s + p > limit for s in seqs for p in pasts):
+        p = min(pasts)
+        raise UsageError(f"--seq {','.join(map(str, seqs))}: above the model's limit of "
+                         f"{limit} positions" + (f" with --past {p}" if p else "") + "; the largest --seq that fits "
+                         f"is {max(limit - p, 0)}")
+    sizes = memory.config_sizes(meta.get("config") or {})
+
+    def need(B, T):
+        return 3 * memory.activation_bytes(B, T, sizes["d"], sizes["heads"], sizes["layers"], backward=False)
+    for B in batches:
+        for T in seqs:
+            for p in pasts:
+                if need(B, 1 + p) > memory.limit():  # too large at any length: the batch
+                    memory.require("--batch", B, lambda b: need(b, T + p), f"timing at --seq {T}")
+                memory.require("--seq", T, lambda t: need(B, t + p), f"timing a batch of {B}")
+
+
 def run(args) -> int:
     from adaptex.runtimes import coreml
     from adaptex.runtimes.bench import Bench
     from adaptex.runtimes.bench_report import format_bench, format_sweep, plot, write_csv
-    from adaptex.runtimes.open import artifact_kind, open_artifact
+    from adaptex.runtimes.open import artifact_kind, open_artifact, read_metadata
     from adaptex.runtimes.source import load_source_model
 
     at_least(args, runs=1, warmup=0, blocks=1, distinct_inputs=1)
@@ -86,6 +113,8 @@ def run(args) -> int:
         raise UsageError(f"--chunk-rows {args.chunk_rows!r}: give one number of token rows, or off")
     for t in threads:  # every value before any point is timed
         check_threads(t)
+    if not args.inputs:
+        _bound_points(read_metadata(args.artifact), batches, seqs, pasts)
     kind = artifact_kind(args.artifact)
     if kind == "coreml" and not coreml.available():
         raise UsageError("Core ML latency needs the Core ML runtime (macOS); on this machine 'adaptex check' verifies "
@@ -101,7 +130,8 @@ def run(args) -> int:
 
         if len(seqs) * len(batches) * len(pasts) > 1:
             raise UsageError("--inputs times the inputs as given: drop the --seq/--batch/--past lists")
-        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9) if args.inputs else None
+        inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), batch=10**9,
+                             specs=runner.meta["inputs"]) if args.inputs else None
         model = load_model(args.model)[0] if args.model else None
         _, reference, fl, info = _reference(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"]))
                                             if inputs else None, threads[0])

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from adaptex.cli._util import EXIT_FAILED, at_least, load_model, progress_bar, read_inputs, set_threads
+from adaptex.cli._util import (EXIT_FAILED, add_memory_flag, at_least, count, load_model, progress_bar, read_inputs,
+                               set_threads)
 
 
 def add_parser(sub) -> None:
@@ -14,7 +15,7 @@ def add_parser(sub) -> None:
                         "(default: the checkpoint the artifact records)")
     s.add_argument("--inputs", default=None, help="an .npz of inputs by name (first axis: the batch) instead of the "
                                                   "model's generated ones")
-    s.add_argument("--samples", type=int, default=200, help="number of sequences to compare (generated inputs)")
+    s.add_argument("--samples", type=count, default=200, help="number of sequences to compare (generated inputs)")
     s.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by precision, printed)")
     s.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by precision, printed)")
     s.add_argument("--seed", type=int, default=0)
@@ -35,20 +36,25 @@ def add_parser(sub) -> None:
     s.add_argument("--save-results", default=None, metavar="JSON", help="write the full report as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--json", action="store_true")
+    add_memory_flag(s)
     s.set_defaults(run=run)
 
 
 def run(args) -> int:
     from adaptex.api import _feeds, check
-    from adaptex.runtimes.open import open_artifact
+    from adaptex.runtimes.open import open_artifact, read_metadata
+    from adaptex.runtimes.parity import bound_samples
 
     at_least(args, samples=1, threads=0, atol=0, rtol=0, seed=0)
+    if args.inputs is None:  # before any work: the metadata names the outputs and decisions
+        meta = read_metadata(args.artifact)
+        bound_samples(args.samples, len(meta.get("outputs") or []) + len(meta.get("decisions") or []) + 1)
     set_threads(args.threads)
     options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges,
                    one_session=args.one_session)
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
-    inputs = read_inputs(args.inputs, list(runner.meta["inputs"]))
+    inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), specs=runner.meta["inputs"])
     with progress_bar("check", total=None if inputs else args.samples, unit="seq",
                       enabled=not (args.json or args.quiet)) as bar:
         report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,

@@ -16,6 +16,24 @@ def add_parser(sub) -> None:
     s.set_defaults(run=run)
 
 
+def _check_external_data(model, path: Path) -> None:
+    """Tensors stored in external files must lie inside the model's directory, as regular files."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    base = path.absolute().parent
+    for t in model.graph.initializer:
+        if not uses_external_data(t):
+            continue
+        location = ExternalDataInfo(t).location
+        target = (base / location).resolve() if location else base
+        if not location or Path(location).is_absolute() or base.resolve() not in target.parents:
+            raise UsageError(f"{path}: tensor {t.name[:60]!r} keeps its data at {location[:80]!r}, outside the model's "
+                             "directory; adaptex reads no file outside it: put the data file beside the model")
+        if not target.is_file() or (base / location).is_symlink():
+            raise UsageError(f"{path}: tensor {t.name[:60]!r} keeps its data in {location[:80]!r}, which is missing "
+                             "or not a regular file; put the data file beside the model")
+
+
 def run(args) -> int:
     import onnx
 
@@ -31,7 +49,11 @@ def run(args) -> int:
     if path.stat().st_size == 0:
         raise UsageError(f"{path}: is empty (0 bytes), not an ONNX model; pass an .onnx file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)  # external data: checked below, never followed out
+        _check_external_data(model, path)
+        onnx.load_external_data_for_model(model, str(path.absolute().parent))
+    except UsageError:
+        raise
     except Exception as e:
         raise UsageError(f"{path}: not a readable ONNX model ({type(e).__name__}); pass an .onnx file") from None
     if not model.HasField("graph") or not model.graph.node:  # bytes that parse as an empty ModelProto

@@ -5,7 +5,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from adaptex.cli._util import UsageError, say, set_threads
+from adaptex.cli._util import UsageError, add_memory_flag, count, say, set_threads
 
 
 def add_parser(sub) -> None:
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
                    help="elastic: target fraction of SA heads (default 0.6 encoder, 0.7 decoder)")
     s.add_argument("--sink", type=int, default=4, help="elastic: SA heads' sink tokens")
     s.add_argument("--window", type=int, default=None, help="elastic: SA heads' local window (default 32 encoder, 64 decoder)")
-    s.add_argument("--max-tokens", type=int, default=None,
+    s.add_argument("--max-tokens", type=count, default=None,
                    help="training text length: elastic encoder 256 tokens, elastic decoder and tsa --dense 512 "
                         "characters (a Hugging Face decoder: min(512, its positions) tokens), tsa --data 128 tokens")
     s.add_argument("--dense", action="store_true",
@@ -46,17 +46,18 @@ def add_parser(sub) -> None:
     s.add_argument("--ops-saved", type=float, default=None,
                    help="tsa --init: the fraction of token-layer ops to save (default 0.15); the compute "
                         "penalty follows it")
-    s.add_argument("--steps", type=int, default=None, help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
-    s.add_argument("--batch-size", type=int, default=None)
+    s.add_argument("--steps", type=count, default=None,
+                   help="default: 3000 (budgetformer), per task (tsa), 300 (elastic)")
+    s.add_argument("--batch-size", type=count, default=None)
     s.add_argument("--lr", type=float, default=None)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--eval-size", type=int, default=2000, help="held-out examples for the summary")
-    s.add_argument("--d-model", type=int, default=None, help="default: 256 (budgetformer), 128 (tsa)")
-    s.add_argument("--heads", type=int, default=None)
-    s.add_argument("--layers", type=int, default=None)
-    s.add_argument("--d-ff", type=int, default=None)
+    s.add_argument("--eval-size", type=count, default=2000, help="held-out examples for the summary")
+    s.add_argument("--d-model", type=count, default=None, help="default: 256 (budgetformer), 128 (tsa)")
+    s.add_argument("--heads", type=count, default=None)
+    s.add_argument("--layers", type=count, default=None)
+    s.add_argument("--d-ff", type=count, default=None)
     s.add_argument("--lambda-depth", type=float, default=None, help="tsa: weight of the depth loss (0 works)")
-    s.add_argument("--max-len", type=int, default=None,
+    s.add_argument("--max-len", type=count, default=None,
                    help="tsa: positions and KV cache bound; budgetformer --data: positions, longer lines are cut "
                         "(default 256)")
     s.add_argument("--s-min", type=float, default=0.25, help="budget target interval, lower end")
@@ -66,7 +67,7 @@ def add_parser(sub) -> None:
     s.add_argument("--save-dtype", default="float16", choices=["float16", "float32"],
                    help="weights storage; float16 halves the checkpoint, the model still computes in fp32")
     s.add_argument("--description", default=None)
-    s.add_argument("--save-every", type=int, default=None, metavar="N",
+    s.add_argument("--save-every", type=count, default=None, metavar="N",
                    help="write the checkpoint (with the state to resume from) to -o every N steps")
     s.add_argument("--resume", action="store_true",
                    help="continue the run that --save-every left at -o, bit for bit (same options and threads)")
@@ -76,6 +77,7 @@ def add_parser(sub) -> None:
                         "Under your own torchrun, leave it out (docs/training.md)")
     s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (also written to -o/summary.json)")
+    add_memory_flag(s)
     s.set_defaults(run=run)
 
 

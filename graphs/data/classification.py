@@ -81,6 +81,9 @@ class JsonlClassification:
                 if isinstance(seen, str) != isinstance(label, str):
                     raise DataError(f"{where}: label {json.dumps(label)} is a {type(label).__name__}, the earlier "
                                     f"labels are {type(seen).__name__}s; use one type")
+            if kind == "ids" and file_eval and max(content) > self.max_id:
+                raise DataError(f"{where}: token id {max(content)} is outside the training vocabulary (0.."
+                                f"{self.max_id}); the ids of --eval must come from the training data's vocabulary")
             if kind == "ids":
                 self.max_id = max(self.max_id, max(content))
             elif not file_eval:
@@ -92,14 +95,15 @@ class JsonlClassification:
             else:
                 held.setdefault(label, where)
 
-        self.index = LineIndex(data_files(path), jsonl_rule(holdout=eval_path is None), visit)
+        self.index = LineIndex(data_files(path), jsonl_rule(holdout=eval_path is None), visit,
+                               whole_lines=True)
         require_lines(self.index, path, "train", "examples")
         for label, where in held.items():
             if label not in self.train_labels:
                 raise self._unknown(label, where)
         if eval_path is not None:
             self.eval_index = LineIndex(data_files(eval_path, "--eval"), jsonl_rule(False, "val"),
-                                        lambda s, raw, where: visit(s, raw, where, file_eval=True))
+                                        lambda s, raw, where: visit(s, raw, where, file_eval=True), whole_lines=True)
         else:
             self.eval_index = self.index
         require_lines(self.eval_index, eval_path or path, "val", "examples")
@@ -113,6 +117,11 @@ class JsonlClassification:
             if tokenizer is not None:
                 raise DataError(f"--tokenizer {tokenizer}: {path} holds token ids, not text; leave --tokenizer out")
             self.tokenizer = None
+            from adaptex.graphs import memory
+
+            # an embedding row per id up to the largest: fp32 weights, gradients and Adam's moments at d_model 256
+            memory.require(f"{path}: token id", self.max_id, lambda i: 16.0 * 256 * (i + 1),
+                           "an embedding row for every id up to it", low=0)
             self.vocab_size = max(self.max_id + 1, 2)
             self.pad_id = 0
         else:

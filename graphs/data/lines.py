@@ -21,6 +21,28 @@ from adaptex.graphs.errors import DataError
 HOLDOUT = 10
 BLOCK = 32
 SPLITS = ("train", "val")
+PIECE = 1 << 20  # a longer line is read (and, in a text corpus, used) in pieces of at most this many bytes
+
+
+def pieces(f, limit: int = PIECE) -> Iterator[bytes]:
+    """The lines of the binary file `f`, a line longer than `limit` bytes given as several pieces, each
+    cut at a UTF-8 character boundary (only the last ends with the newline): memory stays `limit`
+    bytes, whatever a line's length."""
+    carry = b""
+    while True:
+        raw = carry + f.readline(limit - len(carry))
+        carry = b""
+        if not raw:
+            return
+        if not raw.endswith(b"\n") and len(raw) >= limit:
+            cut = len(raw)
+            while cut > len(raw) - 4 and cut > 0 and (raw[cut - 1] & 0xC0) == 0x80:
+                cut -= 1  # continuation bytes: back to the lead byte
+            if cut > 0 and raw[cut - 1] >= 0xC0:
+                cut -= 1  # the lead byte of a character cut short goes with the rest of it
+            if cut > 0:
+                raw, carry = raw[:cut], raw[cut:]
+        yield raw
 
 
 def data_files(path: str | os.PathLike, what: str = "--data") -> list[Path]:
@@ -69,7 +91,9 @@ class LineIndex:
     Records each split's count and block offsets, the files' sha256 and the number of lines."""
 
     def __init__(self, files: list[Path], rule: Callable[[bytes, str | None], str | None],
-                 visit: Callable[[str, bytes, str], None] | None = None):
+                 visit: Callable[[str, bytes, str], None] | None = None, whole_lines: bool = False):
+        """whole_lines: a line longer than PIECE bytes is an error (a JSONL record cannot be cut);
+        otherwise it is indexed as pieces of at most PIECE bytes."""
         self.files, self.rule = files, rule
         self.splits = {s: Split(s) for s in SPLITS}
         h = hashlib.sha256()
@@ -77,9 +101,11 @@ class LineIndex:
         for fi, path in enumerate(files):
             prev = None
             with open(path, "rb") as f:
-                offset, lineno = 0, 0
-                for raw in f:  # binary iteration reads buffered chunks: memory stays one line
-                    lineno += 1
+                offset, lineno = 0, 1
+                for raw in pieces(f):  # memory stays one piece, however long a line
+                    if whole_lines and not raw.endswith(b"\n") and f.peek(1):  # cut: longer than PIECE
+                        raise DataError(f"{path}:{lineno}: a line longer than {PIECE >> 20} MB; a record is one "
+                                        "line of at most that size, split the data into more lines")
                     h.update(raw)
                     split = rule(raw, prev)
                     if split is not None:
@@ -91,7 +117,8 @@ class LineIndex:
                             visit(split, raw, f"{path}:{lineno}")
                         prev = split
                     offset += len(raw)
-            self.lines += lineno
+                    lineno += raw.endswith(b"\n")
+            self.lines += (lineno - 1) + (offset > 0 and not raw.endswith(b"\n"))  # a last line without newline
         self.sha256 = h.hexdigest()
 
     def lines_from(self, split: str, k: int, limit: int | None = None) -> Iterator[tuple[bytes, str]]:
@@ -109,7 +136,7 @@ class LineIndex:
             path = self.files[fi]
             with open(path, "rb") as f:
                 f.seek(offset)
-                for raw in f:
+                for raw in pieces(f):
                     r = self.rule(raw, prev)
                     if r == split:
                         if skip:
@@ -120,7 +147,7 @@ class LineIndex:
                             if given >= limit:
                                 return
                     prev = r if r is not None else prev
-                    lineno += 1
+                    lineno += raw.endswith(b"\n")
             fi, offset, lineno, prev = (fi + 1) % len(self.files), 0, 1, None
 
     def describe(self) -> dict:

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from adaptex.graphs.nn.record import _RECORDERS, MODES, SOFT_MODES, AdaptiveLayer, Recorder
+from adaptex.graphs.nn.record import _RECORDERS, MODES, SOFT_MODES, AdaptiveLayer, Recorder, check_inputs
 from adaptex.graphs.ops import budgeted_attention as ba
 from adaptex.graphs.parallel import batch_noise
 
@@ -72,6 +72,7 @@ class BudgetedAttention(AdaptiveLayer, nn.Module):
                 sched: RoutingSchedule | None = None, force_mask: Tensor | None = None,
                 return_decisions: bool = False):
         """y (B, T, d); with return_decisions, (y, decisions) (the shipped BudgetFormer's call)."""
+        check_inputs(type(self).__name__, x, mask, self.qkv.in_features)
         if mask is None:
             mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
         y, dec = self._attend(x, mask.bool(), self.resolve_mode(mode), sched, force_mask)

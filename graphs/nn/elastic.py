@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder, control_flow_traced
+from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder, check_inputs, control_flow_traced
 from adaptex.graphs.ops import elastic_attention as ea
 
 
@@ -156,6 +156,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         """o (B, H, T, dh); with return_decisions, (o, decisions) (the shipped elastic models' call).
         given_logits: with head_modes and no use_modes (a decode step), their one-hot logits (B, Hkv, 2),
         made by the caller (given_mode_logits: a decoder's step program makes every layer's at once)."""
+        check_inputs(type(self).__name__, k, None, None, rank=4, names=("k", "key_mask"))
         o, dec = self._attend(q, k, v, key_mask, head_modes, use_modes, self.resolve_mode(mode), force_sa, tau,
                               given_logits)
         return (o, dec) if return_decisions else o

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch import Tensor
 
 import adaptex.graphs.ops  # noqa: F401  (registers the ops and their facts)
+from adaptex.graphs.errors import InputError
 from adaptex.graphs.ops.facts import decision_kinds
 
 # What each decision field is, for parity (runtimes.checks): a flip of a field of kind
@@ -190,3 +191,31 @@ class AdaptiveLayer:
             _RECORDERS[-1].record(self.adaptex_path or type(self).__name__, values, margins, aux)
 
 
+
+
+def check_inputs(layer: str, x: Tensor, mask: Tensor | None, width: int | None, rank: int = 3,
+                 names: tuple[str, str] = ("x", "mask"), finite: bool = True) -> None:
+    """One InputError for what a layer cannot take, before torch meets it (eager calls only: traced
+    and exported calls see fake tensors, whose shapes the export already checked): a feature tensor
+    not floating point, of another rank or width, a mask that does not match its leading axes, or
+    NaN/Inf features (routing ranks and gathers on them, and a NaN index crashes)."""
+    import torch
+
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return
+    xn, mn = names
+    if not x.is_floating_point():
+        raise InputError(f"{layer}: {xn} has dtype {x.dtype}; pass floating-point features (e.g. x.float())")
+    if x.dim() != rank or (width is not None and x.shape[-1] != width):
+        want = ", ".join(["B", "T", "H", "dh"][:rank - 1] + [str(width) if width is not None else "d"])
+        raise InputError(f"{layer}: {xn} has shape {list(x.shape)}; this layer takes ({want})")
+    if mask is not None and type(mask) is torch.Tensor:
+        lead = (x.shape[0], x.shape[-2]) if rank == 4 else tuple(x.shape[:2])
+        if tuple(mask.shape) != lead:
+            raise InputError(f"{layer}: {mn} has shape {list(mask.shape)}, {xn} {list(x.shape)}; pass a mask of "
+                             f"shape {list(lead)} (1 or True for a real token)")
+        if mask.is_floating_point() or mask.is_complex():
+            raise InputError(f"{layer}: {mn} has dtype {mask.dtype}; pass a bool or integer 0/1 mask")
+    if finite and not bool(torch.isfinite(x).all()):
+        raise InputError(f"{layer}: {xn} holds NaN or Inf; the router ranks its heads on these features, so pass "
+                         "finite values (check the layers before it)")

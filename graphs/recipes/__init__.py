@@ -68,6 +68,42 @@ class TrainResult:
     note: str = ""  # one line for the user after the checkpoint is written
 
 
+# the largest shapes each family's recipe uses by default (its presets' maxima), and the bytes a
+# parameter costs in training (fp32 weights, gradients, Adam's two moments; budgetformer and tsa train a
+# baseline beside the model; an elastic backbone is frozen): what a bound estimates
+_SHAPES = {"budgetformer": dict(d=256, heads=8, layers=2, d_ff=1024, seq=256, vocab=4096, batch=64, per_param=32),
+           "tsa": dict(d=128, heads=4, layers=6, d_ff=512, seq=512, vocab=4096, batch=64, per_param=32),
+           "elastic": dict(d=768, heads=12, layers=12, d_ff=3072, seq=512, vocab=50257, batch=8, per_param=4)}
+
+
+def bound_training(family: str, opts: TrainOptions) -> None:
+    """Refuse, before any work, sizes whose weights, optimizer state and one batch's activations would
+    pass the memory limit (--d-model, --max-len, --batch-size ...), naming the flag that makes them
+    so and its largest value that fits."""
+    from adaptex.graphs import memory
+
+    shape = _SHAPES.get(family, _SHAPES["tsa"])  # a family without its own entry: a decoder's shapes
+    given = {k: v for k, v in (("d", opts.d_model), ("heads", opts.heads), ("layers", opts.layers),
+                               ("d_ff", opts.d_ff), ("batch", opts.batch_size), ("positions", opts.max_len),
+                               ("seq", opts.max_tokens)) if v}
+
+    def need(**change):
+        v = {**shape, "positions": shape["seq"], **given, **change}
+        d_ff = v["d_ff"] if "d_ff" in given or "d" not in {**given, **change} else 4 * v["d"]
+        seq = min(v["seq"], v["positions"]) if "positions" in {**given, **change} else v["seq"]
+        params = memory.model_params(v["vocab"], v["d"], v["layers"], d_ff, v["positions"])
+        return v["per_param"] * params + memory.activation_bytes(v["batch"], seq, v["d"], v["heads"], v["layers"],
+                                                                 backward=True)
+    if need() <= memory.limit():
+        return
+    flags = {"d": "--d-model", "heads": "--heads", "layers": "--layers", "d_ff": "--d-ff", "batch": "--batch-size",
+             "positions": "--max-len", "seq": "--max-tokens"}
+    # the flag given whose reduction to its default (or 1) frees the most
+    key = min(given or {"batch": shape["batch"]}, key=lambda k: need(**{k: shape.get(k, 1)}))
+    value = {**shape, **given}[key]
+    memory.require(flags[key], value, lambda x: need(**{key: x}), "training")
+
+
 def recipes() -> dict[str, str]:
     """Family name -> its recipe module, from the family contracts' `recipe` (graphs/family.py): the
     one table of what `adaptex train` knows. A module is imported when used (each pulls in its own
@@ -87,6 +123,7 @@ def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda m
     if family not in known:
         raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(known)}")
     opts.check()
+    bound_training(family, opts)
     from adaptex.graphs.recipes.session import Session, deterministic, seed_everything
 
     session = session or Session(family=family, options=opts.__dict__.copy())

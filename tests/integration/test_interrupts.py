@@ -24,7 +24,7 @@ def _debris(d, name, tmpdir):
 
 
 def _export(ckpt, out, target, variant, tmpdir):
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env = {**os.environ, "TMPDIR": str(tmpdir), "ADAPTEX_TEMP_GRACE_S": "0"}  # what a SIGKILL left: swept at once
     return subprocess.Popen([sys.executable, "-m", "adaptex", "export", str(ckpt), "--target", target,
                              "--variant", variant, "-o", str(out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -91,7 +91,7 @@ def test_a_killed_swap_is_recovered(tmp_path):
     (out / "v").write_text("old")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a process id that no longer runs
-    work = tmp_path / f".m.mlpackage.adaptex-{dead}-xyz"
+    work = tmp_path / f".m.mlpackage.adaptex-{dead}-h{files.HOST_TAG}-0123abcd"
     work.mkdir()
     os.replace(out, work / "old")
     files.recover(out)

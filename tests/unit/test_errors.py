@@ -153,7 +153,8 @@ def test_check_missing_artifact(tmp_path, capsys):
 
 
 def test_bench_sequence_past_maximum(tiny_onnx, capsys):
-    fails(capsys, "bench", tiny_onnx["sparse"], "--seq", "65", match="sequence length 65 exceeds the model's maximum 64")
+    fails(capsys, "bench", tiny_onnx["sparse"], "--seq", "65",
+          match="--seq 65: above the model's limit of 64 positions; the largest --seq that fits is 64")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from adaptex.graphs.errors import AdaptexError
@@ -172,14 +172,25 @@ def cli_world(artifacts, tiny_coreml, tmp_path_factory):
     (d / "garbage.onnx").write_bytes(b"\x08\x07" + bytes(range(256)))
     (d / "notes.txt").write_text("not an artifact")
     (d / "dir.onnx").mkdir()
+    # issue 69's failures, the fuzz's first seeds: a length-0 sequence, a rank-3 array, a pickled array,
+    # metadata outside its schema, a 200 KB metadata value, an .onnx labelled for TensorRT
+    np.savez(d / "len0.npz", input_ids=ids[:, :0], attention_mask=mask[:, :0])
+    np.savez(d / "rank3.npz", input_ids=ids[:, :, None], attention_mask=mask[:, :, None])
+    np.savez(d / "pickled.npz", input_ids=np.array([[1, "a"]], dtype=object), attention_mask=mask[:1, :2])
+    relabelled = {"fp8.onnx": {"precision": "fp8"}, "maxseq.onnx": {"max_sequence": -5},
+                  "huge.onnx": {"family": "x" * 200_000}, "trt.onnx": {"target": "tensorrt"}}
+    for name, change in relabelled.items():
+        _relabel(artifacts("bf"), d / name, change)
     paths = {
         "artifact": [artifacts("bf"), artifacts("bf", variant="dense"), artifacts("tsa"), tiny_coreml["sparse"],
                      artifacts("bf", "tensorrt"), d / "missing.onnx", d / "empty.onnx", d / "garbage.onnx",
-                     d / "notes.txt", d / "dir.onnx", d / "m.plan", d / "x.mlpackage", "", "-"],
+                     d / "notes.txt", d / "dir.onnx", d / "m.plan", d / "x.mlpackage", "", "-",
+                     *(d / name for name in relabelled)],
         "model": [artifacts.checkpoints / "bf", artifacts.checkpoints / "tsa", d / "missing", "", "nope",
                   "tests.zoo:tiny_model", "tests.zoo:TINY", "no_such_module_xyz:f", ":", "budgetformer-graded"],
         "inputs": [d / "inputs.npz", d / "float.npz", d / "half.npz", d / "scalar.npz", d / "rows0.npz",
-                   d / "none.npz", d / "garbage.npz", d / "missing.npz", d, ""],
+                   d / "none.npz", d / "garbage.npz", d / "missing.npz", d, "", d / "len0.npz", d / "rank3.npz",
+                   d / "pickled.npz"],
         "out": [d / "out.onnx", d / "out.mlpackage", d / "out.plan", d / "out.json", d / "no" / "dir" / "x.json",
                 d, d / "notes.txt", "", d / "out.png", d / "out.csv"],
     }
@@ -201,8 +212,29 @@ def cli_world(artifacts, tiny_coreml, tmp_path_factory):
     mp.setattr(tensorrt, "build_engine", reached("the tensorrt engine build"))
     mp.setattr(bench, "Bench", reached("the benchmark"))
     mp.setattr(adaptex.api, "check", quick_check)
+    bf = str(artifacts("bf"))
+    paths["seeds"] = [["check", bf, "--samples", "100000000000"], ["check", bf, "--samples", "1e11"],
+                      ["bench", bf, "--seq", "100000000"], ["bench", bf, "--seq", "64", "--batch", "1e12"],
+                      *(["check", bf, "--inputs", str(d / n)] for n in ("len0.npz", "rank3.npz", "pickled.npz")),
+                      *(["check", str(d / n)] for n in relabelled), ["inspect", str(d / "huge.onnx")],
+                      ["check", bf, "--max-memory", "lots"]]
     yield paths
     mp.undo()
+
+
+def _relabel(src, out, change: dict) -> None:
+    """A copy of the ONNX artifact `src` whose adaptex metadata has `change` applied."""
+    import json
+
+    import onnx
+
+    from adaptex.exporter.metadata import META_KEY
+
+    model = onnx.load(str(src))
+    for p in model.metadata_props:
+        if p.key == META_KEY:
+            p.value = json.dumps({**json.loads(p.value), **change})
+    onnx.save(model, str(out))
 
 
 def _int_text():
@@ -228,11 +260,11 @@ FLAGS = {  # flag -> kind of value (None: a switch)
     "check": {"--model": "model", "--inputs": "inputs", "--samples": "int", "--atol": "float", "--rtol": "float",
               "--seed": "int", "--threads": "threads", "--compute-units": "choice_cu",
               "--fp16-accumulation": "choice_acc", "--ranges": None, "--against": "artifact",
-              "--save-results": "out", "--quiet": None, "--json": None},
+              "--save-results": "out", "--quiet": None, "--json": None, "--max-memory": "size"},
     "bench": {"--model": "model", "--inputs": "inputs", "--batch": "list", "--seq": "list", "--past": "list",
               "--threads": "list", "--warmup": "int", "--runs": "int", "--blocks": "int", "--profile": None,
               "--plot": "out", "--csv": "out", "--no-cache": None, "--no-memory": None,
-              "--compute-units": "choice_cu", "--quiet": None, "--json": None},
+              "--compute-units": "choice_cu", "--quiet": None, "--json": None, "--max-memory": "size"},
     "export": {"--target": "target", "-o": "out", "--variant": "variant", "--precision": "text",
                "--no-fp16-audit": None, "--inputs": "inputs", "--min-target": "text", "--onnx-only": None,
                "--min-shapes": "shapes", "--opt-shapes": "shapes", "--max-shapes": "shapes",
@@ -256,6 +288,7 @@ def _value(kind: str, paths: dict):
         "shapes": st.sampled_from(["batch=1", "batch=2,sequence=8", "sequence=0", "batch=x", "=3", "batch=1,batch=2",
                                    "nope=1", ""]) | st.text(max_size=8),
         "text": _any_text(),
+        "size": st.sampled_from(["8G", "1", "512M", "0", "-1G", "1e3", "lots", "", "1.5GB", "1T"]),
     }[kind]
 
 
@@ -293,9 +326,7 @@ def test_cli_exits_0_1_or_2_with_one_line_errors(cli_world):
     threads = torch.get_num_threads()
     outcomes: dict = {}
 
-    @bounded(40)
-    @given(argv=command_lines(cli_world))
-    def fuzz(argv):
+    def one(argv):
         out, err = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -317,7 +348,49 @@ def test_cli_exits_0_1_or_2_with_one_line_errors(cli_world):
             assert errors == [], text
         kind = "reached" if code == 2 and "reached " in lines[-1] else code
         outcomes[kind] = outcomes.get(kind, 0) + 1
+        return code, text
+
+    for argv in cli_world["seeds"]:  # the known failures first, each refused in one line
+        code, text = one(argv)
+        assert code == 2 and "reached " not in text, (argv, text)
+        assert len(text) < 1000, (argv, len(text))  # no value echoed whole
+
+    @bounded(40)
+    @given(argv=command_lines(cli_world))
+    def fuzz(argv):
+        one(argv)
 
     fuzz()
     if FUZZING:  # a long fuzz reaches every outcome: refusals, accepted work, passing and failing runs
         assert {0, 2, "reached"} <= set(outcomes), outcomes
+
+
+# --- the adaptex.nn layers' inputs ----------------------------------------------------------------------------
+
+@bounded(30)
+@given(dtype=st.sampled_from(["float32", "float64", "float16", "int64", "bool"]), rank=st.integers(1, 4),
+       width=st.sampled_from([16, 8, 1]), poison=st.sampled_from([None, float("nan"), float("inf")]),
+       mask=st.sampled_from(["none", "ok", "short", "float"]))
+@example(dtype="float32", rank=3, width=16, poison=float("nan"), mask="ok")  # issue 69: crashed in index_select
+@example(dtype="int64", rank=3, width=16, poison=None, mask="none")
+@example(dtype="float32", rank=2, width=16, poison=None, mask="none")
+@example(dtype="float32", rank=3, width=8, poison=None, mask="ok")
+def test_budgeted_attention_computes_or_refuses_in_one_line(dtype, rank, width, poison, mask):
+    import torch
+
+    import adaptex.nn as ann
+
+    torch.manual_seed(0)
+    layer = ann.BudgetedAttention(16, 4, router_hidden=8).eval()
+    shape = [2, 5, width][-rank:] if rank <= 3 else [2, 5, 3, width]
+    x = torch.randn(*shape).to(getattr(torch, dtype))
+    if poison is not None and x.is_floating_point():
+        x.view(-1)[0] = poison
+    m = {"none": None, "ok": torch.ones(2, 5, dtype=torch.bool), "short": torch.ones(2, 4, dtype=torch.bool),
+         "float": torch.full((2, 5), 0.5)}[mask]
+    try:
+        y = layer(x, m)
+    except AdaptexError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert y.shape == x.shape and bool(torch.isfinite(y).all())

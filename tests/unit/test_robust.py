@@ -434,7 +434,7 @@ def test_generate_runs_as_a_script_with_one_line_errors(tmp_path):
     (["lint", "m.onnx", "--trt", "10", "-z"], "unrecognized arguments: -z; see 'adaptex lint --help'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["export", "--target", "onnx"], "the following arguments are required: -o/--output"),
-    (["check", "m.onnx", "--samples", "many"], "argument --samples: invalid int value: 'many'"),
+    (["check", "m.onnx", "--samples", "many"], "argument --samples: invalid whole number: 'many'"),
     ([], "the following arguments are required: COMMAND"),
 ])
 def test_usage_errors_are_one_line_not_the_usage_block(capsys, argv, match):

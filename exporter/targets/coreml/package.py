@@ -125,8 +125,14 @@ def check_output(out: Path) -> None:
         hint = out.with_suffix(".mlpackage") if out.suffix else Path(f"{out}.mlpackage")
         raise ExportError(f"{out}: a Core ML package's name must end in .mlpackage; use -o {hint}")
     parent = out.absolute().parent
+    if not parent.exists():
+        try:  # like mkdir -p, as for every other artifact and a checkpoint
+            parent.mkdir(parents=True)
+        except OSError as e:
+            raise ExportError(f"{out}: cannot create directory {parent} ({e.strerror or e}); create it or choose "
+                              "another -o") from None
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ExportError(f"{out}: directory {parent} does not exist or is not writable; choose another -o")
+        raise ExportError(f"{out}: directory {parent} is not a writable directory; choose another -o")
     if out.exists():
         try:
             package_meta(load_spec(out), out)
@@ -175,10 +181,26 @@ def check_spec_io(spec, meta: dict, path) -> None:
                                    f"has rank {rank}, the metadata says {want[name]}; re-export the model with adaptex")
 
 
-def load_spec(path: str | Path):
-    """The package's protobuf spec, without loading its program; one-line errors for a broken package."""
-    import coremltools as ct
+def _root_spec(path: Path):
+    """The root model's spec, read from the files as they are: coremltools' own reader opens the
+    package read-write and rewrites its Manifest.json, and reading must not modify."""
+    import json
 
+    from coremltools.proto import Model_pb2
+
+    manifest = json.loads((path / "Manifest.json").read_text())
+    entry = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]
+    model = path / "Data" / entry["path"]
+    if not model.resolve().is_relative_to(path.resolve()):
+        raise ValueError(f"its manifest names a model file outside the package ({str(entry['path'])[:80]})")
+    spec = Model_pb2.Model()
+    spec.ParseFromString(model.read_bytes())
+    return spec
+
+
+def load_spec(path: str | Path):
+    """The package's protobuf spec, without loading its program (nor writing anything); one-line errors
+    for a broken package."""
     path = Path(path)
     if not path.exists():
         raise AdaptexError(f"{path}: no such artifact; export one with 'adaptex export --target coreml -o {path}'")
@@ -186,7 +208,7 @@ def load_spec(path: str | Path):
         raise AdaptexError(f"{path}: not an ML package (no Manifest.json); pass a .mlpackage written by adaptex export")
     check_package_files(path)
     try:
-        return ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+        return _root_spec(path)
     except Exception as e:
         raise AdaptexError(f"{path}: a corrupt ML package ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                            "re-export it") from None
