@@ -193,13 +193,13 @@ def test_the_cli_takes_a_model_of_your_own(tmp_path, capsys, monkeypatch):
 def test_a_spec_naming_something_not_callable_is_refused_in_one_line(tmp_path, capsys):
     """MODULE:NAME where NAME is data, not a function (a fuzz-found case): a usage error, exit 2."""
     out = tmp_path / "m.onnx"
-    assert main(["export", "tests.zoo:TINY_TSA", "--target", "onnx", "-o", str(out)]) == 2
+    assert main(["export", "tests.support.zoo:TINY_TSA", "--target", "onnx", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "is a dict, not a function" in err and "unexpected" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
 
 
-@pytest.mark.parametrize("spec, says", [(":", "needs both names"), ("tests.zoo:", "needs both names"),
+@pytest.mark.parametrize("spec, says", [(":", "needs both names"), ("tests.support.zoo:", "needs both names"),
                                          (":tiny_model", "needs both names"), (".zoo:f", "cannot import")])
 def test_a_spec_missing_a_name_is_refused_in_one_line(tmp_path, capsys, spec, says):
     """MODULE:FUNCTION with a name missing or one importlib refuses (':' was a fuzz-found case: a raw

@@ -187,7 +187,7 @@ def cli_world(artifacts, tiny_coreml, tmp_path_factory):
                      d / "notes.txt", d / "dir.onnx", d / "m.plan", d / "x.mlpackage", "", "-",
                      *(d / name for name in relabelled)],
         "model": [artifacts.checkpoints / "bf", artifacts.checkpoints / "tsa", d / "missing", "", "nope",
-                  "tests.zoo:tiny_model", "tests.zoo:TINY", "no_such_module_xyz:f", ":", "budgetformer-graded"],
+                  "tests.support.zoo:tiny_model", "tests.support.zoo:TINY", "no_such_module_xyz:f", ":", "budgetformer-graded"],
         "inputs": [d / "inputs.npz", d / "float.npz", d / "half.npz", d / "scalar.npz", d / "rows0.npz",
                    d / "none.npz", d / "garbage.npz", d / "missing.npz", d, "", d / "len0.npz", d / "rank3.npz",
                    d / "pickled.npz"],
