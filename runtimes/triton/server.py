@@ -11,14 +11,15 @@ Triton reports the model ready, and stops it on Ctrl-C or SIGTERM.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 
 SERVE_ENV = ".venv-serve"
@@ -64,18 +65,19 @@ class Server:
             instances, threads
         self.python, self.say, self.log, self._name, self._meta = python, say, log, name, meta
         self.proc: subprocess.Popen | None = None
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._tmp: contextlib.ExitStack | None = None
         self.name = ""
 
     def start(self) -> "Server":
         from adaptex.runtimes.triton import repository
 
         python = serving_python(self.python)
-        self._tmp = tempfile.TemporaryDirectory(prefix="adaptex-serve-")
-        model_dir = repository.write(self.artifact, self._tmp.name, max_batch=self.max_batch, instances=self.instances,
+        self._tmp = contextlib.ExitStack()
+        work = self._tmp.enter_context(files.temp_dir("serve"))  # adaptex's own, removed on stop
+        model_dir = repository.write(self.artifact, work, max_batch=self.max_batch, instances=self.instances,
                                      name=self._name, meta=self._meta)
         self.name = model_dir.name
-        log = Path(self.log) if self.log else Path(self._tmp.name) / "triton.log"
+        log = Path(self.log) if self.log else work / "triton.log"
         cmd = [python, str(_WORKER), str(model_dir), "--name", self.name, "--http-port", str(self.port),
                "--grpc-port", str(self.port + 1), "--metrics-port", str(self.port + 2), "--max-batch",
                str(self.max_batch), "--instances", str(self.instances), "--threads", str(self.threads)]
@@ -114,7 +116,7 @@ class Server:
             self._log.close()
             self._log = None
         if self._tmp is not None:
-            self._tmp.cleanup()
+            self._tmp.close()
             self._tmp = None
 
     def __enter__(self) -> "Server":
