@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel that lies on disk.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,coreml,bench]'
+	$(PY) -m pip install --quiet -e '.[test,coreml,bench,openvino]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,7 @@ from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import functions as fx
 from adaptex.exporter.targets.onnx import passes
+from adaptex.exporter.targets.onnx import portable
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 
@@ -407,6 +408,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
             proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
                                                keys=(keys_input, near, cells, *capped.values()), domain=fx.DOMAIN)
             stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, **capped)
+    portable.if_outputs_copied(proto)  # what keeps the file right in OpenVINO too (portable.py)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
