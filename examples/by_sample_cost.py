@@ -21,8 +21,8 @@ import onnxruntime as ort
 from if_branch_cost import interleaved_medians, one_thread, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper
 
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attention_by_sample
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample
 
 
 def attention_model(batch: int, heads: int, tokens: int, dh: int, by_sample: bool) -> bytes:

@@ -52,7 +52,7 @@ def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng,
     """Interleaved rounds within about `budget_s`, in one block per artifact whose sessions are
     created in the order of `paths` rotated by the block's index: (rounds, path -> list of ns,
     path -> the median ns of each block)."""
-    from adaptex.runtimes.bench import _ort_runner
+    from adaptex.runtimes.bench_candidates import ort_runner as _ort_runner
 
     k, rounds = len(paths), None
     times = {p: [] for p in paths}
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import adaptex
     from adaptex.graphs.errors import AdaptexError
-    from adaptex.runtimes.bench import Bench, _ort_runner
+    from adaptex.runtimes.bench import Bench
+    from adaptex.runtimes.bench_candidates import ort_runner as _ort_runner
 
     if len(args.artifacts) < 2 or len(set(args.artifacts)) != len(args.artifacts):
         print("compare_artifacts: give two or more different artifacts (the first is the baseline)", file=sys.stderr)

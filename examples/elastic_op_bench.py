@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from adaptex.exporter.targets.onnx import functions as fx  # noqa: E402
+from adaptex.exporter.targets.onnx import bodies as fx  # noqa: E402
 
 
 def session(variant: str, sink: int, window: int) -> ort.InferenceSession:

@@ -1,6 +1,6 @@
 """What masked keys cost ONNX Runtime's fused attention kernel (com.microsoft.MultiHeadAttention),
 the finding that took Elastic Attention's streaming (SA) pairs out of it
-(exporter/targets/onnx/functions.py, block_local). Block-local streaming attention as the kernel
+(exporter/targets/onnx/bodies/, block_local). Block-local streaming attention as the kernel
 would run it: N sequences (pair x block) of Bq queries against K keys (the sinks, then the block's
 run), each query seeing a band of them, the band given as the kernel's `attention_bias`. Timed in
 interleaved rounds, 1 thread:

@@ -142,7 +142,7 @@ def _no_batched_twin(proto) -> str | None:
     Runtime's optimizer may have fused it into one kernel)."""
     import onnx
 
-    from adaptex.exporter.targets.onnx.passes import attention_by_sample
+    from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample
 
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)

@@ -250,7 +250,7 @@ class TSAFamily(DecoderContract):
         values are computed for every token); the mean attention context of a step is past + (seq + 1) / 2.
         The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's
         largest per-sample kept count in every sample: at least one row on TensorRT-bound graphs. ONNX
-        Runtime's bodies dispatch (exporter/targets/onnx/functions.py): no query side for a block with
+        Runtime's bodies dispatch (exporter/targets/onnx/bodies/): no query side for a block with
         no kept token, every row where that count reaches DENSE_QUERY_SHARE of T, and each sample's
         own kept rows where the call attends a sample at a time (B > 1, BY_SAMPLE_FROM scores)."""
         cfg = self.cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.bench import ONE_SESSION
+from adaptex.runtimes.bench_accounting import ONE_SESSION
 from adaptex.runtimes.chunks import samples
 
 # --- printing ----------------------------------------------------------------------------------------

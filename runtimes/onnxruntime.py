@@ -66,7 +66,7 @@ class Programs:
     call takes is what the Ifs would choose for its input shapes (dispatch.taken)."""
 
     def __init__(self, path: Path, meta: dict, threads: int | None):
-        from adaptex.exporter.targets.onnx.dispatch import program, taken
+        from adaptex.exporter.targets.onnx.programs import program, taken
 
         self._taken, self._program = taken, program  # imported here: the exporter's package imports torch
         self.path, self.threads = path, threads

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 OP_NAME = "adaptex::budgeted_attention"
-# ONNX Runtime's sparse lowering (exporter/targets/onnx/functions.py) runs one of three bodies a call,
+# ONNX Runtime's sparse lowering (exporter/targets/onnx/bodies/) runs one of three bodies a call,
 # and the executed FLOP count (graphs/budgetformer.py) follows `onnx_body`:
 # - "active_heads": in a batch of more than one sample, every sample on each of the A heads some
 #   sample selected (B x A pairs), in a handful of batched kernels, where that computes at most

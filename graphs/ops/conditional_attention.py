@@ -38,7 +38,7 @@ from torch import Tensor
 
 OP_NAME = "adaptex::conditional_attention"
 
-# Two choices of the ONNX Runtime bodies (exporter/targets/onnx/functions.py), here because the FLOP
+# Two choices of the ONNX Runtime bodies (exporter/targets/onnx/bodies/), here because the FLOP
 # model of graphs/tsa.py reads them too. A mixed call runs every query row, masked, instead of
 # gathering the kept ones when the batch's largest kept count reaches this share of T: its query
 # side runs that many rows of every sample, so the gathered rows are then nearly all of them, plus

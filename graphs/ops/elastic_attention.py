@@ -34,7 +34,7 @@ from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
 OP_NAME = "adaptex::elastic_attention"
 NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, never NaN)
 
-# ONNX Runtime's general body (exporter/targets/onnx/functions.py) attends every pair of a call with SA
+# ONNX Runtime's general body (exporter/targets/onnx/bodies/) attends every pair of a call with SA
 # pairs over every visible key, the SA pairs' keys outside their sinks and window masked, while the
 # call has at most this many scores a sample (H*T*S, whatever the batch): there gathering the pairs by
 # mode and attending block-local costs more kernels than the scores it skips. Here, not in the

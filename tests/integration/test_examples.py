@@ -80,7 +80,7 @@ def test_compare_artifacts_times_artifacts_of_one_model_side_by_side(tiny_tsa_ch
 def test_timed_sessions_take_the_memory_plan_on_or_off():
     """The control compare_artifacts --memory-plan off times with: ONNX Runtime's plan per input
     shape switched off in the session, and refused where the runner's programs would ignore it."""
-    from adaptex.runtimes.bench import _ort_runner
+    from adaptex.runtimes.bench_candidates import ort_runner as _ort_runner
     from adaptex.runtimes.onnxruntime import session_options
 
     assert session_options(1).enable_mem_pattern and not session_options(1, memory_plan=False).enable_mem_pattern

@@ -4,7 +4,7 @@ import pytest
 
 from adaptex.exporter import registry
 from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner

@@ -10,8 +10,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from tests.support import set_bodies
 from adaptex.cli import main
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.ops import elastic_attention as ea
@@ -236,7 +237,7 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
     sink, window = 2, 4
     B, H, T = 2, 3, 24
     excess = B * H * T * (T - sink - 2 * window)
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)  # per sample: past it
+    set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)  # per sample: past it
     monkeypatch.setattr(ea, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)
     q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
     sa[0, 0], sa[0, 1] = True, False  # a mix
@@ -253,15 +254,15 @@ def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch)
         assert (ran == [(B, H, T, T)]) == masks, (why, ran)
 
     for bound, masks in ((excess, True), (excess - 1, False)):
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", bound)
+        set_bodies(monkeypatch, "MASKED_EXCESS_UP_TO", bound)
         monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", bound)
         runs(masks, bound)
     # a large call (B > 1 and B H T T >= BY_SAMPLE_FROM: its gathering paths go a sample or a pair at a
     # time) counts a sample's excess: within the bound at that threshold, past it one score below
-    monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", excess // B)
+    set_bodies(monkeypatch, "MASKED_EXCESS_UP_TO", excess // B)
     monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", excess // B)
     for from_scores, masks in ((B * H * T * T, True), (B * H * T * T + 1, False)):
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", from_scores)
+        set_bodies(monkeypatch, "BY_SAMPLE_FROM", from_scores)
         monkeypatch.setattr(ea, "BY_SAMPLE_FROM", from_scores)
         runs(masks, from_scores)
 
@@ -398,14 +399,14 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
 
     model, info = checkpoint.load(elastic_ckpt)
     if up_to in ("excess", "large"):
-        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
+        set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
+        set_bodies(monkeypatch, "MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
     elif up_to is not None:
-        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", up_to)
+        set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", up_to)
     if up_to == "large":  # the probed call (2 samples of T = 20): its batch's excess past the bound, a sample's not
         H, cfg = model.cfg.num_heads, model.cfg
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", H * 20 * (20 - cfg.sink - 2 * cfg.window))
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 2 * H * 20 * 20)
+        set_bodies(monkeypatch, "MASKED_EXCESS_UP_TO", H * 20 * (20 - cfg.sink - 2 * cfg.window))
+        set_bodies(monkeypatch, "BY_SAMPLE_FROM", 2 * H * 20 * 20)
     path = tmp_path / "el.onnx"
     zoo.export(model, info, path)
     graph = onnx.load(path).graph
@@ -451,7 +452,7 @@ def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path
     with SA pairs block-local in every call (the masked threshold at 0): no sink and an odd window, a
     window of one (no key beside the query's own) and a window wider than most calls (one block, a
     call shorter than it). It passes `adaptex check` over prompts of many lengths, padded and not."""
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", 0)
     checkpoint.save(tmp_path / "ck", zoo.tiny_elastic(sink=sink, window=window), {"description": "blocks"})
     model, info = checkpoint.load(tmp_path / "ck")
     path = tmp_path / "el.onnx"

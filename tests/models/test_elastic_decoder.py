@@ -13,7 +13,8 @@ from adaptex.cli import main
 from adaptex.exporter.trace import adaptex_nodes, trace
 from adaptex.graphs.family import family_contract
 from adaptex.graphs import checkpoint
-from adaptex.graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
+from adaptex.graphs.elastic_decoder import attention_flops
+from adaptex.graphs.recipes.elastic_decoder import ElasticDecoderTrainConfig, train_elastic_decoder
 from adaptex.graphs.errors import InputError
 from tests.support import zoo
 

@@ -11,9 +11,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attention_by_sample, by_sample_ifs
+from tests.support import set_bodies
+from adaptex.exporter.targets.onnx import programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample, by_sample_ifs
 from tests.support import planted
 
 B, H, T, dh = 3, 2, 6, 4
@@ -47,7 +48,7 @@ def test_a_large_batchs_attention_runs_by_sample_with_the_same_values(mask_batch
     rng = np.random.default_rng(0)
     before = _attention(mask_batch)
     after = _attention(mask_batch)
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)  # this batch is large, one sample is not
+    set_bodies(monkeypatch, "BY_SAMPLE_FROM", B * H * T * T)  # this batch is large, one sample is not
     assert attention_by_sample(after) == 1
     onnx.checker.check_model(after, full_check=True)
     for batch in (B, 1):
@@ -89,7 +90,7 @@ def test_a_bias_gathered_by_sample_is_gathered_in_the_loop(op, tmp_path, monkeyp
     sample's planes by its own row of indices, the batched branch the batch's, and the values stay
     the batched kernels'; a bias read again stays where it is, sliced a sample at a time."""
     rng = np.random.default_rng(1)
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)
+    set_bodies(monkeypatch, "BY_SAMPLE_FROM", B * H * T * T)
     for read_again in (False, True):
         before, after = _gathered_bias(op, read_again), _gathered_bias(op, read_again)
         assert attention_by_sample(after) == 1
@@ -139,7 +140,7 @@ def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_p
     checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
     zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
+    set_bodies(monkeypatch, "BY_SAMPLE_FROM", 1)
     zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
     assert by_sample_ifs(onnx.load(tmp_path / "by_sample.onnx").graph.node) == 0
     rng = np.random.default_rng(0)
@@ -168,12 +169,12 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
     checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
     cfg = model.cfg
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
+    set_bodies(monkeypatch, "BY_SAMPLE_FROM", 8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
     for rows, dense_ifs in ((8, 0), (9, 1)):
         path = tmp_path / f"merged{rows}.onnx"
         zoo.export(model, info, path, dense_rows=rows)
         # the sparse branch holds the large-call If: its general program and the large-call one
-        step, dense, general, large = (dispatch.program(onnx.load(path), p)
+        step, dense, general, large = (programs.program(onnx.load(path), p)
                                        for p in ((True,), (False, True), (False, False, False), (False, False, True)))
         assert not any(n.domain == fx.DOMAIN for g in (step, dense) for n in g.graph.node)
         assert any(n.domain == fx.DOMAIN for n in general.graph.node)
@@ -193,9 +194,9 @@ def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs
 
     checkpoint.save(tmp_path / "ck", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", 0)
     zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
+    set_bodies(monkeypatch, "BY_SAMPLE_FROM", 1)
     zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
     sess = ort.InferenceSession(str(tmp_path / "batched.onnx"), providers=["CPUExecutionProvider"])
     feeds = _feeds(sess, 3, 24, 0, modes, pad=2)

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
-from adaptex.exporter.targets.onnx.passes import by_sample_ifs, subgraphs
+from adaptex.exporter.targets.onnx import dispatch, programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.bodies import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
+from adaptex.exporter.targets.onnx.passes import subgraphs
+from adaptex.exporter.targets.onnx.passes_by_sample import by_sample_ifs
 from adaptex.graphs import checkpoint
 from tests.support import planted, zoo
 from tests.support.ort_sessions import session as _session
@@ -252,7 +253,7 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
     every layer, the masked one a second for the streaming heads) and read no cache (its shape at
     most); the long one calls the op."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    short, by_sample, masked, long = (dispatch.program(proto, path).graph for path in (
+    short, by_sample, masked, long = (programs.program(proto, path).graph for path in (
         (False, False, True), (False, False, False, True), (False, False, False, False, True),
         (False, False, False, False, False)))
     for g in (short, masked, by_sample):
@@ -276,7 +277,7 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
         loop = next(a.g for a in n.attribute if a.name == "then_branch").node[-1]
         assert "GatherND" in [m.op_type for m in next(a.g for a in loop.attribute if a.name == "body").node]
     assert any(n.domain == "adaptex" for n in long.node)
-    assert dispatch.short_keys_of(proto) == 10
+    assert programs.short_keys_of(proto) == 10
 
 
 def _softmaxes(model: onnx.ModelProto) -> tuple[int, int]:
@@ -308,10 +309,10 @@ def test_the_softmax_floor_goes_where_prefills_run(decoders, artifacts):
     proto = onnx.load(str(decoders["eldec.onnx"]))
     for path, floored in (((True,), False), ((False, True), False), ((False, False, True), True),
                           ((False, False, False, True), True), ((False, False, False, False), True)):
-        total, with_floor = _softmaxes(dispatch.program(proto, path))
+        total, with_floor = _softmaxes(programs.program(proto, path))
         assert total and with_floor == (total if floored else 0), (path, total, with_floor)
     rows = onnx.load(str(artifacts("tsa", dense_rows="8")))
-    step, dense, sparse = (_softmaxes(dispatch.program(rows, p)) for p in ((True,), (False, True), (False, False)))
+    step, dense, sparse = (_softmaxes(programs.program(rows, p)) for p in ((True,), (False, True), (False, False)))
     assert step[0] and step[1] == 0 and dense[1] == dense[0] == step[0] and sparse[1] == sparse[0] > 0
     one = _softmaxes(onnx.load(str(decoders["tsa-general.onnx"])))
     assert one[1] == one[0] > 0
@@ -329,7 +330,7 @@ def test_softmax_floor_off_leaves_it_out_of_every_program_and_keeps_the_outputs(
     on, off = artifacts("tsa", dense_rows="8"), artifacts("tsa", dense_rows="8", softmax_floor="off")
     proto = onnx.load(str(off))
     for path in ((True,), (False, True), (False, False)):
-        total, floored = _softmaxes(dispatch.program(proto, path))
+        total, floored = _softmaxes(programs.program(proto, path))
         assert total and not floored, path
     assert read_onnx_metadata(off)["softmax_floor"] is False and read_onnx_metadata(on)["softmax_floor"] is True
     a, b = _session(on), _session(off)

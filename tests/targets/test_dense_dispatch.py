@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx import dispatch, programs
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, CheckpointError
 from tests.support import zoo
@@ -131,7 +131,7 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     assert set(meta["dispatch"]["dense_lowerings"].values()) == {"conditional_attention_onnx_dense",
                                                                  "conditional_ffn_onnx_dense"}
     proto = onnx.load(str(merged["tsa"]))
-    assert dispatch.dense_rows_of(proto) == ROWS
+    assert programs.dense_rows_of(proto) == ROWS
     assert [n.op_type for n in proto.graph.node] == ["Shape", "Squeeze", "Shape", "ReduceProd", "LessOrEqual", "Equal",
                                                      "And", "If"]
     single = onnx.load(str(artifacts("tsa", "onnx", "sparse")))
@@ -139,7 +139,7 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     big = {i.name for i in single.graph.initializer if np.prod(i.dims) > dispatch.COPIED_UP_TO}
     assert big and {i.name for i in proto.graph.initializer} == big | {
         f"{dispatch.RESERVED}{n}" for n in ("dense_rows", "dense_step_rows_limit", "dense_step_one")}
-    assert dispatch.dense_rows_of(single) is None
+    assert programs.dense_rows_of(single) is None
     # the functions are the sparse lowering's; the dense branch holds its bodies inlined
     assert {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"} == {
         ("ConditionalAttention", ""), ("ConditionalFFN", "")}
@@ -386,7 +386,7 @@ def test_the_profile_counts_the_dense_branchs_op_kernels_as_adaptive(merged, tmp
     """A decode step runs the dense branch, whose op calls the export inlined: their nodes keep names
     that mark them as the ops' (passes.name_op_nodes), so `adaptex bench --profile` does not count
     the step's attention and FFN as the rest of the graph."""
-    from adaptex.runtimes.bench import profile_onnx
+    from adaptex.runtimes.profile import profile_onnx
 
     feeds = _feeds(_session(merged["tsa"]), batch=1, seq=1, past=7)
     assert _ran(merged["tsa"], feeds, tmp_path) == {"dense_step"}

@@ -13,8 +13,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from adaptex.exporter.targets.onnx import functions as fx
+from tests.support import set_bodies
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs.ops import conditional_attention as ca
+from adaptex.graphs.ops.conditional_attention import DENSE_QUERY_SHARE
 from adaptex.graphs.ops import conditional_ffn as cf
 from tests.support import planted
 
@@ -45,7 +47,7 @@ def _run(model: bytes, feeds: dict, tmp_path, shapes_of: str | None = None):
 def _keeps(seed=0):
     mixed = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
     mixed[0, 0], mixed[1, 1] = True, False
-    assert mixed.sum(1).max() < fx.DENSE_QUERY_SHARE * T  # attention gathers this mix
+    assert mixed.sum(1).max() < DENSE_QUERY_SHARE * T  # attention gathers this mix
     most = torch.ones(B, T, dtype=torch.bool)
     most[1, 2:] = False  # sample 0 keeps all T: attention runs every row of this mix, masked
     return {"none": torch.zeros(B, T, dtype=torch.bool), "all": torch.ones(B, T, dtype=torch.bool), "mixed": mixed,
@@ -84,7 +86,7 @@ def test_conditional_attention_dispatch(case, by_sample, tmp_path, monkeypatch):
     from adaptex.graphs.tsa import attention_mask_4d
 
     if by_sample:
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
+        set_bodies(monkeypatch, "BY_SAMPLE_FROM", 1)
 
     g = torch.Generator().manual_seed(2)
     w = {"wq": 0.3 * torch.randn(d, d, generator=g), "bq": 0.1 * torch.randn(d, generator=g),

@@ -1,7 +1,7 @@
 """The large-call program (exporter/targets/onnx/dispatch.merge_large_call): a decoder's main graph,
 which serves decode steps and short prompts, runs its attention batched with no If a layer (its
 plain attention and its op bodies alike), and the calls large enough for attention a sample at a
-time (passes.attention_by_sample, the bodies' functions._by_sample) run a second program of the same
+time (passes.attention_by_sample, the bodies' bodies.by_sample) run a second program of the same
 weights that has it. With --dense-rows the large-call If sits in the sparse branch, and the general
 program keeps the main graph's If (only the op bodies leave theirs out). The tiny TSA decoder (its
 first block's attention plain) reaches the real threshold (2^22 scores) only at a batch of 1024, so
@@ -14,11 +14,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attends_by_sample, by_sample_ifs
+from tests.support import set_bodies
+from adaptex.exporter.targets.onnx import dispatch, programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attends_by_sample, by_sample_ifs
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 from tests.support import zoo
 from tests.targets.test_programs import _conditions, _feeds
@@ -33,7 +35,7 @@ def _export(family_checkpoints, tmp_path_factory, **kw):
     model, info = checkpoint.load(family_checkpoints / "tsa")
     path = tmp_path_factory.mktemp("large") / "tsa.onnx"
     mp = pytest.MonkeyPatch()
-    mp.setattr(fx, "BY_SAMPLE_FROM", FROM)
+    set_bodies(mp, "BY_SAMPLE_FROM", FROM)
     try:
         meta = zoo.export(model, info, path, **kw)
     finally:
@@ -84,7 +86,7 @@ def test_the_artifact_records_the_condition_and_only_the_large_program_attends_b
                                   "from_scores": FROM}
     proto = onnx.load(str(path))
     assert [n.op_type for n in proto.graph.node][-1] == "If"
-    big, general = dispatch.program(proto, (True,)), dispatch.program(proto, (False,))
+    big, general = programs.program(proto, (True,)), programs.program(proto, (False,))
     assert by_sample_ifs(big.graph.node) == 1 and by_sample_ifs(general.graph.node) == 0
     # the op bodies alike: the general program's calls read bodies with no by-sample If, the large one's
     # their own overload, which has it
@@ -102,7 +104,7 @@ def test_under_dense_dispatch_the_sparse_branch_holds_the_large_call_if(large_ro
     assert meta["dispatch"]["dense_rows"] == 8 and meta["large_call"]["from_scores"] == FROM
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path))
-    dense, general, big = (dispatch.program(onnx.load(str(path)), p)
+    dense, general, big = (programs.program(onnx.load(str(path)), p)
                            for p in ((True,), (False, False, False), (False, False, True)))
     # the general program keeps the main graph's If (the first block's plain attention), not the bodies'
     assert by_sample_ifs(general.graph.node) == 1 and by_sample_ifs(big.graph.node) == 1
@@ -166,7 +168,7 @@ def test_a_model_whose_calls_never_reach_the_threshold_gets_no_second_program(ar
     from adaptex.exporter.metadata import read_onnx_metadata
 
     meta = read_onnx_metadata(artifacts("tsa"))
-    assert "large_call" not in meta and fx.BY_SAMPLE_FROM > 64 * 32 * 32 * 4
+    assert "large_call" not in meta and BY_SAMPLE_FROM > 64 * 32 * 32 * 4
 
 
 def test_metadata_with_a_malformed_condition_is_refused(large):

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx import dispatch, programs
 from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -143,7 +143,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
     path = artifacts("eldec")
     proto = onnx.load(str(path))
     for program in ("near", "step", "short", "masked_large", "masked", "long"):
-        model = dispatch.program(proto, PATHS[program])
+        model = programs.program(proto, PATHS[program])
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
         assert [o.name for o in model.graph.output] == [o.name for o in proto.graph.output]
@@ -153,7 +153,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
         assert _outer_reads(model.graph.node) <= made | {i.name for i in model.graph.input} | {
             t.name for t in model.graph.initializer}
     with pytest.raises(Exception, match="no run-time dispatch If"):
-        dispatch.program(proto, (False, False, False, False, False, True))
+        programs.program(proto, (False, False, False, False, False, True))
 
 
 def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support import set_bodies
 from adaptex.graphs.ops.budgeted_attention import onnx_body
 from adaptex.runtimes import coreml_mil
 from adaptex.runtimes.coreml_mil import MilReferenceRunner
@@ -159,7 +160,7 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
     output and keys, (N_fa, T, dh) and (N_fa, S, dh), count them. (ONNX Runtime bodies mask the SA
     pairs of a call this small instead of gathering them: exported here with that threshold at 0, so
     the tiny models' prefills take the sparse paths.)"""
-    from adaptex.exporter.targets.onnx import functions as fx
+    from adaptex.exporter.targets.onnx import bodies as fx
     from adaptex.graphs import checkpoint
     from adaptex.graphs.family import family_contract
     from tests import zoo
@@ -168,7 +169,7 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
     cfg, contract = model.cfg, family_contract(model)
     T = 48
     feeds = _prefill(T, contract, cfg.vocab_size, 4) if contract.decoder else _ids(T, cfg.vocab_size, 4)
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
+    set_bodies(monkeypatch, "MIXED_CALL_MASKED_UP_TO", 0)
 
     def export(variant):  # a prefill: an elastic decoder's general graph (a decode-step graph serves steps)
         if target != "onnx":

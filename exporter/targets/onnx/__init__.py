@@ -19,8 +19,8 @@ from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import lookup
 from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx import passes
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx import passes, passes_by_sample
 from adaptex.exporter.targets.onnx import portable
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
@@ -327,7 +327,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     routed, stepped, within, large = None, None, None, None
     if split:
         big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True, floor=floor)
-        if passes.attends_by_sample(big):
+        if passes_by_sample.attends_by_sample(big):
             say("the graph for large calls too (attention a sample at a time) ...")
             ids_input, keys_input = contract.input_names()[:2]
             large = {"ids_input": ids_input, "keys_input": keys_input, "heads": heads,
@@ -372,7 +372,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
                 # of their own: the masked program's smaller calls pay no If a layer
                 big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
                                      short=True, masked=True, decode_graph=step, by_sample=True, floor=floor)
-                if passes.by_sample_ifs(big.graph.node):
+                if passes_by_sample.by_sample_ifs(big.graph.node):
                     say("the masked short-call graph for large batches too (attention a sample at a time) ...")
                     by_sample = {"heads": heads, "from_scores": fx.BY_SAMPLE_FROM}
                     proto = dispatch.merge_short_call(big, proto, keys_input=keys_input, cache_input=cache_input,

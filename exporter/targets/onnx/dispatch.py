@@ -56,8 +56,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx.passes import masks_once, reads, rename_reads, shared_subexpressions, subgraphs
-from adaptex.graphs.ops.elastic_attention import masked_excess
+from adaptex.exporter.targets.onnx.passes import (masks_once, reads, rename_outputs, rename_reads, renamed,
+                                                  shared_subexpressions, subgraphs)
 
 DENSE_OVERLOAD = "dense"
 STEP_OVERLOAD = "step"
@@ -90,7 +90,7 @@ def _local_weights(nodes: list, initializers, tag: str) -> tuple[list, list]:
     inits, fold = [flat], []
     for w in weights:
         if int(np.prod(w.dims)) <= COPIED_UP_TO:
-            inits.append(_renamed(w, local[w.name]))
+            inits.append(renamed(w, local[w.name]))
             continue
         shape = numpy_helper.from_array(np.array(w.dims, dtype=np.int64), f"{RESERVED}{tag}.shape.{w.name}")
         inits.append(shape)
@@ -150,25 +150,7 @@ def _renamed_shapes(value_info, rename: dict) -> list[onnx.ValueInfoProto]:
     fusions that check a shape (GatherSliceToSplitFusion: the Slices of a split projection into one
     Split) do not fire in a branch that carries none: tsa-charlm's dense branch kept 13 Slices where
     its graph alone runs 6 Splits."""
-    return [_renamed(vi, rename[vi.name]) for vi in value_info if vi.name in rename]
-
-
-def _renamed(proto, name: str):
-    """A copy of a named proto (an initializer, a value's type) under `name`."""
-    copy = type(proto)()
-    copy.CopyFrom(proto)
-    copy.name = name
-    return copy
-
-
-def _rename_outputs(nodes, rename: dict) -> None:
-    """Rename the values `nodes` make (their subgraphs' too)."""
-    for n in nodes:
-        n.output[:] = [rename.get(o, o) for o in n.output]
-        for g in subgraphs(n):
-            _rename_outputs(g.node, rename)
-            for o in g.output:
-                o.name = rename.get(o.name, o.name)
+    return [renamed(vi, rename[vi.name]) for vi in value_info if vi.name in rename]
 
 
 def _produced(nodes) -> list[str]:
@@ -187,7 +169,7 @@ def _digest(inits) -> dict:
 
 def _content(t: onnx.TensorProto) -> str:
     """A digest of a tensor's type, shape and values, whatever its name."""
-    return hashlib.sha256(_renamed(t, "").SerializeToString()).hexdigest()
+    return hashlib.sha256(renamed(t, "").SerializeToString()).hexdigest()
 
 
 def _same_io(a: onnx.GraphProto, b: onnx.GraphProto, what: str) -> None:
@@ -327,7 +309,7 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
     outputs = {o.name for o in gt.output}
     shadow = {v: f"{RESERVED}{tag}.v.{v}" for v in _produced(graph.node) if v in names and v not in outputs}
     if shadow:
-        _rename_outputs(graph.node, shadow)
+        rename_outputs(graph.node, shadow)
         rename_reads(graph.node, shadow)
     inits, rename, made = list(other.initializer), {}, set(_produced(other.node))
     for t in gt.initializer:
@@ -337,7 +319,7 @@ def _share_weights(then: onnx.ModelProto, other: onnx.GraphProto, tag: str) -> t
             continue
         if t.name in names or t.name in made:
             rename[t.name] = f"{RESERVED}{tag}.c.{t.name}"
-        copy = _renamed(t, rename.get(t.name, t.name))
+        copy = renamed(t, rename.get(t.name, t.name))
         inits.append(copy)
         names.add(copy.name)
     rename_reads(graph.node, rename)
@@ -520,7 +502,7 @@ def _excess_cond(batch: str | None, keys: str, excess: dict, prefix: str) -> tup
 
 def _large_call_cond(batch: str, new: str, keys: str, large: dict, prefix: str, out: str) -> tuple[list, list]:
     """Nodes computing `out` = batch > 1 and batch x new x keys x large["heads"] >= large["from_scores"]
-    (the condition functions.large_batch computes in each layer, where every layer has that many
+    (the condition bodies.large_batch computes in each layer, where every layer has that many
     heads) from scalars, and their constants (their values named `prefix`...)."""
     for what in ("heads", "from_scores"):
         n = large.get(what)
@@ -547,7 +529,7 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
     attention is that large, and `general`'s (the attention batched, no If a layer) for every other:
     batch > 1 and batch x new tokens x keys x `heads` >= `from_scores`, the new tokens read from
     `ids_input`'s axis 1 and the keys from `keys_input`'s (the attention mask). That is the
-    condition each layer's If evaluates (functions.large_batch) where every layer has `heads` heads,
+    condition each layer's If evaluates (bodies.large_batch) where every layer has `heads` heads,
     so the large program's layers all attend by sample and the general program is what their Ifs'
     other branch holds: the same outputs, and a decode step or a short prompt pays no If a layer
     (a decoder's main graph, which serves both: docs/benchmarking.md#large-calls). Both lowerings of
@@ -572,146 +554,11 @@ def merge_large_call(large: onnx.ModelProto, general: onnx.ModelProto, *, ids_in
                      initializers=list(gg.initializer) + consts, then_initializers=gl.initializer, domain=domain)
 
 
-def taken(shapes: dict, *, decode_step: dict | None = None, short_call: dict | None = None,
-          dense: dict | None = None, large_call: dict | None = None) -> tuple[bool, ...]:
-    """The branches an artifact's top-level Ifs take for a call whose inputs have `shapes` (name ->
-    shape), outermost first (True: the then branch): the conditions merge_decode_step,
-    merge_short_call, merge and merge_large_call build into the graph, evaluated on the shapes, in
-    the order export() nests the merges (the near-cache step's If outermost, then the decode step's,
-    the short call's, the masked short call's by sample and the masked short call's; a decoder's
-    dense step's, the dense dispatch's, then the large call's in its sparse branch; short-call
-    dispatch never with either).
-    decode_step, short_call, dense, large_call: the artifact's metadata entries of those names
-    ("dispatch" for dense), or None where it has none."""
-    path = []
-    if decode_step:
-        step = shapes[decode_step["new_tokens_input"]][1] == 1 and shapes[decode_step["cache_input"]][2] > 0
-        if decode_step.get("near_keys"):  # the near-cache step program's If, outermost
-            batch, keys = shapes[decode_step["keys_input"]][:2]
-            cells, capped = decode_step.get("near_cells"), decode_step.get("near_keys_cells")
-            few_keys = keys <= decode_step["near_keys"] and (not capped or batch * keys <= capped)
-            path.append(bool(step and (few_keys or (cells and batch * keys <= cells))))
-            if path[-1]:
-                return tuple(path)
-        path.append(bool(step))
-        if step:
-            return tuple(path)
-    if short_call:
-        batch, keys = shapes[short_call["keys_input"]][:2]
-        prefill = shapes[short_call["cache_input"]][2] == 0
-        path.append(bool(keys <= short_call["max_keys"] and prefill))
-        if not path[-1] and short_call.get("masked_keys"):  # the masked short-call programs' Ifs, inside
-            excess = short_call.get("masked_excess")
-
-            def masked(b: int) -> bool:  # _excess_cond's condition, beside the key count's
-                few = keys <= short_call["masked_keys"] or (
-                    excess is not None and masked_excess(b, excess["heads"], keys, excess["beyond"]) <= excess["up_to"])
-                return bool(few and prefill)
-
-            if short_call.get("masked_large_call"):  # attention by sample, outside the plain one's If
-                path.append(masked(1) and _large(batch, keys, keys, short_call["masked_large_call"]))
-                if path[-1]:
-                    return tuple(path)
-            path.append(masked(batch))
-        return tuple(path)
-    if dense:
-        rows = shapes[dense["rows_input"]]
-        small = rows[0] * rows[1] <= dense["dense_rows"]
-        if dense.get("step_graph"):  # merge_dense_step's If, outside the dense dispatch's
-            path.append(bool(small and rows[1] == 1))
-            if path[-1]:
-                return tuple(path)
-        path.append(bool(small))
-        if path[-1]:
-            return tuple(path)
-    if large_call:
-        (batch, new), keys = shapes[large_call["ids_input"]][:2], shapes[large_call["keys_input"]][1]
-        path.append(_large(batch, new, keys, large_call))
-    return tuple(path)
-
-
-def _large(batch: int, new: int, keys: int, large: dict) -> bool:
-    """_large_call_cond's condition on the call's sizes."""
-    return bool(batch > 1 and batch * new * keys * large["heads"] >= large["from_scores"])
-
-
-def program(proto: onnx.ModelProto, path: tuple[bool, ...]) -> onnx.ModelProto:
-    """The graph that a call taking `path` (taken()) runs in `proto` (a merged artifact), as a model
-    of its own: the chosen branch of each top-level If, outermost first, becomes the main graph, its
-    values that were the Ifs' outputs take the graph's output names, and the main graph's
-    initializers it reads (its weights' fold nodes included) stay initializers. The same inputs,
-    outputs and functions, no metadata. ONNX Runtime runs a branch's nodes slower than the same
-    nodes in a main graph (B1 decode steps of elastic-charlm: 1.07 to 1.10x in the Ifs; of
-    tsa-charlm's dense branch 1.03 to 1.08x; docs/benchmarking.md#one-session-per-program), so
-    runtimes.onnxruntime runs each program as a session of its own. The program reuses (and
-    renames) `proto`'s nodes: read the file again for another."""
-    g = proto.graph
-    nodes, value_info, inits = list(g.node), list(g.value_info), list(g.initializer)
-    target = {o.name: o.name for o in g.output}  # a value of the current level -> the graph output it is
-    for then in path:
-        node = next((n for n in nodes if n.op_type == "If" and n.name.endswith(f"{RESERVED}If")), None)
-        if node is None:
-            raise ExportError("this ONNX model has no run-time dispatch If where its metadata says; export it again")
-        sub = next(a.g for a in node.attribute if a.name == ("then_branch" if then else "else_branch"))
-        target = {s.name: target[o] for s, o in zip(sub.output, node.output)}
-        nodes, value_info, inits = list(sub.node), value_info + list(sub.value_info), inits + list(sub.initializer)
-    nodes = _unfolded(nodes)
-    produced = {o for n in nodes for o in n.output}
-    rename = {k: v for k, v in target.items() if k in produced}
-    _rename_outputs(nodes, rename)
-    rename_reads(nodes, rename)
-    for k, v in target.items():  # one value that is two outputs, or an outer value handed through
-        if rename.get(k) != v:
-            nodes.append(helper.make_node("Identity", [rename.get(k, k)], [v], name=f"{RESERVED}output.{v}"))
-    read = set(reads(nodes))
-    outputs = {o.name for o in g.output}
-    graph = helper.make_graph(nodes, g.name, list(g.input), list(g.output),
-                              initializer=[t for t in inits if t.name in read],
-                              value_info=[_renamed(v, rename.get(v.name, v.name)) for v in value_info
-                                          if rename.get(v.name, v.name) not in outputs])
-    model = helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
-    model.functions.extend(proto.functions)
-    return model
-
-
-def _unfolded(nodes: list) -> list:
-    """`nodes` (a branch's, now a main graph's) reading the weights the branch folded
-    (_local_weights' Reshape pairs) from the initializers themselves, the fold nodes gone: in a main
-    graph ONNX Runtime sees a weight as a constant from the start (its fusions and MatMul packing),
-    where a folded copy comes later (charlm-dense's general program at a B1 step after 511: 1.024
-    of the graph alone with the pairs, about even without)."""
-    fold = [n for n in nodes if n.op_type == "Reshape" and n.name.startswith(RESERVED) and ".fold." in n.name]
-    first = {n.output[0]: n for n in fold}
-    weight = {n.output[0]: first[n.input[0]].input[0] for n in fold if n.input[0] in first}
-    if not weight:
-        return nodes
-    gone = {id(n) for n in fold}
-    kept = [n for n in nodes if id(n) not in gone]
-    rename_reads(kept, weight)
-    return kept
-
-
 def _dispatches(proto: onnx.ModelProto) -> bool:
     """Whether `proto`'s graph is a merged model (its top a dispatch If)."""
     return any(n.op_type == "If" and n.name == f"{RESERVED}If" for n in proto.graph.node)
 
 
-def short_keys_of(proto: onnx.ModelProto) -> int | None:
-    """The key count at or below which `proto` runs its short-call graph, or None (none)."""
-    for i in proto.graph.initializer:
-        if i.name == f"{RESERVED}short_keys":
-            return int(numpy_helper.to_array(i))
-    return None
-
-
-def dense_rows_of(proto: onnx.ModelProto) -> int | None:
-    """The row count at or below which `proto` runs its dense graph, or None (no dispatch)."""
-    for i in proto.graph.initializer:
-        if i.name == f"{RESERVED}dense_rows":
-            return int(numpy_helper.to_array(i))
-    return None
-
-
-__all__ = ["merge", "merge_dense_step", "merge_decode_step", "merge_short_call", "merge_large_call", "taken", "program",
-           "dense_rows_of", "short_keys_of", "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
+__all__ = ["merge", "merge_dense_step", "merge_decode_step", "merge_short_call", "merge_large_call",
+           "DENSE_OVERLOAD", "STEP_OVERLOAD", "NEAR_OVERLOAD", "SHORT_OVERLOAD",
            "MASKED_OVERLOAD"]

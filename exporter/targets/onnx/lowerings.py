@@ -11,7 +11,7 @@ from typing import Callable
 import onnx
 
 from adaptex.exporter.registry import lowering
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 
 BOTH = ("onnx", "tensorrt")
 

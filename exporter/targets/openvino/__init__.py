@@ -29,7 +29,7 @@ from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import cells, register
 from adaptex.exporter.targets import Target, register_target
 from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.exporter.targets.onnx import portable
 from adaptex.exporter.targets.tensorrt.plan import ROUTE_MARK, mark_routing
 

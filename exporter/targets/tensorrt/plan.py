@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import onnx
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs.nn import routing_class_names
 
 ROUTE_MARK = "adaptex_route"
