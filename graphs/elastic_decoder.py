@@ -46,7 +46,8 @@ from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_famil
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
-from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, PREFILL_MASKED_EXCESS_UP_TO, runs_masked
+from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -384,23 +385,21 @@ class ElasticDecoderFamily(DecoderContract):
         # within sink + window keys every streaming head sees what a full head sees (causal)
         return self.cfg.sink + self.cfg.window if self.cfg.adaptive else None
 
-    def masked_call_keys(self) -> int | None:
+    def masked_call_keys(self, policy: OrtPolicy = DEFAULT) -> int | None:
         # the longest prefill whose every (query head, query, key) score the op's general body
         # attends masked (runs_masked): up to there the masked program computes the same without
-        # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.97 of the general graph
-        # at T = 100 to 181; docs/benchmarking.md#short-calls); None where that is within the reach
+        # the body's per-layer If and masks; None where that is within the reach
         reach = self.short_call_keys()
-        longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
+        longest = min(math.isqrt(policy.mixed_call_masked_up_to // self.cfg.num_heads), self.cfg.max_len)
         return longest if reach is not None and longest > reach else None
 
-    def masked_call_excess(self) -> dict | None:
+    def masked_call_excess(self, policy: OrtPolicy = DEFAULT) -> dict | None:
         # longer prefills too, where the scores masking adds over block-local attention are few
-        # (elastic_attention.call_runs_masked with PREFILL_MASKED_EXCESS_UP_TO; elastic-charlm, B1: 0.911
-        # of the general graph at T = 256, 0.929 at T = 288; docs/benchmarking.md#short-calls)
+        # (elastic_attention.call_runs_masked with policy.prefill_masked_excess_up_to)
         cfg = self.cfg
-        if (self.masked_call_keys() or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
+        if (self.masked_call_keys(policy) or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
             return None
-        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": PREFILL_MASKED_EXCESS_UP_TO}
+        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": policy.prefill_masked_excess_up_to}
 
     def routing_meta(self) -> dict:
         cfg = self.cfg
@@ -439,15 +438,14 @@ class ElasticDecoderFamily(DecoderContract):
         return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
 
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
-              masked_program: bool = False) -> dict:
-        """masked_program: the call ran a program of the artifact's that attends every key, masked: the
-        near-cache step or the masked short-call program (runtimes.bench.ran_graph reads which program
-        a call runs from the metadata)."""
+              masked_program: bool = False, policy: OrtPolicy = DEFAULT) -> dict:
+        """masked_program: the call ran a program of the artifact's that attends every key, masked (a
+        masked short-call program: the metadata's programs say which a call runs)."""
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        masked = masked_program or runs_masked(sa.shape[-1], seq, past + seq)
+        masked = masked_program or runs_masked(sa.shape[-1], seq, past + seq, policy or DEFAULT)
         every_key = variant == "dense" or (target == "onnx" and masked)
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

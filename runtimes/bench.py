@@ -33,7 +33,7 @@ from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes import cpu
 from adaptex.runtimes._memworker import proc_mb
-from adaptex.runtimes.bench_accounting import MASKED_PROGRAMS, ONE_SESSION, bench_report, ran_graph, ran_variant
+from adaptex.runtimes.bench_accounting import ONE_SESSION, bench_report, program_entry
 from adaptex.runtimes.bench_candidates import (coreml_graphs, ort_runner, peak_rss, size_mb,
                                                tensorrt_graphs)
 from adaptex.runtimes.chunks import CHUNK_ROWS, chunk_plan, sample_chunks, samples
@@ -157,7 +157,7 @@ class Bench:
         from adaptex.runtimes.onnxruntime import Programs
 
         programs = Programs(Path(t.path), self.meta, None)
-        path = self.tmp / f"program-{'-'.join('then' if x else 'else' for x in programs.taken(feeds))}.onnx"
+        path = self.tmp / f"program-{programs.names.index(programs.chosen(feeds))}.onnx"
         if not path.exists():
             import onnx
 
@@ -259,9 +259,6 @@ class Bench:
 
         return open_artifact(self.artifact, 1).input_metadata()
 
-    def ran_variant(self, batch: int, seq: int) -> str:
-        return ran_variant(self.meta, batch, seq)
-
     # --- one point ---------------------------------------------------------------------------------
     def run(self, *, batch: int = 1, seq: int = 128, past: int = 0, threads: int = 1, feeds: dict | None = None,
             warmup: int = 10, runs: int | None = None, blocks: int = 5, time_budget_s: float = 8.0,
@@ -350,23 +347,29 @@ class Bench:
                 if self.kind != "openvino" and (t.name in ("adaptive", "dense", "naive")
                                                 or (fastest and t.name == fastest.name)):
                     t.peak_rss_mb = peak_rss(self._ran(t, call), str(npz), threads, self.compute_units, self.chunks)
-        flops = self._flops(adaptive_outs, batch, seq, past, call_batch, chunks)
+        program = program_entry(self.meta, call) if self.kind == "onnx" else None
+        flops = self._flops(adaptive_outs, batch, seq, past, chunks, program)
         report = bench_report(self, graphs, flops, batch=batch, seq=seq, past=past, threads=threads, warmup=warmup,
-                              blocks=nblocks, profiles=profiles, call_batch=call_batch, distinct=len(inputs))
+                              blocks=nblocks, profiles=profiles, call_batch=call_batch, distinct=len(inputs),
+                              program=program)
         if self.kind == "onnx":
             # artifacts from before the option have it where they target ONNX Runtime (not TensorRT-bound ONNX)
             floored = self.meta.get("softmax_floor", self.meta.get("target", "onnx") == "onnx")
             report["softmax_floor"] = {"in_artifact": bool(floored), **self.floor_probe()}
         return report
 
-    def _flops(self, outs: list[dict], batch: int, seq: int, past: int, call_batch: int, chunks) -> dict:
+    def _flops(self, outs: list[dict], batch: int, seq: int, past: int, chunks, program: dict | None) -> dict:
         """The contract's FLOP accounting of the artifact's outputs, its ratios averaged over the inputs
-        the rounds cycled through (each input's rounds are equally many, give or take one)."""
+        the rounds cycled through (each input's rounds are equally many, give or take one). program: the
+        metadata's entry of the program the call ran (its variant; masked: it attends every key)."""
         contract = self.contract
-        # an elastic decoder's programs that attend every key, masked
-        masked = ran_graph(self.meta, seq, past, call_batch) in MASKED_PROGRAMS
-        kw = dict(target=self.meta.get("target", "onnx"), **({"masked_program": True} if masked else {}))
-        variant = self.ran_variant(call_batch, seq)
+        program = program or {}
+        kw = dict(target=self.meta.get("target", "onnx"), **({"masked_program": True} if program.get("masked") else {}))
+        if "policy" in self.meta:  # the thresholds the artifact's bodies were built with
+            from adaptex.graphs.ops.policy import OrtPolicy
+
+            kw["policy"] = OrtPolicy.from_dict(self.meta["policy"])
+        variant = program.get("variant", self.meta.get("variant", "sparse"))
         each = []
         for adaptive_out in outs:
             out = {k: np.asarray(v) for k, v in adaptive_out.items()}

@@ -14,56 +14,26 @@ from adaptex.runtimes.timing import Timing, fastest_dense, interval
 ONE_SESSION = "adaptive-one-session"
 
 
-def dense_rows(meta: dict) -> int | None:
-    """The row count at or below which an artifact exported with dense_rows runs its dense graph."""
-    return (meta.get("dispatch") or {}).get("dense_rows")
-
-
-def ran_variant(meta: dict, batch: int, seq: int) -> str:
-    """The lowering a call of (batch, seq) runs: an artifact exported with dense_rows runs its dense
-    graph for calls of at most that many token rows."""
-    rows = dense_rows(meta)
-    if rows is not None and batch * seq <= rows:
-        return "dense"
-    return meta.get("variant", "sparse")
-
-
-MASKED_PROGRAMS = ("near-cache decode-step", "masked short-call (attention by sample)", "masked short-call")
-
-
-def ran_graph(meta: dict, seq: int, past: int, batch: int = 1) -> str | None:
-    """Which graph of an artifact with decode-step, short-call or large-call graphs a call of `batch`
-    x `seq` new tokens after `past` cached runs ("near-cache decode-step", "decode-step",
-    "short-call", "masked short-call (attention by sample)", "masked short-call", "large-call
-    (attention by sample)", else "general"), as its top-level Ifs choose (dispatch.taken); None for
-    an artifact with none of them, and for a call its dense dispatch sends to the dense graph
-    (ran_variant says so)."""
-    step, within, large = meta.get("decode_step"), meta.get("short_call"), meta.get("large_call")
-    dense_call = dense_rows(meta) is not None and ran_variant(meta, batch, seq) == "dense"
-    if (not step and not within and not large) or dense_call:
+def program_entry(meta: dict, feeds: dict) -> dict | None:
+    """The metadata's entry of the program a call with these feeds runs (its name, variant and
+    whether it attends every key masked), chosen by the guards the artifact stores; None for an
+    artifact of one program."""
+    if not meta.get("programs"):
         return None
-    from adaptex.exporter.targets.onnx.programs import taken
+    from adaptex.exporter.targets.onnx.guards import chosen, read_programs
 
-    role = {"new_tokens_input": (batch, seq), "cache_input": (batch, 1, past, 1), "keys_input": (batch, past + seq),
-            "ids_input": (batch, seq)}
-    shapes = {name: role[k] for c in (step, within, large) if c for k, name in c.items() if k in role}
-    graphs = (["near-cache decode-step"] if step and step.get("near_keys") else []) \
-        + (["decode-step"] if step else []) + (["short-call"] if within else []) \
-        + (["masked short-call (attention by sample)"] if within and within.get("masked_large_call") else []) \
-        + (["masked short-call"] if within and within.get("masked_keys") else []) \
-        + (["large-call (attention by sample)"] if large else [])
-    path = taken(shapes, decode_step=step, short_call=within, large_call=large)
-    return graphs[len(path) - 1] if path and path[-1] else "general"
+    shapes = {k: np.shape(v) for k, v in feeds.items() if not isinstance(v, dict)}
+    return meta["programs"][chosen(read_programs(meta), shapes)]
 
 
 def bench_report(bench, graphs: list[Timing], flops: dict, *, batch, seq, past, threads, warmup, blocks,
-            profiles, call_batch=None, distinct: int = 1) -> dict:
+            profiles, call_batch=None, distinct: int = 1, program: dict | None = None) -> dict:
     """FLOPs implied by the decisions (per sample: the saving the model asked for) and executed by the
     artifact (the dense variant everything; the sparse one, in a batch, the batch's largest count for
     every sample). Realisation is measured against the decisions, so work a lowering wastes counts
     against it; ratios per block, reported as the median and the min-max over blocks. call_batch: the
     samples a call held (fewer than batch where every graph ran the batch in chunks); distinct: the
-    inputs the rounds cycled through."""
+    inputs the rounds cycled through; program: the metadata's entry of the program the call ran."""
     call_batch = call_batch or batch
     flops = dict(flops)
     flop_ratio = flops.pop("flop_ratio", None)
@@ -109,10 +79,10 @@ def bench_report(bench, graphs: list[Timing], flops: dict, *, batch, seq, past, 
     return {
         "artifact": bench.artifact, "runtime": bench.runtime, "cpu": cpu.describe(),
         "variant": bench.meta.get("variant"),
-        "ran_variant": ran_variant(bench.meta, call_batch, seq),
+        "ran_variant": (program or {}).get("variant", bench.meta.get("variant")),
         "chunk_samples": call_batch if call_batch < batch else None,
         "chunk_rows": bench.chunks[1] if bench.chunks else None,
-        "dense_rows": dense_rows(bench.meta), "ran_graph": ran_graph(bench.meta, seq, past, call_batch),
+        "program": program["name"] if program else None,
         "family": bench.meta.get("family"), "batch": batch, "seq": seq, "past": past, "threads": threads,
         "runs": len(ad.times_ms), "warmup": warmup, "blocks": blocks, "distinct_inputs": distinct,
         "p50_ms": ad.pct(50), "p90_ms": ad.pct(90), "p99_ms": ad.pct(99),

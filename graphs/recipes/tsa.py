@@ -40,15 +40,18 @@ class TSATrainConfig:
     router_init: str = "bias"  # "importance": fit fresh routers to skip what the start model's blocks change least
 
 
-def _lm_loss(logits, batch) -> torch.Tensor:
+def _lm_loss(logits, batch, dp=None) -> torch.Tensor:
+    """Mean cross-entropy over the target tokens of the (global, with dp) batch."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1), reduction="none")
     m = batch.loss_mask.reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1)
+    return (ce * m).sum() / m.sum().clamp(min=1) if dp is None else dp.ratio((ce * m).sum(), m.sum())
 
 
-def depth_loss(decisions: list[dict], mask: torch.Tensor) -> torch.Tensor:
-    """(1/(L-1)) * sum_l mean over real tokens of (1 - p_l)."""
+def depth_loss(decisions: list[dict], mask: torch.Tensor, dp=None) -> torch.Tensor:
+    """(1/(L-1)) * sum_l mean over real tokens (of the global batch, with dp) of (1 - p_l)."""
     m = mask.float()
+    if dp is not None:
+        return torch.stack([dp.ratio(((1 - d["p"]) * m).sum(), m.sum()) for d in decisions]).mean()
     return torch.stack([((1 - d["p"]) * m).sum() / m.sum().clamp(min=1) for d in decisions]).mean()
 
 
@@ -73,12 +76,14 @@ def optimizer_step(model: torch.nn.Module, opt, sched, loss: torch.Tensor) -> No
     sched.step()
 
 
-def _kl_tokens(teacher_logits, logits, mask) -> torch.Tensor:
-    """Mean over the loss-mask tokens of KL(teacher || student) between next-token distributions."""
+def _kl_tokens(teacher_logits, logits, mask, dp=None) -> torch.Tensor:
+    """Mean over the loss-mask tokens (of the global batch, with dp) of KL(teacher || student) between
+    next-token distributions."""
     m = mask.reshape(-1)
     lp_t = teacher_logits.reshape(-1, teacher_logits.shape[-1])[m].float().log_softmax(-1)
     lp_s = logits.reshape(-1, logits.shape[-1])[m].float().log_softmax(-1)
-    return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
+    kl = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+    return kl.mean() if dp is None or dp.world == 1 else dp.ratio(kl.sum(), m.sum().float())
 
 
 @torch.no_grad()
@@ -160,38 +165,53 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
     st_from = int(tc.steps * (1 - tc.st_frac))
     state = {"lambda": 0.0 if tc.target_keep is not None else tc.lambda_depth}
     model.train()
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
+    net = dp.wrap(model)
+    one = dp if dp.world > 1 else None  # one process computes exactly what it computes without torchrun
     for step in session.steps(phase or desc.strip(), model, opt, sched, rng, tc.steps, state, desc=desc):
-        b = task.sample(tc.batch_size, rng)
+        b = dp.rows(task.sample(tc.batch_size, rng))
         mode = "st" if (cfg.adaptive and step > st_from) else "soft"
-        logits, decisions, _ = model(b.input_ids, b.attention_mask, mode=mode)
-        task_loss = _lm_loss(logits, b)
+        with dp.step():
+            logits, decisions, _ = net(b.input_ids, b.attention_mask, mode=mode)
+        task_loss = _lm_loss(logits, b, one)
         loss = task_loss
         if teacher is not None and tc.distill:
             with torch.no_grad():
                 t_logits = teacher(b.input_ids, b.attention_mask)
-            kl = _kl_tokens(t_logits, logits, b.loss_mask)
+            kl = _kl_tokens(t_logits, logits, b.loss_mask, one)
             loss = tc.distill * kl + (1 - tc.distill) * task_loss
         if cfg.adaptive and tc.target_keep is not None:
-            hard = alpha(decisions, b.attention_mask, hard=True)
-            loss = loss + state["lambda"] * depth_loss(decisions, b.attention_mask)
+            hard = _global_alpha(decisions, b.attention_mask, one)
+            loss = loss + state["lambda"] * depth_loss(decisions, b.attention_mask, one)
             state["lambda"] = max(0.0, state["lambda"] + tc.lambda_lr * (hard - tc.target_keep))
         elif cfg.adaptive and tc.lambda_depth:
             # a delayed, ramped depth loss: early on the FFNs have learnt nothing, so skipping them
             # costs nothing and the routers would learn to skip everything before the FFNs matter
             ramp = min(1.0, max(0.0, (step / tc.steps - tc.lambda_delay) / tc.lambda_delay)) if tc.lambda_delay else 1.0
-            loss = loss + tc.lambda_depth * ramp * depth_loss(decisions, b.attention_mask)
+            loss = loss + tc.lambda_depth * ramp * depth_loss(decisions, b.attention_mask, one)
         optimizer_step(model, opt, sched, loss)
         if step % 25 == 0 or step == tc.steps:
             fields = {"loss": float(task_loss.detach())}
             if teacher is not None and tc.distill:
                 fields["kl"] = float(kl.detach())
             if cfg.adaptive:
-                fields["alpha"] = alpha(decisions, b.attention_mask, hard=(mode == "st"))
+                fields["alpha"] = _global_alpha(decisions, b.attention_mask, one, hard=(mode == "st"))
                 if tc.target_keep is not None:
                     fields["keep"] = hard
                     fields["lambda"] = state["lambda"]
             session.show(**fields)
     return model.eval()
+
+
+def _global_alpha(decisions: list[dict], mask: torch.Tensor, dp=None, hard: bool = True) -> float:
+    """alpha (graphs/tsa.py) over the global batch's real tokens."""
+    if dp is None:
+        return alpha(decisions, mask, hard=hard)
+    m = mask.float()
+    with torch.no_grad():
+        vals = [dp.ratio(((d["keep"].float() if hard else 1 - d["p"]) * m).sum(), m.sum()) for d in decisions]
+    return float(torch.stack(vals).mean()) if vals else 1.0
 
 
 @torch.no_grad()

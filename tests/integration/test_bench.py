@@ -15,7 +15,6 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from tests.support import set_bodies
 from adaptex.cli import main
 from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_candidates
 from adaptex.exporter.targets.onnx.passes import SOFTMAX_FLOOR, layernorm_rows, softmax_floor
@@ -307,14 +306,13 @@ def test_softmax_floor_keeps_the_values_in_every_body(opset):
 
 @pytest.fixture(scope="module")
 def candidates(tiny_checkpoint, tmp_path_factory):
-    """The tiny model's candidates, their attention by sample at any size (BY_SAMPLE_FROM = 1), so that
-    the values test below runs the passes' Loop in the `+rows` graphs."""
-    from adaptex.exporter.targets.onnx import bodies as fx
+    """The tiny model's candidates, their attention by sample at any size (policy.by_sample_from = 1), so
+    that the values test below runs the passes' Loop in the `+rows` graphs."""
+    from adaptex.graphs.ops.policy import OrtPolicy
 
     model, _ = checkpoint.load(tiny_checkpoint)
-    with pytest.MonkeyPatch.context() as mp:
-        set_bodies(mp, "BY_SAMPLE_FROM", 1)
-        return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"))
+    return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"),
+                                  policy=OrtPolicy(by_sample_from=1))
 
 
 def test_every_dense_candidate_computes_the_dense_model(candidates):
@@ -580,7 +578,7 @@ def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(
     exported both ways, is timed beside the dense graphs, and it is the same function."""
     from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
     from adaptex.graphs.hf import load_encoder
-    from tests import hf_dirs
+    from tests.support import hf_dirs
 
     path = hf_dirs.make("roberta", tmp_path)
     backbone, _, info = load_encoder(path)

@@ -226,7 +226,7 @@ def test_each_onnx_runtime_body_passes_parity(tiny_onnx, tiny_checkpoint):
     decisions (budgeted_attention.onnx_body): each one's outputs match the eager model's on batches
     that take it, with no unexcused flip."""
     from adaptex.graphs.ops.budgeted_attention import onnx_body
-    from tests import planted
+    from tests.support import planted
 
     model, _ = checkpoint.load(tiny_checkpoint)
     batches = planted.bf_batches(planted.load(tiny_onnx["sparse"]))

@@ -111,7 +111,7 @@ def test_a_decode_step_runs_no_router(artifacts, model):
     probes come back empty) and gives the fed modes one-hot as its logits, as eager does (the
     decode-step graph an artifact holds by default has no router at all: tests/targets/test_decode_graph.py).
     TensorRT-bound graphs compute both and select (no If in their main graph)."""
-    from tests import planted
+    from tests.support import planted
 
     proto = planted.general(artifacts("eldec", decode_graph="off", short_graph="off"))
     assert sum(n.op_type == "If" for n in proto.graph.node) == model.cfg.num_layers

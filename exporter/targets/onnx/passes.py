@@ -383,14 +383,16 @@ def softmax_floor(proto: onnx.ModelProto) -> int:
     return count
 
 
-def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True, floor: bool = True) -> int:
+def artifact_passes(proto: onnx.ModelProto, by_sample: bool = True, floor: bool = True, policy=None) -> int:
     """The passes every ONNX Runtime artifact gets (not a decode-step graph's), in place, and the
     `+rows` dense candidates too (exporter/counterparts.py): layernorm_rows; unless by_sample is
     False (a graph whose calls never reach its threshold, where its If would only cost),
     attention_by_sample; unless floor is False (a decoder's dense branch, which serves small calls),
     softmax_floor.
+    policy: ONNX Runtime's thresholds (default: graphs.ops.policy.DEFAULT).
     Returns how many rewrites they made."""
     from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample
+    from adaptex.graphs.ops.policy import DEFAULT
 
-    return layernorm_rows(proto) + (attention_by_sample(proto) if by_sample else 0) + \
+    return layernorm_rows(proto) + (attention_by_sample(proto, policy or DEFAULT) if by_sample else 0) + \
         (softmax_floor(proto) if floor else 0)

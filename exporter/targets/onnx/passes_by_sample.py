@@ -1,21 +1,22 @@
 """attention_by_sample: a large batch's attention (softmax(q k^T + bias) v over (B, H, T, S) scores
-of at least BY_SAMPLE_FROM floats (graphs/ops/conditional_attention.py), B > 1) runs a sample at a time in a Loop, behind an If
-on the call's size: each sample's scores stay in cache between the kernels that read them (0.85 to
-0.85 to 0.92 of the batched kernels from 2^22 floats; examples/by_sample_cost.py). The ONNX
-artifacts' bodies do the same (bodies.by_sample); the dense candidates get the pass too, so it is
-no adaptive win. The If costs a call that stays batched about 18 us, so an artifact leaves the pass
-out where its calls are small (a decoder's main graph, which serves decode steps; see export()).
+of at least policy.by_sample_from floats (graphs/ops/policy.py), B > 1) runs a sample at a time in a
+Loop, behind an If on the call's size: each sample's scores stay in cache between the kernels that
+read them. The ONNX artifacts' bodies do the same (bodies.by_sample); the dense candidates get the
+pass too, so it is no adaptive win. The If costs a call that stays batched, so an artifact leaves
+the pass out where its calls are small (a decoder's main graph, which serves decode steps; see
+export()).
 """
 from __future__ import annotations
 
 import onnx
 
 from adaptex.exporter.targets.onnx.passes import _axis, _producers_readers, _shapes, subgraphs
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
 
 
-def attention_by_sample(proto: onnx.ModelProto) -> int:
+def attention_by_sample(proto: onnx.ModelProto, policy: OrtPolicy = DEFAULT) -> int:
     """Rewrite, in place, each main-graph attention MatMul(q, k^T) -> [Add, Sub, Mul or Div with
     another operand]... -> Softmax(last axis) -> MatMul(., v) over 4-D tensors, each value read only
     by the next, into If(bodies.large_batch) -> a Loop over axis 0 (a sample a time) | the nodes as
@@ -96,7 +97,7 @@ def attention_by_sample(proto: onnx.ModelProto) -> int:
         made = {o for n in nodes for o in n.output}
         operands = list(dict.fromkeys(i for n in nodes for i in n.input if i and i not in made))
         out = nodes[-1].output[0]
-        b = _Body(stem)
+        b = _Body(stem, policy)
 
         whole = {x for n in nodes if id(n) in gathers for x in n.input}  # a gather's data and indices
 

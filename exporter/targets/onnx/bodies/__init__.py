@@ -15,15 +15,10 @@ from adaptex.exporter.targets.onnx.bodies.conditional_attention import CA_INPUTS
 from adaptex.exporter.targets.onnx.bodies.conditional_ffn import CFFN_INPUTS, conditional_ffn_function
 from adaptex.exporter.targets.onnx.bodies.elastic import (EA_INPUTS, ENCODER_SHARED, NEG, STEP_SHARED,
                                                           elastic_attention_function)
-from adaptex.exporter.targets.onnx.bodies.elastic_step import (MIXED_STEP_MASKED_UP_TO, NEAR_STEP_CELLS,
-                                                               NEAR_STEP_CELLS_UNFLOORED, NEAR_STEP_KEYS,
-                                                               NEAR_STEP_KEYS_CELLS, elastic_step_function)
+from adaptex.exporter.targets.onnx.bodies.elastic_step import elastic_step_function
 from adaptex.exporter.targets.onnx.bodies.schemas import register_schema
-from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
-from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO
 
-__all__ = ["BY_SAMPLE_FROM", "DENSE_QUERY_SHARE", "MASKED_EXCESS_UP_TO", "MIXED_CALL_MASKED_UP_TO", "CA_INPUTS", "CFFN_INPUTS", "DOMAIN", "EA_INPUTS", "ENCODER_SHARED", "INPUTS", "MIXED_STEP_MASKED_UP_TO",
-           "MS_DOMAIN", "NEAR_STEP_CELLS", "NEAR_STEP_CELLS_UNFLOORED", "NEAR_STEP_KEYS", "NEAR_STEP_KEYS_CELLS", "NEG",
+__all__ = ["CA_INPUTS", "CFFN_INPUTS", "DOMAIN", "EA_INPUTS", "ENCODER_SHARED", "INPUTS", "MS_DOMAIN", "NEG",
            "ONNX_OPSET", "OPSET_VERSION", "OUTPUTS", "STEP_SHARED", "budgeted_attention_function",
            "conditional_attention_function", "conditional_ffn_function", "elastic_attention_function",
            "elastic_step_function", "large_batch", "register_schema"]

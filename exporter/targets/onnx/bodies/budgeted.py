@@ -5,7 +5,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from adaptex.graphs.ops.budgeted_attention import ACTIVE_HEADS_WASTE_ROWS, group_ratio
+from adaptex.graphs.ops.budgeted_attention import group_ratio
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.exporter.targets.onnx.bodies.builder import DOMAIN, ONNX_OPSET, _Body, _private
 
 
@@ -63,7 +64,8 @@ INPUTS = ["x", "key_mask", "s", "p", "w_qkv", "b_qkv", "w_o", "b_o"]
 OUTPUTS = ["y", "k", "head_mask"]
 
 
-def budgeted_attention_function(variant: str, grouped_heads: int | None = None) -> onnx.FunctionProto:
+def budgeted_attention_function(variant: str, grouped_heads: int | None = None,
+                                policy: OrtPolicy = DEFAULT) -> onnx.FunctionProto:
     """The body of adaptex.BudgetedAttention for `variant` ("sparse" or "dense").
 
     sparse: TopK with the batch's largest k as K, the selected heads' weights gathered per sample,
@@ -74,14 +76,14 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
     - active heads: every sample through each head some sample selected, the A heads' weights
       gathered once, their projections one batched MatMul over the batch's B x T rows, (A, B, T, T)
       scores, one output projection summing the heads (unselected pairs weighted by zero), for a
-      batch of more than one sample where that wastes at most ACTIVE_HEADS_WASTE_ROWS token rows;
+      batch of more than one sample where that wastes at most policy.active_heads_waste_rows token rows;
     - by head: a batch whose k differ (mean k < GROUP_BELOW x the largest), for each of the H heads
       the samples that selected it gathered and run through that head's own weights, so the batch
       computes sum_b k_b head-samples rather than B x max_b k_b, and every projection reads a
       constant weight slice (ONNX Runtime pre-packs those; the per-sample gathered weights above run
       at about half the rate);
     - per sample (above), otherwise."""
-    b = _Body("ba_")
+    b = _Body("ba_", policy)
     x, key_mask, s, p, w_qkv, b_qkv, w_o, b_o = INPUTS
     H1, sH, k, topv, order, valid_f, mask_f = _routing(b, s, p, full_order=(variant == "dense"))
     d1 = b("Shape", w_o, start=0, end=1)  # (1,) = [d]
@@ -158,12 +160,12 @@ def budgeted_attention_function(variant: str, grouped_heads: int | None = None) 
                 padded = b("Mul", B0, b("ReduceMax", k, keepdims=0))  # () B * max k
                 used = b("ReduceSum", k, keepdims=0)  # () sum k
                 group = b("Less", b("Mul", used, b.const(den)), b("Mul", padded, b.const(num)))
-                # the active heads where (B x A - sum_b k_b) x T <= ACTIVE_HEADS_WASTE_ROWS
+                # the active heads where (B x A - sum_b k_b) x T <= policy.active_heads_waste_rows
                 active = b("Greater", b("ReduceMax", mask_f, c0, keepdims=0), b.const(0.0, np.float32))  # (H,)
                 n_active = b("ReduceSum", b("Cast", active, to=TensorProto.INT64), keepdims=0)  # () A
                 waste = b("Mul", b("Sub", b("Mul", B0, n_active), used),
                           b("Squeeze", b("Shape", x, start=1, end=2), c0))  # () token rows of unselected pairs
-                return b.if_(b("LessOrEqual", waste, b.const(ACTIVE_HEADS_WASTE_ROWS)), lambda: by_active_heads(active),
+                return b.if_(b("LessOrEqual", waste, b.const(b.policy.active_heads_waste_rows)), lambda: by_active_heads(active),
                              lambda: b.if_(group, by_head, per_sample))
             # one sample runs its own k heads (per_sample) without computing the others' conditions
             B0 = b("Squeeze", b("Shape", x, start=0, end=1), c0)  # () B

@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
+
 
 DOMAIN = "adaptex"
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: ONNX Runtime bodies only (never TensorRT-bound)
@@ -33,10 +35,11 @@ def _private(f: onnx.FunctionProto) -> onnx.FunctionProto:
 
 
 class _Body:
-    """Accumulates the nodes of one function body; each call adds a node and returns its output(s)."""
+    """Accumulates the nodes of one function body; each call adds a node and returns its output(s).
+    policy: the thresholds by which the body chooses its paths (graphs/ops/policy.py)."""
 
-    def __init__(self, prefix: str):
-        self.prefix, self.nodes, self.n = prefix, [], 0
+    def __init__(self, prefix: str, policy: OrtPolicy = DEFAULT):
+        self.prefix, self.nodes, self.n, self.policy = prefix, [], 0, policy
 
     def __call__(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
         self.n += 1

@@ -1,7 +1,6 @@
 """Attention a sample at a time in a Loop for a large call, else batched."""
 from __future__ import annotations
 
-from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
 from adaptex.exporter.targets.onnx.bodies.builder import _Body
 
 
@@ -12,20 +11,20 @@ def _attention(b: _Body, q: str, k: str, v: str, bias: str) -> str:
 
 
 def large_batch(b: _Body, q: str, k: str, key_axis: int = 2) -> str:
-    """True where attention of q (B, ..., n, dh) over keys k should run by sample (BY_SAMPLE_FROM);
+    """True where attention of q (B, ..., n, dh) over keys k should run by sample (policy.by_sample_from);
     k's axis key_axis holds the S keys."""
     qs = b("Shape", q)
     B = b("Slice", qs, b.const([0]), b.const([1]))  # (1,)
     scores = b("Mul", b("ReduceProd", b("Slice", qs, b.const([0]), b.const([-1])), keepdims=1),
                b("Shape", k, start=key_axis, end=key_axis + 1))  # (1,): B ... n S
-    return b("Squeeze", b("And", b("Greater", B, b.const([1])), b("GreaterOrEqual", scores, b.const([BY_SAMPLE_FROM]))),
+    return b("Squeeze", b("And", b("Greater", B, b.const([1])), b("GreaterOrEqual", scores, b.const([b.policy.by_sample_from]))),
              b.const([0]))
 
 
 def _by_sample(b: _Body, q: str, k: str, v: str, batched, attend_one, counts: str | None = None,
                n1: str | None = None, key_axis: int = 2) -> str:
     """Attention of q (B, ..., n, dh) over k, v: batched() for the whole batch or, for a large call
-    (BY_SAMPLE_FROM), a sample at a time in a Loop: attend_one(qi, ki, vi, i1, j1, c) for sample i's
+    (policy.by_sample_from), a sample at a time in a Loop: attend_one(qi, ki, vi, i1, j1, c) for sample i's
     slices (i1 = [i], j1 = [i + 1]). With counts (B,), q is (B, H, n, dh) and sample i attends its
     first c = counts[i] query rows only, its rows after them zero (n1: n as a (1,) tensor)."""
     c0, c1 = b.const([0]), b.const([1])

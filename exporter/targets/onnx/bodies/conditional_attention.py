@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from adaptex.graphs.ops.conditional_attention import DENSE_QUERY_SHARE
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.exporter.targets.onnx.bodies.budgeted import _score_scale
 from adaptex.exporter.targets.onnx.bodies.builder import DOMAIN, ONNX_OPSET, _Body, _name_output, _private
 from adaptex.exporter.targets.onnx.bodies.by_sample import _attention, _by_sample
@@ -16,7 +16,7 @@ CA_INPUTS = ["x", "hn", "keep", "gate", "k", "v", "bias", "wq", "bq", "wo", "bo"
 
 
 def conditional_attention_function(variant: str, partition: str = "topk", dispatch: bool = False,
-                                   by_sample: bool = True) -> onnx.FunctionProto:
+                                   by_sample: bool = True, policy: OrtPolicy = DEFAULT) -> onnx.FunctionProto:
     """The body of adaptex.ConditionalAttention: y = x + keep * gate * Attn(q(hn) over k, v + bias).
 
     sparse: per batch row the kept positions first, n = max(1, the batch's largest kept count) of
@@ -29,14 +29,14 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
     non-empty (a decode step whose token skips attends one ungated row). dense: every query row
     attended, the update multiplied by keep * gate (static shapes). dispatch (ONNX Runtime): If
     nodes on the keep mask pick nothing, every row, or the gathered rows at run time, and a mix
-    whose largest kept count is at least DENSE_QUERY_SHARE of T every row, masked (see _dispatch);
+    whose largest kept count is at least policy.dense_query_share of T every row, masked (see _dispatch);
     a large batch attends a sample at a time, each sample its own kept rows (_by_sample), unless
     by_sample is False (the body of a program whose calls never reach that threshold: the If and
     its size check cost a B1 call at T = 128 about 5%, docs/benchmarking.md#large-calls)."""
     if partition not in ("topk", "cumsum"):
         raise ValueError(f"unknown partition {partition!r}")
     by_sample = dispatch and by_sample  # the by-sample If: ONNX Runtime's bodies only
-    b = _Body("ca_")
+    b = _Body("ca_", policy)
     x, hn, keep, gate, k, v, bias, wq, bq, wo, bo = CA_INPUTS
     c0, c1, cm1, one = b.const([0]), b.const([1]), b.const([-1]), b.const(1)
     # sizes from the weights (initializers), so these chains fold to constants at load
@@ -115,7 +115,7 @@ def conditional_attention_function(variant: str, partition: str = "topk", dispat
         # step's skipped block); a call where some sample keeps most of its tokens (every token
         # kept included) runs it on all rows without gather and scatter (the gathered rows would be
         # nearly every row, plus the gathers of their rows of hn, x and the (T, S) bias)
-        y = _as_x(b, _dispatch(b, keep, every, x, some, projections, share=DENSE_QUERY_SHARE), x)
+        y = _as_x(b, _dispatch(b, keep, every, x, some, projections, share=b.policy.dense_query_share), x)
     else:
         y = _as_x(b, some(), x) if variant == "sparse" else every()
     _name_output(b, y, "y")

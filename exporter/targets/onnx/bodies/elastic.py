@@ -5,8 +5,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
-from adaptex.graphs.ops.elastic_attention import MASKED_EXCESS_UP_TO, MIXED_CALL_MASKED_UP_TO
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.exporter.targets.onnx.bodies.builder import DOMAIN, MS_DOMAIN, ONNX_OPSET, _Body, _private
 from adaptex.exporter.targets.onnx.bodies.by_sample import _by_sample
 
@@ -45,8 +44,8 @@ def _masked_softmax_av(b: _Body, scores: str, visible: str, v: str) -> str:
 
 def elastic_attention_function(variant: str, causal_known: bool | None = None, dispatch: bool = False,
                                decode_step: bool = False, fused: bool = False, head_dim: int | None = None,
-                               masked_up_to: int | None = None, by_sample: bool = True,
-                               heads: int | None = None) -> onnx.FunctionProto:
+                               by_sample: bool = True, heads: int | None = None,
+                               policy: OrtPolicy = DEFAULT) -> onnx.FunctionProto:
     """The body of adaptex.ElasticAttention: every head of a layer, each full or streaming.
 
     sparse: the (B*H) pairs of each mode gathered (NonZero over sa): FA pairs attend every visible
@@ -55,10 +54,10 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     dispatch (ONNX Runtime): If nodes take a shorter path where one applies: a call whose pairs are
     all FA, or whose keys all lie within an SA query's sinks and window, attends every (B, H) pair
     over every visible key as it is (no reshape, gather or scatter); all SA, every pair
-    block-local; only a mix gathers; and a call with SA pairs and at most `masked_up_to` scores a
-    sample (H*T*S; default MIXED_CALL_MASKED_UP_TO, 0: never) attends every pair as it is, the SA
-    pairs' keys outside their reach masked; with the default an encoder's call (causal_known False)
-    also does where masking adds few scores over block-local attention
+    block-local; only a mix gathers; and a call with SA pairs and at most
+    policy.mixed_call_masked_up_to scores a sample (H*T*S; 0: never) attends every pair as it is, the
+    SA pairs' keys outside their reach masked; an encoder's call (causal_known False) also does
+    where masking adds few scores over block-local attention (policy.masked_excess_up_to)
     (elastic_attention.call_runs_masked; the translation's test, with `heads`). dense: the full
     score matrix for every head, SA heads through a band mask (static shapes). Padding masks by
     addition (a bias per key), causality by one Trilu of NEG above the diagonal (no T x S
@@ -90,12 +89,9 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
     (lowerings.elastic_encoder_node_for)."""
     fused = fused and causal_known is False
     by_sample = dispatch and by_sample  # the by-sample If: ONNX Runtime's bodies only
-    b = _Body("ea_")
+    b = _Body("ea_", policy)
     q, k, v, sa, key_mask = EA_INPUTS
     shared = dict(zip(ENCODER_SHARED, ENCODER_SHARED)) if heads and dispatch and causal_known is False else {}
-    if shared and masked_up_to is not None:
-        raise ValueError("an encoder body with `heads` takes the translation's masked test (ENCODER_SHARED); "
-                         "masked_up_to is for a body that tests it itself")
     sink, window, causal = b.attr_int("sink"), b.attr_int("window"), b.attr_int("causal")
     c0, c1 = b.const(0), b.const(1)
     T1, S1 = b("Shape", q, start=2, end=3), b("Shape", k, start=2, end=3)
@@ -194,7 +190,7 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         only_sa = b("And", b("Equal", n_sa, b("Size", sa)), b("Not", reach))
         return b.if_(only_sa, every_sa_, lambda: b.if_(b("Or", b("Equal", n_sa, c0), reach), every_fa_, mixed_))
 
-    up_to = MIXED_CALL_MASKED_UP_TO if masked_up_to is None else masked_up_to
+    up_to = policy.mixed_call_masked_up_to
 
     def by_modes() -> str:
         """Any call: one of at most `up_to` scores a sample (H T S) every pair as it is, SA keys masked
@@ -208,14 +204,12 @@ def elastic_attention_function(variant: str, causal_known: bool | None = None, d
         H = b("Squeeze", b("Shape", sa, start=1, end=2), b.const([0]))
         HT = b("Mul", H, T)
         few = b("LessOrEqual", b("Mul", HT, S), b.const(up_to))
-        if causal_known is False and masked_up_to is None:  # an encoder's call: also where masking adds few
+        if causal_known is False:  # an encoder's call: also where masking adds few
             # scores over block-local attention (elastic_attention.call_runs_masked)
             B = b("Squeeze", b("Shape", q, start=0, end=1), b.const([0]))
             beyond = b("Max", b("Sub", S, b("Add", sink, b("Mul", window, b.const(2)))), c0)  # keys past a row
-            large = b("And", b("Greater", B, c1), b("GreaterOrEqual", b("Mul", b("Mul", B, HT), S),
-                                                     b.const(BY_SAMPLE_FROM)))
-            excess = b("Mul", b("Mul", b("Where", large, c1, B), HT), beyond)  # a large call's: a sample's
-            few = b("Or", few, b("LessOrEqual", excess, b.const(MASKED_EXCESS_UP_TO)))
+            excess = b("Mul", b("Mul", B, HT), beyond)
+            few = b("Or", few, b("LessOrEqual", excess, b.const(policy.masked_excess_up_to)))
         return b.if_(few, masked, by_mode)
 
     def masked() -> str:  # every pair over every visible key, an SA pair's keys outside its reach hidden
@@ -407,7 +401,7 @@ STEP_SHARED = ["keys", "bias", "bias_sa", "bias_far"]
 # the same for every layer: whether every key lies within an SA query's reach (a bool scalar), whether
 # no key is padded (a bool scalar), the key mask per (sample, head) pair (B*H, S), a masked call's
 # bias planes (2 B, T, S: a sample's padding bias, and that with the keys outside an SA query's reach
-# hidden; empty, (2 B, 0, S), for a call past MIXED_CALL_MASKED_UP_TO) and each sample's first plane
+# hidden; empty, (2 B, 0, S), for a call past policy.mixed_call_masked_up_to) and each sample's first plane
 # (B, 1: 2 b), and whether the call attends every pair masked (a bool scalar: the test of
 # elastic_attention.call_runs_masked). lowerings.elastic_encoder_node_for computes them in the graph
 # once for all the layers, where each layer's body had run about thirty small kernels for them.

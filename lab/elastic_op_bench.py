@@ -1,6 +1,6 @@
 """The elastic_attention op alone in ONNX Runtime, against full attention, at long sequence lengths.
 
-    python examples/elastic_op_bench.py [--sa 0.6] [--seq 512 2048 4096] [--heads 12] [--head-dim 32]
+    python lab/elastic_op_bench.py [--sa 0.6] [--seq 512 2048 4096] [--heads 12] [--head-dim 32]
 
 MiniLM's learned positions stop at 512 tokens, so `adaptex bench` on an elastic MiniLM can only sweep
 up to there; this script times one layer's attention (the part Elastic Attention changes) beyond it:

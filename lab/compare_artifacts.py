@@ -1,8 +1,8 @@
 """Two or more ONNX artifacts of the same model, timed in the same interleaved rounds: how a change to a
 lowering is measured (the first artifact is the baseline, 1.000).
 
-    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --points 1x1x511,1x512x0
-    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --budget 5   # seconds a point
+    python lab/compare_artifacts.py tsa-charlm old.onnx new.onnx --points 1x1x511,1x512x0
+    python lab/compare_artifacts.py tsa-charlm old.onnx new.onnx --budget 5   # seconds a point
 
 A point is BATCHxNEWxCACHED (1x1x511: a decode step after 511 cached tokens; 8x128x0: a prefill of 128
 tokens at batch 8). The inputs are the ones `adaptex bench` generates for the model; a decode step's
