@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel that lies on disk.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,coreml,bench]'
+	$(PIP) install -e '.[test,coreml,bench,openvino]'
 	touch $(STAMP)
 
 install: $(STAMP)

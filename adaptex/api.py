@@ -252,7 +252,7 @@ def _reference(path, model, inputs, threads, **runner_options):
 def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 200, seed: int = 0,
           atol: float | None = None, rtol: float | None = None, threads: int | None = None, progress=None,
           compute_units: str | None = None, fp16_accumulation: str | None = None, ranges: bool = False,
-          against=None, one_session: bool = False):
+          against=None, one_session: bool = False, runtime: str | None = None):
     """Parity of the artifact at `path` against the eager `model` (default: the shipped or checkpoint
     model the artifact records), decisions first. inputs: an iterable of input tuples (one array or
     tensor per model input) or dicts by input name; a shipped model generates its own by default.
@@ -262,13 +262,14 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
     and partial sums against 65504. against: another artifact of the same source as the reference
     instead of the eager model (e.g. an .onnx against an .mlpackage), decisions first. one_session:
     an ONNX artifact run in one ONNX Runtime session, its top-level Ifs choosing the graph, as an app
-    that loads the file itself runs it (default: adaptex's runner, a session per graph)."""
+    that loads the file itself runs it (default: adaptex's runner, a session per graph). runtime:
+    "openvino" runs an .onnx artifact in OpenVINO (an OpenVINO .xml runs there anyway)."""
     from adaptex.runtimes.parity import ArtifactReference
     from adaptex.runtimes.parity import check as _check
 
     runner, reference, feeds, info = _reference(path, model, inputs, threads, compute_units=compute_units,
                                                 accumulate=fp16_accumulation, ranges=ranges,
-                                                one_session=one_session)
+                                                one_session=one_session, runtime=runtime)
     precision = (runner.meta.get("quantize") or {}).get("scheme") or runner.meta.get("precision", "fp32")
     if against is not None:
         from adaptex.graphs.errors import InputError

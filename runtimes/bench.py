@@ -110,6 +110,11 @@ class Bench:
             graphs, self._fns, self.runtime = coreml_graphs(self.model, self.contract, self.meta, self.artifact,
                                                             self.tmp, self.say, self.compute_units)
             self.graphs = [adaptive] + graphs
+        elif self.kind == "openvino":
+            from adaptex.runtimes.bench_openvino import openvino_graphs
+
+            graphs, self.runtime = openvino_graphs(self.model, self.contract, self.tmp, self.say, self.cache)
+            self.graphs = [adaptive] + graphs
         elif self.kind == "tensorrt":
             graphs, self._fns, self._clocks, self.runtime = tensorrt_graphs(self.model, self.contract, self.meta,
                                                                             self.info, self.artifact, self.tmp, self.say)
@@ -131,6 +136,12 @@ class Bench:
             self.runtime = f"onnxruntime {ort.__version__} (CPU)"
 
     def _fn(self, t: Timing, threads: int):
+        if self.kind == "openvino":  # compiled for the point's thread count, as ONNX Runtime's sessions
+            from adaptex.runtimes.bench_openvino import openvino_runner
+
+            if (t.name, threads) not in self._fns:
+                self._fns[(t.name, threads)] = openvino_runner(t.path, threads)
+            return self._fns[(t.name, threads)]
         if self.kind != "onnx":
             return self._fns.get((t.name, None))
         key = (t.name, threads)
@@ -332,7 +343,9 @@ class Bench:
             fastest = fastest_dense(graphs)
             for t in live:
                 t.size_mb = size_mb(t.path)
-                if t.name in ("adaptive", "dense", "naive") or (fastest and t.name == fastest.name):
+                # the memory worker runs ONNX files in ONNX Runtime: an OpenVINO point reports sizes only
+                if self.kind != "openvino" and (t.name in ("adaptive", "dense", "naive")
+                                                or (fastest and t.name == fastest.name)):
                     t.peak_rss_mb = peak_rss(self._ran(t, call), str(npz), threads, self.compute_units, self.chunks)
         program = program_entry(self.meta, call) if self.kind == "onnx" else None
         flops = self._flops(adaptive_outs, batch, seq, past, chunks, program)

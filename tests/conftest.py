@@ -223,7 +223,7 @@ class Artifacts:
         precision = precision or targets.load(target).default_precision(family_contract(model))
         key = (family, target, variant, precision, *sorted(options.items()))
         if key not in self._made:
-            suffix = {"onnx": ".onnx", "tensorrt": ".trt.onnx", "coreml": ".mlpackage"}[target]
+            suffix = {"onnx": ".onnx", "tensorrt": ".trt.onnx", "coreml": ".mlpackage", "openvino": ".ov.xml"}[target]
             tag = "".join(f".{k}-{v}" for k, v in sorted(options.items()))
             path = self.root / f"{family}.{variant}.{precision}{tag}{suffix}"
             if target == "tensorrt":

@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     s.add_argument("--one-session", action="store_true",
                    help="ONNX artifacts: run the file in one ONNX Runtime session, its top-level Ifs choosing the "
                         "graph, as an app that loads it itself does (default: a session per graph, as adaptex runs it)")
+    s.add_argument("--runtime", default=None, choices=["onnxruntime", "openvino"],
+                   help="the runtime that runs an .onnx artifact (default onnxruntime); openvino inlines its "
+                        "functions on load. An OpenVINO .xml runs in OpenVINO")
     s.add_argument("--against", default=None, metavar="ARTIFACT",
                    help="compare with another artifact of the same checkpoint (e.g. the .mlpackage of an .onnx) "
                         "instead of the eager model, decisions first")
@@ -51,7 +54,7 @@ def run(args) -> int:
         bound_samples(args.samples, len(meta.get("outputs") or []) + len(meta.get("decisions") or []) + 1)
     set_threads(args.threads)
     options = dict(compute_units=args.compute_units, accumulate=args.fp16_accumulation, ranges=args.ranges,
-                   one_session=args.one_session)
+                   one_session=args.one_session, runtime=args.runtime)
     runner = open_artifact(args.artifact, args.threads, **options)  # refuses a flag it would ignore
     model = load_model(args.model)[0] if args.model else None
     inputs = read_inputs(args.inputs, list(runner.meta["inputs"]), specs=runner.meta["inputs"])
@@ -60,7 +63,7 @@ def run(args) -> int:
         report = check(args.artifact, model, _feeds(inputs, list(runner.meta["inputs"])) if inputs else None,
                        samples=args.samples, seed=args.seed, atol=args.atol, rtol=args.rtol, threads=args.threads,
                        compute_units=args.compute_units, fp16_accumulation=args.fp16_accumulation,
-                       ranges=args.ranges, against=args.against, one_session=args.one_session,
+                       ranges=args.ranges, against=args.against, one_session=args.one_session, runtime=args.runtime,
                        progress=bar.to(lambda r: r.samples))
     if args.save_results:
         from pathlib import Path

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from adaptex.exporter.errors import ExportError
 
-BUILTIN = ("onnx", "coreml", "tensorrt")
+BUILTIN = ("onnx", "coreml", "tensorrt", "openvino")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from adaptex.exporter.targets.onnx import dispatch
 from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.exporter.targets.onnx import guards, passes, passes_by_sample
 from adaptex.exporter.targets.onnx import quantize as qz
+from adaptex.exporter.targets.onnx import portable
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 from adaptex.graphs.errors import AdaptexError
@@ -440,6 +441,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         guard = guards.decode_step(names[0], names[2])
         proto = dispatch.merge_decode_step(step_proto, proto, guard=guard, domain=fx.DOMAIN, policy=policy)
         on_top("decode-step", guard, lowerings=step_notes)
+    portable.if_outputs_copied(proto)  # what keeps the file right in OpenVINO too (portable.py)
     quantized = None
     if scheme is not None:
         say(f"quantizing the weights to {scheme.name} (routers {'too' if scheme.routers else 'stay fp32'}) ...")
