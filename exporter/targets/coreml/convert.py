@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from adaptex.exporter.targets.coreml import package, precision
+from adaptex.exporter.targets.coreml.decompose import decompositions
 from adaptex.graphs import files
 from adaptex.exporter.trace import io_specs
 
@@ -80,17 +81,6 @@ def _quiet_progress():
     when a bar starts); adaptex reports its own progress. Failures still raise."""
     with contextlib.redirect_stderr(io.StringIO()):
         yield
-
-
-def decompositions() -> dict:
-    """What an exported program runs through before conversion: where(c, x, scalar) as where(c, x,
-    tensor) (TSA's router masks its gate so; coremltools translates neither that op nor the
-    prims.where of torch's own decomposition)."""
-    import torch
-
-    def where_scalar_other(cond, x, other):
-        return torch.where(cond, x, torch.full_like(x, other))
-    return {torch.ops.aten.where.ScalarOther: where_scalar_other}
 
 
 def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
