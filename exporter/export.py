@@ -11,10 +11,10 @@ from adaptex.graphs.family import contract_for
 
 
 def resolve(model, example_inputs, target: str, precision: str | None, dynamic_shapes=None,
-            input_names: list[str] | None = None):
+            input_names: list[str] | None = None, example_kwargs: dict | None = None):
     """(the model's contract, the target, the precision it will be exported in)."""
     t = targets.load(target)
-    contract = contract_for(model, example_inputs, dynamic_shapes, input_names)
+    contract = contract_for(model, example_inputs, dynamic_shapes, input_names, example_kwargs)
     prec = precision or t.default_precision(contract)
     if prec not in t.precisions:
         raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "
@@ -24,13 +24,13 @@ def resolve(model, example_inputs, target: str, precision: str | None, dynamic_s
 
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
            precision: str | None = None, dynamic_shapes=None, *, input_names: list[str] | None = None,
-           contract=None, say=None, **options) -> dict:
+           example_kwargs: dict | None = None, contract=None, say=None, **options) -> dict:
     """Export `model` to `path` for `target` (onnx, coreml, tensorrt); returns the artifact's metadata.
 
     A shipped family's model (from adaptex.load) needs no example inputs. Any other model needs them:
-    a tuple with one tensor per forward argument (batch >= 2: torch.export specialises sizes 0 and 1).
-    dynamic_shapes: as torch.export takes them for those arguments (default: every axis dynamic where
-    tracing allows). Target options: onnx dense_rows, decode_graph, short_graph, softmax_floor; coreml
+    a tuple with one tensor per forward argument or a dict by argument name, and example_kwargs for
+    more keyword arguments (batch >= 2: torch.export specialises sizes 0 and 1). dynamic_shapes: any of
+    torch.export's forms for those arguments (default: every axis dynamic where tracing allows). Target options: onnx dense_rows, decode_graph, short_graph, softmax_floor; coreml
     min_target; tensorrt onnx_only, min/opt/max_shapes, timing_cache, trt_version."""
     if path is None:
         raise ExportError("export needs a path to write, e.g. adaptex.export(model, inputs, 'model.onnx')")
@@ -42,7 +42,8 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
         takes = ", ".join(o.dest for o in t.options) or "none"
         raise ExportError(f"{', '.join(sorted(unknown))}: not an option of the {target} target (it takes {takes})")
     if contract is None:
-        contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes, input_names)
+        contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes, input_names,
+                                     example_kwargs)
     else:
         prec = precision or t.default_precision(contract)
     info = getattr(model, "adaptex_source", None)

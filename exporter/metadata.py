@@ -89,6 +89,7 @@ SCHEMA = {
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
     "tensorrt": (dict, False), "dispatch": (dict, False), "decode_step": (dict, False),
     "short_call": (dict, False), "large_call": (dict, False), "softmax_floor": (bool, False),
+    "model": (str, False), "call": (dict, False),
 }
 
 
