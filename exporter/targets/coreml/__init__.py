@@ -71,6 +71,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     inputs, outputs = package.coreml_io(*io_specs(ep, contract))
     policy.bool_ops_as_logical(ep)
     keep, between = policy.keep_fp32(ep, contract)
+    if prec == "fp16":
+        policy.saturate_fp16_constants(ep, keep)
     from adaptex.exporter.targets.coreml.mil_ops import register_translations
 
     register_translations(emitters)

@@ -99,6 +99,8 @@ def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
     inputs, outputs = package.coreml_io(*io_specs(ep, contract, mode))
     precision.bool_ops_as_logical(ep)
     keep, between = precision.keep_fp32(ep, contract, adaptive=False)
+    if prec == "fp16":
+        precision.saturate_fp16_constants(ep, keep)
     with files.tempdir_for_libraries():  # coremltools' intermediate package lives there until saved
         mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
         out = Path(out)
