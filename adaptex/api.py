@@ -50,7 +50,7 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     from adaptex.exporter.export import resolve
 
     contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
-                                options.pop("input_names", None), example_kwargs)
+                                options.pop("input_names", None), example_kwargs, variant)
     if t.name != "coreml" or prec != "fp16":
         return _export(model, example_inputs, path, target, variant, prec, dynamic_shapes, contract=contract,
                        say=say, **options)

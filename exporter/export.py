@@ -5,21 +5,38 @@ from __future__ import annotations
 from pathlib import Path
 
 from adaptex.exporter import metadata, targets
-from adaptex.exporter.errors import ExportError
+from adaptex.exporter.errors import ExportError, UnsupportedLowering
 from adaptex.exporter.registry import VARIANTS
 from adaptex.graphs.family import contract_for
 
 
 def resolve(model, example_inputs, target: str, precision: str | None, dynamic_shapes=None,
-            input_names: list[str] | None = None, example_kwargs: dict | None = None):
+            input_names: list[str] | None = None, example_kwargs: dict | None = None, variant: str = "sparse"):
     """(the model's contract, the target, the precision it will be exported in)."""
     t = targets.load(target)
+    refuse_half_weights(model, target, variant)
     contract = contract_for(model, example_inputs, dynamic_shapes, input_names, example_kwargs)
     prec = precision or t.default_precision(contract)
     if prec not in t.precisions:
         raise ExportError(f"precision {prec!r} is not supported for the {target} target; use "
                           f"{' or '.join(t.precisions)}")
     return contract, t, prec
+
+
+def refuse_half_weights(model, target: str, variant: str = "sparse") -> None:
+    """UnsupportedLowering naming the first layer whose weights are not float32 (float16, bfloat16):
+    adaptex's layers route in fp32 and take fp32 weights, and an artifact's precision is chosen at
+    export (precision="fp16"), not inherited from the weights."""
+    import torch
+
+    for path, module in model.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                where = f"{path}.{name}" if path else name
+                raise UnsupportedLowering(f"{type(module).__name__} {path or '(the model)'!r}", target, variant, [
+                    f"its weights are {str(p.dtype).replace('torch.', '')} ({where}); adaptex exports float32 weights "
+                    "(its adaptive layers route in float32): call model.float() and pass precision='fp16' for a "
+                    "half-precision Core ML or TensorRT artifact"])
 
 
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
@@ -43,7 +60,7 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
         raise ExportError(f"{', '.join(sorted(unknown))}: not an option of the {target} target (it takes {takes})")
     if contract is None:
         contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes, input_names,
-                                     example_kwargs)
+                                     example_kwargs, variant)
     else:
         prec = precision or t.default_precision(contract)
     info = getattr(model, "adaptex_source", None)

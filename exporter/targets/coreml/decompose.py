@@ -12,6 +12,9 @@ translations adaptex rewrites", has each one's reproduction).
   reads its dtype keyword.
 - clamp_min / clamp_max with a scalar of another type (x.clamp_min(1) on a float x): coremltools
   asserts the types match; they become aten.clamp, whose translation promotes.
+- triu(x, k > 0) and tril(x, k < 0): coremltools computes them as x - band_part(x), which is NaN
+  wherever x is infinite; nn.Transformer.generate_square_subsequent_mask is triu(full(-inf), 1), so
+  every nn.TransformerDecoderLayer given that causal mask gave NaN. Both become where(band, x, 0).
 - where(c, x, scalar): coremltools translates neither that overload nor the prims.where of torch's
   own decomposition (TSA's router masks its gate so); it becomes where(c, x, tensor).
 """
@@ -52,6 +55,18 @@ def decompositions() -> dict:
     def clamp_max(x, high):
         return torch.clamp(x, max=high)
 
+    def band(x, diagonal, upper: bool):
+        rows = torch.arange(x.shape[-2])[:, None]
+        cols = torch.arange(x.shape[-1])[None, :]
+        keep = (cols - rows >= diagonal) if upper else (cols - rows <= diagonal)
+        return torch.where(keep, x, full(x.shape, 0, x.dtype))
+
+    def triu(x, diagonal=0):
+        return band(x, diagonal, True)
+
+    def tril(x, diagonal=0):
+        return band(x, diagonal, False)
+
     def where_scalar_other(cond, x, other):
         return torch.where(cond, x, full(x.shape, other, x.dtype))
 
@@ -59,4 +74,5 @@ def decompositions() -> dict:
             aten.full_like.default: full_like, aten.new_zeros.default: new(0), aten.new_ones.default: new(1),
             aten.new_empty.default: new(0), aten.new_full.default: new_full, aten.zeros.default: zeros,
             aten.empty.memory_format: zeros, aten.clamp_min.default: clamp_min,
-            aten.clamp_max.default: clamp_max, aten.where.ScalarOther: where_scalar_other}
+            aten.clamp_max.default: clamp_max, aten.triu.default: triu, aten.tril.default: tril,
+            aten.where.ScalarOther: where_scalar_other}
