@@ -16,17 +16,35 @@ PORT   ?= 8000
 APP_MODELS := tsa-charlm budgetformer-graded elastic-minilm
 SERVE  := $(PYTHON) -m http.server -d $(WEB) --bind 127.0.0.1 $(PORT)
 
-.PHONY: demo test test-slow test-gpu fuzz mutate install clean apps-deps chromium web serve
+.PHONY: demo test test-slow test-gpu fuzz mutate install clean apps-deps chromium web serve serve-env
+
+# pip at -qq prints its errors only: a pip configuration may name index folders that do not exist
+# (a "Location ... is ignored" warning a package), and setuptools' editable install adds a note; a
+# failed install still says why and stops make.
+PIP    := $(PY) -m pip --quiet --quiet
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PIP) install --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel that lies on disk.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,coreml,bench]'
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test,coreml,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# `adaptex serve`'s serving interpreter: PyTriton's bundled Python backend links the system's libpython,
+# so the model side runs in a venv made from the system Python (docs/serving.md). Where there is none,
+# the serving test is skipped with that reason.
+SERVE_PY  ?= /usr/bin/python3
+SERVE_ENV := .venv-serve
+$(SERVE_ENV)/.installed:
+	@if [ -x $(SERVE_PY) ] && $(SERVE_PY) -m venv $(SERVE_ENV) 2>/dev/null; then \
+	    $(SERVE_ENV)/bin/python -m pip install -qq nvidia-pytriton==0.7.0 onnxruntime 'numpy<2' && touch $@ \
+	        || echo "note: could not install nvidia-pytriton into $(SERVE_ENV): the serving test will be skipped"; \
+	else echo "note: no system Python at $(SERVE_PY) with venv: the serving test will be skipped"; fi
+
+serve-env: $(SERVE_ENV)/.installed
 
 # The apps' runtimes. Each step does nothing when already done; where it cannot run (no npm, no apt-get
 # as root) it says so, and the tests that need it are skipped with that reason.
@@ -75,13 +93,13 @@ demo: $(STAMP) web
 # file on one worker (its module fixtures made once); TEST_WORKERS=0 runs the suite in one process.
 # The 15 slowest tests are listed at the end: the suite's budget is 15 minutes on 2 cores
 TEST_WORKERS ?= 2
-test: $(STAMP) apps-deps
+test: $(STAMP) apps-deps serve-env
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/unit/test_fuzz.py
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) serve-env
 	$(PY) -m pytest -q -m slow
 
 # Planted mutations of the lowering bodies, the parity checker, the bench accounting and the MIL
@@ -93,8 +111,8 @@ mutate: $(STAMP)
 
 # On an NVIDIA GPU machine: TensorRT 10 and cuda-python, then the engine tests (skipped elsewhere).
 test-gpu: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[tensorrt]'
+	$(PIP) install -e '.[tensorrt]'
 	$(PY) -m pytest -q -m tensorrt -rs
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) $(SERVE_ENV) build .pytest_cache

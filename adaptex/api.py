@@ -32,6 +32,19 @@ def load(name_or_dir: str | Path | None = None):
     return model
 
 
+def _measured_floor(say=None) -> dict:
+    """The softmax floor an ONNX artifact gets by default: whichever of a causal Softmax plain and floored
+    runs faster on this CPU (runtimes/cpu.py, floor_probe; well under a second), with why."""
+    from adaptex.runtimes import cpu
+
+    (say or (lambda m: None))("timing a causal Softmax plain and with the softmax floor on this CPU ...")
+    probe = cpu.floor_probe(1)
+    shape = "x".join(str(n) for n in probe["shape"])
+    why = (f"measured at export on {cpu.describe()}: a causal {shape} Softmax took {probe['plain_ms']:.3f} ms plain, "
+           f"{probe['floored_ms']:.3f} ms floored")
+    return {"on": bool(probe["pays"]), "why": why}
+
+
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
            precision: str | None = None, dynamic_shapes=None, *, example_kwargs: dict | None = None,
            fp16_audit: bool = True, say=None, **options) -> dict:
@@ -51,6 +64,9 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
 
     contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
                                 options.pop("input_names", None), example_kwargs, variant)
+    recorded = (((getattr(model, "adaptex_source", None) or {}).get("export") or {}).get(t.name) or {})
+    if t.name == "onnx" and options.get("softmax_floor") is None and "softmax_floor" not in recorded:
+        options["softmax_floor"] = _measured_floor(say)
     if t.name != "coreml" or prec != "fp16":
         return _export(model, example_inputs, path, target, variant, prec, dynamic_shapes, contract=contract,
                        say=say, **options)

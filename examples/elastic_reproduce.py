@@ -53,7 +53,7 @@ def random_routing_decoder(model, task, n, context, fraction, seed=1):
 
 
 def decoder(model, a):
-    from adaptex.graphs.elastic_decoder import evaluate_elastic_decoder, summary_table_decoder
+    from adaptex.graphs.recipes.elastic_decoder import evaluate_elastic_decoder, summary_table_decoder
     from adaptex.graphs.lm_tasks import StdlibChars
 
     context = a.max_tokens or 512

@@ -1,25 +1,24 @@
 """Every latency table in the docs, regenerated: each shipped model's ONNX artifact against the
 fastest dense graph of its weights, over the grid the docs quote.
 
-    python examples/latency_tables.py                      # all shipped models, 1 thread
+    python examples/latency_tables.py --out docs/results/epyc-avx512 --images docs/images   # the docs' grid
     python examples/latency_tables.py --models tsa-charlm --threads 1
-    python examples/latency_tables.py --quick              # batch 1, two lengths: a smoke run
+    python examples/latency_tables.py --quick              # batch 1, two lengths: a smoke run, into build/
 
 Grid: batch {1, 8, 64} x sequence {32, 128, 512} (each model up to its position limit), plus the
 decoders' steps (one new token) after {127, 511} cached, at each batch. Each point is one
 interleaved bench (runtimes/bench.py): every graph once per round in shuffled order, the rounds
 cycling through distinct generated inputs (8, fewer at the largest points), the rounds in blocks,
-ratios as the median and min-max over blocks. Every dense candidate is warmed up at every
-point and the bench times those within 1.15x of the fastest in warm-up (the fastest at batch 1 is not
-always the fastest at batch 8: the 2026-12-05 run, which timed only batch 1's three fastest at larger
-batches, read charlm-dense's B8 step after 127 at 0.841 of a yardstick that a full bench beat by 19%).
-A point too large for every graph's session at once (elastic-minilm's B64, T = 512) is warmed up one
-graph at a time and times the graphs that fit in memory together (runtimes/bench.py). Writes docs/results/latency.md (the tables), latency.csv (every graph
-at every point) and docs/images/latency-<model>.png (batch 1 against T). The full grid at one thread
-takes about 50 minutes on 2 cores (2026-12-06, one `--models NAME` run per model; `--threads 1,2`
-adds a column of runs). Each artifact is exported as a user serving from this CPU would export it:
-with the softmax floor where it pays here (`--softmax-floor auto`, runtimes/cpu.py; `on` or `off`
-forces it), and latency.md's head names the CPU.
+ratios as the median and min-max over blocks. Every dense candidate is warmed up at every point and
+the bench times those within 1.15x of the fastest in warm-up (the fastest at batch 1 is not always
+the fastest at batch 8). A point too large for every graph's session at once (elastic-minilm's B64,
+T = 512) is warmed up one graph at a time and times the graphs that fit in memory together.
+Writes OUT/latency.md (the tables), OUT/latency.csv (every graph at every point) and
+IMAGES/latency-<model>.png (batch 1 against T); docs/results/ holds one grid per CPU, a folder each.
+The full grid at one thread takes 35 to 50 minutes on 2 cores. Each artifact is exported as a user
+serving from this CPU would export it: with the softmax floor where it pays here
+(`--softmax-floor auto`, runtimes/cpu.py; `on` or `off` forces it), and latency.md's head names the
+CPU and this command.
 """
 from __future__ import annotations
 
@@ -68,11 +67,13 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--threads", default="1")
     ap.add_argument("--quick", action="store_true", help="batch 1, T 32 and 128, one decode point")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="where latency.md and latency.csv go")
-    ap.add_argument("--images", default=str(ROOT / "docs" / "images"))
+    ap.add_argument("--out", default=str(ROOT / "build" / "latency"),
+                    help="where latency.md and latency.csv go (the docs' grids: docs/results/<cpu>)")
+    ap.add_argument("--images", default=None, help="where the figures go (default OUT/images; the docs': docs/images)")
     ap.add_argument("--softmax-floor", choices=("auto", "on", "off"), default="auto",
                     help="export the artifacts with the softmax floor (auto: where it pays on this CPU)")
     args = ap.parse_args(argv)
+    command = " ".join(["python examples/latency_tables.py", *(sys.argv[1:] if argv is None else argv)])
     import adaptex
     from adaptex.runtimes.bench import Bench
     from adaptex.runtimes.bench_report import plot
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
     floor = args.softmax_floor if args.softmax_floor != "auto" else ("on" if floor_probe()["pays"] else "off")
 
     threads = [int(t) for t in args.threads.split(",")]
-    out, images = Path(args.out), Path(args.images)
+    out = Path(args.out)
+    images = Path(args.images) if args.images else out / "images"
     out.mkdir(parents=True, exist_ok=True)
     images.mkdir(parents=True, exist_ok=True)
     all_rows, lines, failed = [], [], []
@@ -115,12 +117,12 @@ def main(argv=None) -> int:
                     b1 = [r for r in rows if r["batch"] == 1 and r["past"] == 0]
                     if thr == threads[0] and len(b1) > 1:
                         plot(b1, images / f"latency-{name}.png", title=name)  # the panel names batch and threads
-        write(out, lines, all_rows, failed)  # after each model: a later failure loses nothing
+        write(out, lines, all_rows, failed, command)  # after each model: a later failure loses nothing
     print(f"wrote {out / 'latency.md'} and {out / 'latency.csv'}")
     return 1 if failed else 0
 
 
-def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> None:
+def write(out: Path, lines: list[str], rows: list[dict], failed: list[str], command: str) -> None:
     import onnxruntime
 
     import adaptex
@@ -130,7 +132,7 @@ def write(out: Path, lines: list[str], rows: list[dict], failed: list[str]) -> N
     head = [
         "# Latency tables",
         "",
-        f"Generated by `python examples/latency_tables.py` on {datetime.date.today()} ({describe()}, "
+        f"Generated by `{command}` on {datetime.date.today()} ({describe()}, "
         f"ONNX Runtime {onnxruntime.__version__}, adaptex {adaptex.__version__}). "
         "Each row is one interleaved bench: the adaptive ONNX artifact against the fastest of the dense graphs "
         "of the same weights (the yardstick column names it; docs/benchmarking.md lists the candidates), "

@@ -136,23 +136,23 @@ def _rows_name_how(base: str, how: str, batched: bool, floor: bool = True) -> tu
     return f"{base}+rows", f"{how}adaptex's layernorm_rows, attention_by_sample{floored} passes"
 
 
-def _no_batched_twin(proto) -> str | None:
+def _no_batched_twin(proto, policy=None) -> str | None:
     """Why a `+rows-batched` candidate of `proto` (a ModelProto, left as it is) would be its `+rows`
     twin (None: it differs): a graph with no attention for attention_by_sample to rewrite (ONNX
     Runtime's optimizer may have fused it into one kernel)."""
     import onnx
 
-    from adaptex.exporter.targets.onnx.passes import attention_by_sample
+    from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample
 
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
-    if attention_by_sample(copy):
+    if attention_by_sample(copy, *([policy] if policy else [])):
         return None
     return "no batched attention for attention_by_sample to rewrite: the same graph as +rows"
 
 
 def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, rows: bool = False,
-                   batched: bool = False, floor: bool = True) -> Graph:
+                   batched: bool = False, floor: bool = True, policy=None) -> Graph:
     """`graph` through ORT's transformer optimizer: kept when it fused something. rows: with its
     SkipLayerNormalization fusions off and adaptex's rows pass after (`+ortopt+rows`), so that the
     yardstick can have both the optimizer's fused attention and the faster Add + LayerNormalization
@@ -185,10 +185,10 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
             return Graph(name, None, how, reason="ORT's transformer optimizer fused nothing in this graph")
         path = Path(graph.path).with_name(f"{name}.onnx")
         if rows:
-            twin = _no_batched_twin(opt.model) if batched else None
+            twin = _no_batched_twin(opt.model, policy) if batched else None
             if twin:
                 return Graph(name, None, how, reason=twin)
-            if not artifact_passes(opt.model, by_sample=not batched, floor=floor):
+            if not artifact_passes(opt.model, by_sample=not batched, floor=floor, policy=policy):
                 return Graph(name, None, how,
                              reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
             onnx.save(opt.model, str(path))
@@ -199,11 +199,11 @@ def _ort_optimized(graph: Graph, model_type: str, num_heads: int, hidden: int, r
         return Graph(name, None, how, reason=f"ORT's transformer optimizer failed: {_first_line(e)}")
 
 
-def _rows(graph: Graph, batched: bool = False, floor: bool = True) -> Graph:
+def _rows(graph: Graph, batched: bool = False, floor: bool = True, policy=None) -> Graph:
     """`graph` with the passes adaptex's ONNX artifacts get (passes.artifact_passes): the yardstick
     gets every trick the artifact gets. batched: without attention_by_sample's If, as the programs
     of an artifact that serve calls below its threshold run their op bodies (`+rows-batched`);
-    floor: with softmax_floor."""
+    floor: with softmax_floor; policy: ONNX Runtime's thresholds (graphs/ops/policy.py)."""
     import onnx
 
     from adaptex.exporter.targets.onnx.passes import artifact_passes
@@ -212,10 +212,10 @@ def _rows(graph: Graph, batched: bool = False, floor: bool = True) -> Graph:
     if graph.path is None:
         return Graph(name, None, how, reason=f"no {graph.name} graph")
     proto = onnx.load(graph.path)
-    twin = _no_batched_twin(proto) if batched else None
+    twin = _no_batched_twin(proto, policy) if batched else None
     if twin:
         return Graph(name, None, how, reason=twin)
-    if not artifact_passes(proto, by_sample=not batched, floor=floor):
+    if not artifact_passes(proto, by_sample=not batched, floor=floor, policy=policy):
         return Graph(name, None, how, reason="no residual LayerNormalization, batched attention or Softmax to rewrite")
     path = Path(graph.path).with_name(f"{name}.onnx")
     onnx.save(proto, str(path))
@@ -229,7 +229,7 @@ def _heads_hidden(contract) -> tuple[int, int]:
     return int(heads), int(hidden or 0)
 
 
-def onnx_candidates(model, contract, workdir: Path, say=None, floor: bool = True) -> list[Graph]:
+def onnx_candidates(model, contract, workdir: Path, say=None, floor: bool = True, policy=None) -> list[Graph]:
     """Every dense candidate and the naive export, as ONNX files in `workdir`; floor: the `+rows`
     candidates with softmax_floor (what the CPU that times them wants: runtimes/cpu.py)."""
     say = say or (lambda msg: None)
@@ -253,13 +253,13 @@ def onnx_candidates(model, contract, workdir: Path, say=None, floor: bool = True
                                original.output_names, workdir / "original", ("original", "original-legacy"),
                                original.source, original.legacy_module, original.legacy_source)
         graphs += more
-    graphs += [_rows(graphs[0], floor=floor), _rows(graphs[0], batched=True, floor=floor)]
+    graphs += [_rows(graphs[0], floor=floor, policy=policy), _rows(graphs[0], batched=True, floor=floor, policy=policy)]
     model_type = getattr(contract, "ort_model_type", None)
     if model_type:
         say("applying ONNX Runtime's transformer optimizer ...")
         heads, hidden = _heads_hidden(contract)
         kinds = ((False, False), (True, False), (True, True))  # (rows, batched)
-        opt = [_ort_optimized(g, model_type, heads, hidden, rows, batched, floor) for g in graphs
+        opt = [_ort_optimized(g, model_type, heads, hidden, rows, batched, floor, policy) for g in graphs
                if g.name in ("dense", "dense-legacy") for rows, batched in kinds]
         if original is not None:
             opt += [_ort_optimized(g, original.model_type, original.num_heads, original.hidden_size, rows, batched,

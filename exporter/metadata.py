@@ -87,8 +87,8 @@ SCHEMA = {
     "precision": (str, True), "inputs": (dict, True), "outputs": (dict, True), "source": (dict, True),
     "config": (dict, False), "lowerings": (dict, False), "opset": (dict, False), "decisions": (dict, False),
     "max_sequence": (int, False), "adaptex": (str, False), "tokenizer": (dict, False), "decoder": (bool, False),
-    "tensorrt": (dict, False), "dispatch": (dict, False), "decode_step": (dict, False),
-    "short_call": (dict, False), "large_call": (dict, False), "softmax_floor": (bool, False),
+    "tensorrt": (dict, False), "dispatch": (dict, False), "programs": (list, False), "policy": (dict, False),
+    "softmax_floor": (bool, False), "softmax_floor_why": (str, False),
     "model": (str, False), "call": (dict, False),
 }
 
@@ -113,52 +113,18 @@ def validate(meta, where) -> dict:
                 or not (isinstance(routed.get("rows_input"), str) and routed["rows_input"] in meta["inputs"]):
             raise AdaptexError(f"{where}: metadata 'dispatch' needs dense_rows (a whole number >= 1) and rows_input "
                                "(an input name); re-export it with adaptex")
-        if not isinstance(routed.get("step_graph", False), bool):
-            raise AdaptexError(f"{where}: metadata 'dispatch.step_graph' must be true or false; re-export it with "
-                               "adaptex")
-    stepped = meta.get("decode_step")
-    if stepped is not None and not all(isinstance(stepped.get(k), str) and stepped[k] in meta["inputs"]
-                                       for k in ("new_tokens_input", "cache_input")):
-        raise AdaptexError(f"{where}: metadata 'decode_step' needs new_tokens_input and cache_input (names of "
-                           "inputs); re-export it with adaptex")
-    near_counts = ("near_keys", "near_cells", "near_keys_cells")
-    if stepped is not None and any(k in stepped for k in near_counts):
-        counts = [stepped.get("near_keys")] + [stepped[k] for k in near_counts[1:] if k in stepped]
-        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts) \
-                or ("near_keys_cells" in stepped and "near_cells" not in stepped) \
-                or not (isinstance(stepped.get("keys_input"), str) and stepped["keys_input"] in meta["inputs"]):
-            raise AdaptexError(f"{where}: metadata 'decode_step' with near_keys (and near_cells, then "
-                               "near_keys_cells) needs whole numbers >= 1 and keys_input (an input name); re-export "
-                               "it with adaptex")
-    within = meta.get("short_call")
-    if within is not None:
-        keys = within.get("max_keys")
-        if not isinstance(keys, int) or isinstance(keys, bool) or keys < 1 \
-                or not all(isinstance(within.get(k), str) and within[k] in meta["inputs"]
-                           for k in ("keys_input", "cache_input")):
-            raise AdaptexError(f"{where}: metadata 'short_call' needs max_keys (a whole number >= 1), keys_input and "
-                               "cache_input (input names); re-export it with adaptex")
-        longer = within.get("masked_keys")
-        if longer is not None and (not isinstance(longer, int) or isinstance(longer, bool) or longer <= keys):
-            raise AdaptexError(f"{where}: metadata 'short_call' masked_keys must be a whole number above max_keys "
-                               f"({keys}); re-export it with adaptex")
-        by_sample = within.get("masked_large_call")
-        if by_sample is not None and (longer is None or not isinstance(by_sample, dict) or set(by_sample) !=
-                                      {"heads", "from_scores"} or not _whole(by_sample, ("heads", "from_scores"))):
-            raise AdaptexError(f"{where}: metadata 'short_call' masked_large_call needs masked_keys beside it and "
-                               "only heads and from_scores (whole numbers >= 1); re-export it with adaptex")
-        excess = within.get("masked_excess")
-        if excess is not None and (
-                longer is None or not isinstance(excess, dict) or set(excess) != {"heads", "beyond", "up_to"}
-                or not _whole(excess, ("heads", "up_to")) or not _whole(excess, ("beyond",), least=0)):
-            raise AdaptexError(f"{where}: metadata 'short_call' masked_excess needs masked_keys beside it and only "
-                               "heads, up_to (whole numbers >= 1) and beyond (>= 0); re-export it with adaptex")
-    large = meta.get("large_call")
-    if large is not None and not (
-            _whole(large, ("heads", "from_scores"))
-            and all(isinstance(large.get(k), str) and large[k] in meta["inputs"] for k in ("ids_input", "keys_input"))):
-        raise AdaptexError(f"{where}: metadata 'large_call' needs heads and from_scores (whole numbers >= 1), "
-                           "ids_input and keys_input (input names); re-export it with adaptex")
+    if "programs" in meta:  # each program's guard, checked as data (never evaluated as code)
+        from adaptex.exporter.targets.onnx.guards import read_programs
+
+        for name, guard in read_programs(meta, where):
+            unknown = sorted(guard.inputs() - set(meta["inputs"])) if guard is not None else []
+            if unknown:
+                raise AdaptexError(f"{where}: metadata program {name!r} reads {unknown[0]!r}, not an input; re-export "
+                                   "it with adaptex")
+    if "policy" in meta:
+        from adaptex.graphs.ops.policy import OrtPolicy
+
+        OrtPolicy.from_dict(meta["policy"], f"{where}: metadata 'policy'")
     for side in ("inputs", "outputs"):
         for name, spec in meta[side].items():
             if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \
@@ -167,11 +133,6 @@ def validate(meta, where) -> dict:
                 raise AdaptexError(f"{where}: metadata {side}[{name!r}] needs a dtype string and a shape list of "
                                    "sizes and axis names; re-export it with adaptex")
     return meta
-
-
-def _whole(entry: dict, keys, least: int = 1) -> bool:
-    """Whether entry[k] is a whole number >= least (not a bool) for every k of keys."""
-    return all(isinstance(entry.get(k), int) and not isinstance(entry[k], bool) and entry[k] >= least for k in keys)
 
 
 def parse(text: str, where) -> dict:
@@ -262,6 +223,15 @@ def format_metadata(meta: dict) -> str:
             lines.append(f"{key}:")
             for name, spec in val.items():
                 lines.append(f"  {name:<30} {spec['kind']:<10} {spec['layer']}")
+        elif key == "programs":  # the decision list: a call runs the first program whose guard holds
+            lines.append(f"{key}:")
+            for p in val:
+                lines.append(f"  {p['name']:<40} {json.dumps(p['guard']) if p['guard'] else 'every other call'}")
+        elif key == "softmax_floor":
+            lines.append(f"{key}: {'on' if val else 'off'}" + (f" ({meta['softmax_floor_why']})"
+                                                               if meta.get("softmax_floor_why") else ""))
+        elif key == "softmax_floor_why":
+            continue
         elif key == "tokenizer" and isinstance(val, dict):
             lines.append(f"{key}: {val.get('kind') or val.get('type', 'included')} ({len(json.dumps(val))} bytes)")
         elif isinstance(val, dict):

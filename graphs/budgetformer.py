@@ -25,6 +25,7 @@ from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import BudgetedAttention, RoutingSchedule, masked_mean  # noqa: F401  (re-exported)
 from adaptex.graphs.ops.budgeted_attention import onnx_body
+from adaptex.graphs.ops.policy import DEFAULT
 
 MODES = ("soft", "hard", "naive", "eager", "dense")
 
@@ -270,7 +271,8 @@ class BudgetFormerFamily(Contract):
         ids = rng.integers(1, self.cfg.vocab_size, size=(batch, seq)).astype(np.int64)
         return {"input_ids": ids, "attention_mask": np.ones((batch, seq), dtype=np.int64)}
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              policy=None) -> dict:
         """The decisions' FLOP ratio per sample, and the executed one: the dense variant computes every
         head; the sparse one, in a batch, the batch's largest k for every sample, except on ONNX
         Runtime, whose body (budgeted_attention.onnx_body) computes every head some sample selected
@@ -286,7 +288,7 @@ class BudgetFormerFamily(Contract):
             executed = []
             for i, c in enumerate(ks.T):
                 mask = np.asarray(outputs[f"decisions.layer{i}.head_mask"]).astype(bool)
-                body = onnx_body(c, mask, seq) if target == "onnx" else "per_sample"
+                body = onnx_body(c, mask, seq, policy or DEFAULT) if target == "onnx" else "per_sample"
                 executed.append(float(mask.any(axis=0).sum() if body == "active_heads"
                                       else c.mean() if body == "by_head" else c.max()))
         return {"flop_ratio": ratio, "executed_flop_ratio": flops_per_sample(cfg, seq, executed) / dense,

@@ -31,6 +31,7 @@ from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import ADAPTIVE_MODES, Contract, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, HeadRouter, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.ops.elastic_attention import call_runs_masked
+from adaptex.graphs.ops.policy import DEFAULT
 
 MODES = ("soft", "hard", "hard_dense", "full")
 
@@ -422,12 +423,14 @@ class ElasticFamily(Contract):
 
         return original_encoder(self.cfg.backbone_path or None, self.cfg.max_len)
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              policy=None) -> dict:
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         full = elastic_flops(cfg, np.zeros(sa.shape[1:], bool), seq)
         ratio = float(np.mean([elastic_flops(cfg, row, seq) for row in sa]) / full)
         every_key = variant == "dense" or (
-            target == "onnx" and call_runs_masked(sa.shape[0], sa.shape[-1], seq, cfg.sink, cfg.window))
+            target == "onnx" and call_runs_masked(sa.shape[0], sa.shape[-1], seq, cfg.sink, cfg.window,
+                                                   policy=policy or DEFAULT))
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

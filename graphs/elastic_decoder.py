@@ -46,7 +46,8 @@ from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_famil
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
 from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
-from adaptex.graphs.ops.elastic_attention import MIXED_CALL_MASKED_UP_TO, NEG, PREFILL_MASKED_EXCESS_UP_TO, runs_masked
+from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
@@ -345,122 +346,6 @@ def generate(model: ElasticDecoder, prompt: list[int], max_new_tokens: int) -> l
     return out
 
 
-# --- training ---------------------------------------------------------------------------------------
-
-@dataclass
-class ElasticDecoderTrainConfig:
-    steps: int = 300
-    batch_size: int = 8
-    context: int = 512
-    lr: float = 3e-3
-    lambda_lr: float = 0.05
-    tau_start: float = 1.0
-    tau_end: float = 0.1
-    seed: int = 0
-
-
-def _kl(full_logits: Tensor, logits: Tensor) -> Tensor:
-    """Mean over tokens of KL(full || elastic) between next-token distributions."""
-    lp_full = full_logits.log_softmax(-1)
-    return (lp_full.exp() * (lp_full - logits.log_softmax(-1))).sum(-1).mean()
-
-
-def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainConfig, session=None) -> ElasticDecoder:
-    """Routers only, by distillation from the frozen backbone's full attention: min over the routers,
-    max over lambda1, lambda2."""
-    from adaptex.graphs.recipes.session import Session, seed_everything
-
-    session = session or Session()
-    seed_everything(tc.seed)
-    rng = np.random.default_rng(tc.seed)
-    opt = torch.optim.AdamW(model.routers.parameters(), lr=tc.lr, weight_decay=0.0)
-    state, t = {"lam1": 0.0, "lam2": 0.0}, model.cfg.target_sparsity
-    model.train()
-    for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
-        lam1, lam2 = state["lam1"], state["lam2"]
-        tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
-        b = task.sample(tc.batch_size, rng)
-        with torch.no_grad():
-            full, _, _ = model(b.input_ids, b.attention_mask, mode="full")
-        logits, decisions, _ = model(b.input_ids, b.attention_mask, mode="soft", tau=tau)
-        m = b.loss_mask
-        kl = _kl(full[m], logits[m])
-        omega = sparsity(decisions)
-        gap = omega - t
-        loss = kl + lam1 * gap + lam2 * gap ** 2
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        gap = float(gap.detach())
-        lam1 += tc.lambda_lr * gap
-        lam2 = max(0.0, lam2 + tc.lambda_lr * gap ** 2)
-        state["lam1"], state["lam2"] = lam1, lam2
-        if step % 10 == 0 or step == tc.steps:
-            session.show(**{"kl": kl.item(), "sa": omega.item(), "tau": tau, "lam1": lam1})
-    return model.eval()
-
-
-@torch.no_grad()
-def evaluate_elastic_decoder(model: ElasticDecoder, task, n: int = 64, context: int = 512, seed: int = 1,
-                             batch_size: int = 8, delta: float = 0.0, split: str = "val") -> dict:
-    """Next-token loss of full attention and of the hard elastic model (SA logits shifted by -delta),
-    the SA fraction, and the mean KL between them, on `n` windows of `context` tokens of `split`
-    (the task's held-out text by default; `task.sample(n, rng, split=...)` draws them)."""
-    rng = np.random.default_rng(seed)
-    lf, le, kl, sa = [], [], [], []
-    for start in range(0, n, batch_size):
-        b = task.sample(min(batch_size, n - start), rng, split=split)
-        ids, mask, m = b.input_ids, b.attention_mask, b.loss_mask
-        full, _, _ = model(ids, mask, mode="full")
-        force = None
-        if delta:
-            _, dec, _ = model(ids, mask, mode="hard")
-            force = [(d["logits"][..., 1] - delta) > d["logits"][..., 0] for d in dec]
-        el, dec, _ = model(ids, mask, mode="hard", force_sa=force)
-        lf.append(F.cross_entropy(full[m], b.targets[m]))
-        le.append(F.cross_entropy(el[m], b.targets[m]))
-        kl.append(_kl(full[m], el[m]))
-        sa.append(torch.stack([d["sa"].float() for d in dec], 1))  # (B, L, Hkv)
-    sa = torch.cat(sa)
-    full_loss, el_loss = float(torch.stack(lf).mean()), float(torch.stack(le).mean())
-    return {"full_loss": full_loss, "elastic_loss": el_loss, "loss_increase": el_loss / full_loss - 1,
-            "kl": float(torch.stack(kl).mean()), "sa_fraction": float(sa.mean()),
-            "sa_fraction_per_layer": [float(x) for x in sa.mean((0, 2))], "n": n, "context": context}
-
-
-@torch.no_grad()
-def calibrate_decoder(model: ElasticDecoder, task, min_sparsity: float, deltas=(0.0, 0.25, 0.5, 1.0, 1.5),
-                      n: int = 32, context: int = 512) -> dict:
-    """The SA-logit shift (on training text: the held-out split stays held out) with the lowest loss
-    whose SA fraction stays >= min_sparsity, baked into the routers' output bias (see
-    graphs.elastic.calibrate)."""
-    best = None
-    for delta in deltas:
-        r = evaluate_elastic_decoder(model, task, n=n, context=context, seed=7, delta=delta, split="train")
-        if r["sa_fraction"] >= min_sparsity and (best is None or r["elastic_loss"] < best["elastic_loss"]):
-            best = {**r, "delta": delta}
-    best = best or {"delta": 0.0}
-    for router in model.routers:
-        router.router[2].bias[1] -= best["delta"]
-    return {"delta": best["delta"], "sa_fraction": best.get("sa_fraction"), "elastic_loss": best.get("elastic_loss"),
-            "min_sparsity": min_sparsity, "windows": n, "split": "train"}
-
-
-def summary_table_decoder(r: dict, cfg: ElasticDecoderConfig, name: str = "the dense charlm decoder",
-                          on_file: bool = False) -> str:
-    per_layer = ", ".join(f"{x:.2f}" for x in r["sa_fraction_per_layer"])
-    unit, where = ("token", "held-out lines of the data") if on_file else ("character", "json, email packages")
-    heads = "SA KV heads" if cfg.kv_groups > 1 else "SA heads"
-    return "\n".join([
-        f"Elastic decoder on {name} (sink {cfg.sink}, window {cfg.window}, "
-        f"target SA fraction {cfg.target_sparsity:.2f})",
-        f"held-out windows: {r['n']} x {r['context']} {unit}s ({where})",
-        f"{heads}: {100 * r['sa_fraction']:.1f}% (per layer: {per_layer})",
-        f"next-{unit} loss: full attention {r['full_loss']:.4f}, elastic {r['elastic_loss']:.4f} "
-        f"({100 * r['loss_increase']:+.2f}%); KL(full || elastic) {r['kl']:.4f} nats/{unit}",
-    ])
-
-
 # --- the family contract -------------------------------------------------------------------------------
 
 @register_family
@@ -500,23 +385,21 @@ class ElasticDecoderFamily(DecoderContract):
         # within sink + window keys every streaming head sees what a full head sees (causal)
         return self.cfg.sink + self.cfg.window if self.cfg.adaptive else None
 
-    def masked_call_keys(self) -> int | None:
+    def masked_call_keys(self, policy: OrtPolicy = DEFAULT) -> int | None:
         # the longest prefill whose every (query head, query, key) score the op's general body
         # attends masked (runs_masked): up to there the masked program computes the same without
-        # the body's per-layer If and masks (elastic-charlm, B1: 0.92 to 0.97 of the general graph
-        # at T = 100 to 181; docs/benchmarking.md#short-calls); None where that is within the reach
+        # the body's per-layer If and masks; None where that is within the reach
         reach = self.short_call_keys()
-        longest = min(math.isqrt(MIXED_CALL_MASKED_UP_TO // self.cfg.num_heads), self.cfg.max_len)
+        longest = min(math.isqrt(policy.mixed_call_masked_up_to // self.cfg.num_heads), self.cfg.max_len)
         return longest if reach is not None and longest > reach else None
 
-    def masked_call_excess(self) -> dict | None:
+    def masked_call_excess(self, policy: OrtPolicy = DEFAULT) -> dict | None:
         # longer prefills too, where the scores masking adds over block-local attention are few
-        # (elastic_attention.call_runs_masked with PREFILL_MASKED_EXCESS_UP_TO; elastic-charlm, B1: 0.911
-        # of the general graph at T = 256, 0.929 at T = 288; docs/benchmarking.md#short-calls)
+        # (elastic_attention.call_runs_masked with policy.prefill_masked_excess_up_to)
         cfg = self.cfg
-        if (self.masked_call_keys() or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
+        if (self.masked_call_keys(policy) or cfg.max_len) >= cfg.max_len:  # none, or every prefill masked already
             return None
-        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": PREFILL_MASKED_EXCESS_UP_TO}
+        return {"heads": cfg.num_heads, "beyond": cfg.sink + 2 * cfg.window, "up_to": policy.prefill_masked_excess_up_to}
 
     def routing_meta(self) -> dict:
         cfg = self.cfg
@@ -555,15 +438,14 @@ class ElasticDecoderFamily(DecoderContract):
         return {f"head_modes.{i}": np.asarray(outputs[f"decisions.layer{i}.sa"]) > 0.5 for i in range(self.cfg.num_layers)}
 
     def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
-              masked_program: bool = False) -> dict:
-        """masked_program: the call ran a program of the artifact's that attends every key, masked: the
-        near-cache step or the masked short-call program (runtimes.bench.ran_graph reads which program
-        a call runs from the metadata)."""
+              masked_program: bool = False, policy: OrtPolicy = DEFAULT) -> dict:
+        """masked_program: the call ran a program of the artifact's that attends every key, masked (a
+        masked short-call program: the metadata's programs say which a call runs)."""
         cfg = self.cfg
         sa = np.stack([np.asarray(outputs[f"decisions.layer{i}.sa"]) for i in range(cfg.num_layers)], axis=1) > 0.5
         f = np.array([attention_flops(cfg, row, seq, past) for row in sa])  # (B, 2): elastic, full
         ratio = float(f[:, 0].mean() / f[:, 1].mean())
-        masked = masked_program or runs_masked(sa.shape[-1], seq, past + seq)
+        masked = masked_program or runs_masked(sa.shape[-1], seq, past + seq, policy or DEFAULT)
         every_key = variant == "dense" or (target == "onnx" and masked)
         return {"flop_ratio": ratio, "executed_flop_ratio": 1.0 if every_key else ratio,
                 "sa_fraction": float(sa.mean()), "sa_fraction_per_layer": [float(x) for x in sa.mean(axis=(0, 2))]}

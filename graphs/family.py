@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from adaptex.graphs.errors import AdaptexError, InputError
-from adaptex.graphs.nn import DECISION_KINDS, ConditionalBlock, adaptive_mode, name_layers, record_decisions
+from adaptex.graphs.nn import ConditionalBlock, adaptive_mode, name_layers, record_decisions
+from adaptex.graphs.ops.facts import decision_kinds
 from adaptex.graphs.user_io import Call, dynamic_shapes_for, flatten_outputs, split_example
 
 ADAPTIVE_MODES = ("hard", "naive", "hard_dense", "eager")  # modes whose graphs carry decision outputs
@@ -37,7 +38,7 @@ PARITY_SCORES_PER_BATCH = 1 << 26
 
 @dataclass(frozen=True)
 class DecisionSpec:
-    """One decision output: its name, its kind (graphs.nn.DECISION_KINDS), the layer that takes it
+    """One decision output: its name, its kind (the op's facts: graphs/ops/facts.py), the layer that takes it
     (module path, the recorder's key) and the field. A head_set names the budget it is the top-k of."""
     name: str
     kind: str
@@ -88,7 +89,7 @@ class Contract:
     config_cls = model_cls = None  # a shipped family's config dataclass and model (checkpoints load them)
     decoder = False  # prefill then decode steps over a KV cache
     decode_graph = False  # ONNX exports of a decoder: a decode-step graph too by default (--decode-graph)
-    recipe: str | None = None  # graphs.recipes name, for `adaptex train`
+    recipe: str | None = None  # its module in graphs/recipes/: `adaptex train FAMILY` runs it (recipes())
     counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports
     ort_model_type = "bert"  # bench: the model_type ONNX Runtime's transformer optimizer tries on the dense graph
     coreml_default_precision = "fp16"
@@ -118,8 +119,9 @@ class Contract:
         out, by_path = [], {}
         for r in self.recorded(mode):
             by_path.setdefault(r.path, {})[r.field] = r.name
+        kinds = decision_kinds()  # as the ops declare them, an op registered later included
         for r in self.recorded(mode):
-            kind = DECISION_KINDS.get(r.field)
+            kind = kinds.get(r.field)
             if kind:
                 out.append(DecisionSpec(r.name, kind, r.path, r.field,
                                         k_name=by_path[r.path].get("k") if kind == "head_set" else None))
@@ -173,12 +175,12 @@ class Contract:
         prefill may have to run it; None for models without one."""
         return None
 
-    def masked_call_keys(self) -> int | None:
+    def masked_call_keys(self, policy=None) -> int | None:
         """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
         prefill may have to run it at any batch (more than short_call_keys()); None for models without one."""
         return None
 
-    def masked_call_excess(self) -> dict | None:
+    def masked_call_excess(self, policy=None) -> dict | None:
         """Decoders with a masked short-call program: {"heads", "beyond", "up_to"}, where longer prefills
         also run it, batch x heads x keys x max(0, keys - beyond) <= up_to; None for none."""
         return None
@@ -213,7 +215,8 @@ class Contract:
         Original (bench times its stock export as a dense candidate), else None."""
         return None
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict | None:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              policy=None) -> dict | None:
         """{'flop_ratio', 'executed_flop_ratio', and a summary of the decisions}, or None. `target`
         is the artifact's (its lowerings may execute differently: ONNX Runtime's dispatch at run time)."""
         return None

@@ -34,7 +34,7 @@ from adaptex.graphs.config import from_dict as config_from_dict
 from adaptex.graphs.budgetformer import sinusoids
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
-from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.graphs.nn import CausalSelfAttention, ConditionalBlock, TokenRouter, causal_bias, causal_visibility  # noqa: F401
 
 MODES = ("soft", "st", "hard", "hard_dense", "dense")
@@ -245,14 +245,15 @@ class TSAFamily(DecoderContract):
             d[f"decisions.layer{li}.p"] = f"block {li}: the router's skip probability p [batch, sequence]"
         return d
 
-    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx") -> dict:
+    def flops(self, outputs: dict, variant: str, seq: int, past: int = 0, target: str = "onnx",
+              policy: OrtPolicy = DEFAULT) -> dict:
         """The FFN and the query side of attention of each gated block scale with its keep rate (keys and
         values are computed for every token); the mean attention context of a step is past + (seq + 1) / 2.
         The sparse graph runs each block's FFN on exactly its kept tokens but its queries on the batch's
         largest per-sample kept count in every sample: at least one row on TensorRT-bound graphs. ONNX
-        Runtime's bodies dispatch (exporter/targets/onnx/functions.py): no query side for a block with
-        no kept token, every row where that count reaches DENSE_QUERY_SHARE of T, and each sample's
-        own kept rows where the call attends a sample at a time (B > 1, BY_SAMPLE_FROM scores)."""
+        Runtime's bodies dispatch (exporter/targets/onnx/bodies/): no query side for a block with
+        no kept token, every row where that count reaches policy.dense_query_share of T, and each sample's
+        own kept rows where the call attends a sample at a time (B > 1, policy.by_sample_from scores)."""
         cfg = self.cfg
         if not cfg.adaptive:  # a dense decoder (no routers): every token runs every block
             return {"flop_ratio": 1.0, "executed_flop_ratio": 1.0}
@@ -263,19 +264,20 @@ class TSAFamily(DecoderContract):
         if variant == "dense":
             executed = flops_per_token(cfg, ctx, [1.0] * len(rates))
         else:
-            executed = flops_per_token(cfg, ctx, rates, [self._query_share(k, seq, past, target) for k in keeps])
+            shares = [self._query_share(k, seq, past, target, policy or DEFAULT) for k in keeps]
+            executed = flops_per_token(cfg, ctx, rates, shares)
         return {"flop_ratio": flops_per_token(cfg, ctx, rates) / dense, "executed_flop_ratio": executed / dense,
                 "keep_rate_per_block": rates}
 
 
-    def _query_share(self, keep: np.ndarray, seq: int, past: int, target: str) -> float:
+    def _query_share(self, keep: np.ndarray, seq: int, past: int, target: str, policy: OrtPolicy) -> float:
         """The share of a block's (B, seq) query rows its sparse body runs (see flops)."""
         B, n = keep.shape[0], float(keep.sum(1).max())
         if target != "onnx":  # TensorRT-bound: a step whose every token skips still attends one (ungated) row
             return max(1.0, n) / seq
-        if n >= DENSE_QUERY_SHARE * seq:
+        if n >= policy.dense_query_share * seq:
             return 1.0
-        if B > 1 and B * self.cfg.num_heads * n * (past + seq) >= BY_SAMPLE_FROM:
+        if B > 1 and B * self.cfg.num_heads * n * (past + seq) >= policy.by_sample_from:
             return float(keep.mean())
         return n / seq
 

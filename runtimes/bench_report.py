@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.bench import ONE_SESSION
+from adaptex.runtimes.bench_accounting import ONE_SESSION
 from adaptex.runtimes.chunks import samples
 
 # --- printing ----------------------------------------------------------------------------------------
@@ -22,10 +22,8 @@ def _iv(x, iv, spec=".3f") -> str:
 
 def format_bench(r: dict) -> str:
     variant = r["variant"]
-    if r.get("dense_rows") is not None:
-        variant += f"; dense at <= {r['dense_rows']} rows: this call ran the {r['ran_variant']} branch"
-    if r.get("ran_graph"):
-        variant += f"; this call ran its {r['ran_graph']} graph"
+    if r.get("program"):
+        variant += f"; this call ran its {r['program']} program ({r['ran_variant']})"
     lines = [f"bench: {r['artifact']} ({variant}) on {r['runtime']}, {r['cpu']}" if r.get("cpu") else
              f"bench: {r['artifact']} ({variant}) on {r['runtime']}",
              f"  batch={r['batch']} seq={r['seq']}" + (f" past={r['past']}" if r.get("past") else "")

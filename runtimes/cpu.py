@@ -3,7 +3,7 @@
 ONNX Runtime's Softmax (MLAS) takes a masked score (-1e30) through subnormal floats on some CPUs,
 where x86 arithmetic on them is slow, and not on others: a causal (1, 4, 512, 512) Softmax took
 2.35 ms plain and 0.90 ms with the floor on this project's machine of 2026-12-05, 0.22 ms plain and
-0.42 ms floored on an AMD EPYC with AVX-512 on 2026-12-06 (examples/softmax_floor_cost.py). So the
+0.42 ms floored on an AMD EPYC with AVX-512 on 2026-12-06 (lab/softmax_floor_cost.py). So the
 ONNX artifacts carry the floor by default (exporter/targets/onnx/passes.py, softmax_floor) and
 `--softmax-floor off` leaves it out; `adaptex bench` runs `floor_probe` to say which this CPU wants.
 """

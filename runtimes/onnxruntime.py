@@ -2,12 +2,12 @@
 
 An artifact whose graph begins with run-time dispatch (a decoder's decode-step and short-call
 graphs, --dense-rows: exporter/targets/onnx/dispatch.py) holds several programs under top-level
-Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph (3 to
-10% of a B1 decode step: docs/benchmarking.md#one-session-per-program), so the runner runs each
-program as a session of its own (Programs): it chooses the program from the call's input shapes as
-the Ifs would, and loads a program's session when a call first takes it. A large call runs in
-chunks of whole samples (runtimes/chunks.py). programs=False runs the file in one session, Ifs and
-all, every call whole, as an app that loads it with ONNX Runtime itself does."""
+Ifs. ONNX Runtime runs the nodes of an If's branch slower than the same nodes in a main graph, so
+the runner runs each program as a session of its own (Programs): it chooses the program by the
+guards stored in the metadata, the ones the Ifs were built from, and loads a program's session when
+a call first takes it. A large call runs in chunks of whole samples (runtimes/chunks.py).
+programs=False runs the file in one session, Ifs and all, every call whole, as an app that loads it
+with ONNX Runtime itself does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,30 +51,30 @@ def _session(model, threads: int | None, where: Path):
         raise AdaptexError(f"{where}: ONNX Runtime cannot load it ({str(e).splitlines()[0]})") from None
 
 
-DISPATCH_ENTRIES = {"decode_step": "decode_step", "short_call": "short_call", "dense": "dispatch",
-                    "large_call": "large_call"}
-
-
 def has_programs(meta: dict) -> bool:
     """Whether an artifact with this metadata holds programs under top-level dispatch Ifs."""
-    return any(meta.get(entry) for entry in DISPATCH_ENTRIES.values())
+    return bool(meta.get("programs"))
 
 
 class Programs:
     """The programs of an artifact with top-level dispatch Ifs, one ONNX Runtime session each, made
-    from the file when a call first takes it (exporter/targets/onnx/dispatch.program); the program a
-    call takes is what the Ifs would choose for its input shapes (dispatch.taken)."""
+    from the file when a call first takes it (exporter/targets/onnx/programs.program). Which one a
+    call takes is the first whose guard, stored in the metadata, holds for its input shapes
+    (exporter/targets/onnx/guards.py): the same guards the file's Ifs were built from."""
 
     def __init__(self, path: Path, meta: dict, threads: int | None):
-        from adaptex.exporter.targets.onnx.dispatch import program, taken
+        # imported here: the exporter's package imports torch
+        from adaptex.exporter.targets.onnx.guards import read_programs
+        from adaptex.exporter.targets.onnx.programs import path_of, program
 
-        self._taken, self._program = taken, program  # imported here: the exporter's package imports torch
+        self._program, self._path_of = program, path_of
         self.path, self.threads = path, threads
-        self.conds = {arg: meta.get(entry) for arg, entry in DISPATCH_ENTRIES.items()}
-        self.reads = sorted({v for c in self.conds.values() if c for k, v in c.items() if k.endswith("_input")})
+        self.programs = read_programs(meta, str(path))
+        self.names = [name for name, _ in self.programs]
+        self.reads = sorted(set().union(*(g.inputs() for _, g in self.programs if g is not None)))
         self.output_names = [o.name for o in self._proto().graph.output]
-        self.sessions: dict[tuple, object] = {}
-        self._paths: dict[tuple, tuple[bool, ...]] = {}
+        self.sessions: dict[str, object] = {}
+        self._chosen: dict[tuple, str] = {}
 
     def _proto(self):
         """The file's model, read again for each program made: a loaded one would hold the weights
@@ -86,27 +86,30 @@ class Programs:
         except Exception as e:
             raise AdaptexError(f"{self.path}: not a readable ONNX model ({str(e).splitlines()[0]})") from None
 
-    def taken(self, feeds: dict) -> tuple[bool, ...]:
-        """The path, looked up by the shapes it reads (dispatch.taken evaluated once for each: the
-        runner's own cost at a B1 decode step of elastic-charlm went from 13 to 9 us of 0.49 ms)."""
+    def chosen(self, feeds: dict) -> str:
+        """The name of the program a call with these feeds runs, looked up by the shapes its guards
+        read (the guards evaluated once for each)."""
         shapes = tuple(np.shape(feeds[k]) for k in self.reads)
-        path = self._paths.get(shapes)
-        if path is None:
-            if len(self._paths) >= 4096:  # a long decode loop meets a new cache length each step: bounded
-                self._paths.clear()
-            path = self._paths[shapes] = self._taken(dict(zip(self.reads, shapes)), **self.conds)
-        return path
+        name = self._chosen.get(shapes)
+        if name is None:
+            if len(self._chosen) >= 4096:  # a long decode loop meets a new cache length each step: bounded
+                self._chosen.clear()
+            at = dict(zip(self.reads, shapes))
+            name = self._chosen[shapes] = next(n for n, g in self.programs if g is None or g.holds(at))
+        return name
+
+    def _model(self, name: str):
+        return self._program(self._proto(), self._path_of(self.names.index(name), len(self.names)))
 
     def model(self, feeds: dict):
         """The ModelProto of the program a call with these feeds runs."""
-        return self._program(self._proto(), self.taken(feeds))
+        return self._model(self.chosen(feeds))
 
     def session(self, feeds: dict):
-        path = self.taken(feeds)  # once a call: the session is looked up, the program made on a miss only
-        s = self.sessions.get(path)
+        name = self.chosen(feeds)  # once a call: the session is looked up, the program made on a miss only
+        s = self.sessions.get(name)
         if s is None:
-            model = self._program(self._proto(), path)
-            s = self.sessions[path] = _session(model.SerializeToString(), self.threads, self.path)
+            s = self.sessions[name] = _session(self._model(name).SerializeToString(), self.threads, self.path)
         return s
 
 

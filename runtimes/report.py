@@ -6,15 +6,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+import adaptex.graphs.ops  # noqa: F401  (registers the ops and their facts)
+from adaptex.graphs.ops.facts import margin_units, margins
+
 # Tolerances by body precision (docs/parity.md); never loosened silently.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2}}
-# Decision margins by decision kind (graphs.nn.DECISION_KINDS): a flip is excused only when the
-# reference was closer than this to the boundary, in the kind's own unit.
-MARGINS = {"fp32": {"budget": 1e-4, "head_set": 1e-5, "keep": 1e-4, "head_mode": 1e-4},
-           "fp16": {"budget": 1e-2, "head_set": 1e-3, "keep": 1e-2, "head_mode": 1e-2}}
+# Decision margins by decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS): a flip is
+# excused only when the reference was closer than this to the boundary, in the kind's own unit.
+MARGINS = margins()
 # What each kind's margin measures, for failure messages
-MARGIN_UNITS = {"budget": "|s*H - round(s*H)|", "head_set": "gap between the k-th and (k+1)-th p",
-                "keep": "|p - threshold|", "head_mode": "FA/SA logit gap"}
+MARGIN_UNITS = margin_units()
 
 
 @dataclass

@@ -71,8 +71,19 @@ def _node_reason() -> str | None:
     return None
 
 
+def _triton_reason() -> str | None:
+    from adaptex.graphs.errors import AdaptexError
+    from adaptex.runtimes.triton.server import serving_python
+
+    try:
+        serving_python()
+    except AdaptexError as e:
+        return f"the bundled Triton server cannot start here: {e}"
+    return None
+
+
 RUNTIME_REASONS = {"coreml_runtime": _coreml_runtime_reason, "tensorrt": _tensorrt_reason,
-                   "browser": _browser_reason, "node": _node_reason}
+                   "browser": _browser_reason, "node": _node_reason, "triton": _triton_reason}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""The `adaptex` command line: models, train, export, inspect, lint, check, bench.
+"""The `adaptex` command line: models, train, export, inspect, lint, check, bench, triton, serve.
 
 One module per command, each with `add_parser(subparsers)` and `run(args) -> exit code`; argument
 parsing and printing only, the work is done by the rooms below. Every error reaches the user as
@@ -12,10 +12,10 @@ import logging
 import os
 import sys
 
-from adaptex.cli import bench, check, export, inspect, lint, models, train
+from adaptex.cli import bench, check, export, inspect, lint, models, serve, train, triton
 from adaptex.cli._util import EXIT_ERROR, UsageError, err
 
-COMMANDS = (models, train, export, inspect, lint, check, bench)
+COMMANDS = (models, train, export, inspect, lint, check, bench, triton, serve)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     files.terminate_cleanly()  # SIGTERM unwinds like Ctrl-C: temporary files go, artifacts stay whole
     try:
         args, extra = build_parser().parse_known_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: a command may run itself again
         if extra:  # named with the command's own help, not the top-level one
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see 'adaptex {args.command} --help'")
         return args.run(args)

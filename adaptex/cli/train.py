@@ -70,22 +70,25 @@ def add_parser(sub) -> None:
                    help="write the checkpoint (with the state to resume from) to -o every N steps")
     s.add_argument("--resume", action="store_true",
                    help="continue the run that --save-every left at -o, bit for bit (same options and threads)")
+    s.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="budgetformer, tsa: train data-parallel in N processes on this machine (torchrun with "
+                        "DistributedDataParallel: gloo on CPU, nccl on CUDA); --batch-size is the global batch. "
+                        "Under your own torchrun, leave it out (docs/training.md)")
     s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (also written to -o/summary.json)")
     s.set_defaults(run=run)
 
 
 def run(args) -> int:
-    import json
-    import sys
-    import time
-
     from adaptex.graphs import checkpoint
-    from adaptex.graphs.recipes import RECIPES, TrainError, TrainOptions, train
-    from adaptex.graphs.recipes.session import SUMMARY, Session
+    from adaptex.graphs.recipes import TrainError, recipes
+    from adaptex.graphs.recipes.parallel import DataParallel
 
-    if args.family not in RECIPES:
-        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    if args.nproc is not None:
+        return _launch(args)
+    known = recipes()
+    if args.family not in known:
+        raise TrainError(f"unknown family {args.family!r}; 'adaptex train' knows: {', '.join(known)}")
     if args.save_every is not None and args.save_every < 1:
         raise UsageError(f"--save-every {args.save_every}: must be at least 1")
     out = Path(args.output)
@@ -97,11 +100,30 @@ def run(args) -> int:
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise UsageError(f"{out}: {existing} is not a writable directory; choose another -o")
     set_threads(args.threads)
+    dp = DataParallel.from_env()
+    try:
+        return _train(args, out, parent, dp)
+    finally:
+        dp.close()
+
+
+def _train(args, out, parent, dp) -> int:
+    import json
+    import sys
+    import time
+
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.recipes import TrainOptions, train
+    from adaptex.graphs.recipes.session import SUMMARY, Session
+
+    if dp.world > 1 and args.family not in DISTRIBUTED:
+        raise UsageError(f"adaptex train {args.family} runs in one process; data-parallel training (torchrun, "
+                         f"--nproc) covers {' and '.join(DISTRIBUTED)}")
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
-    quiet = args.quiet or args.json
+    quiet = args.quiet or args.json or not dp.main  # progress and notes on rank 0 only
     note = (lambda msg: None) if quiet else say
     session = Session(out=out, save_every=args.save_every, resume=args.resume, quiet=quiet, family=args.family,
-                      options=dict(opts.__dict__), save_dtype=args.save_dtype)
+                      options=dict(opts.__dict__), save_dtype=args.save_dtype, dp=dp)
     t0 = time.perf_counter()
     result = train(args.family, opts, note, session=session)
     model, extra = result.model, result.extra
@@ -113,6 +135,8 @@ def run(args) -> int:
                "metrics": extra.get("evaluation"), "seconds": round(time.perf_counter() - t0, 1),
                "checkpoint": str(out)}
     text = json.dumps(summary, indent=2) + "\n"
+    if not dp.main:  # rank 0 writes the checkpoint and the summary; every rank holds the same weights
+        return 0
     parent.mkdir(parents=True, exist_ok=True)  # only now: a failed run leaves nothing behind
     checkpoint.save(out, model, extra, dtype=args.save_dtype, texts={SUMMARY: text})
     if args.json:
@@ -122,3 +146,27 @@ def run(args) -> int:
     note(f"wrote {out}/ ({checkpoint.CONFIG}, {checkpoint.WEIGHTS}, {SUMMARY})"
          + (f"; {result.note.format(out=out)}" if result.note else ""))
     return 0
+
+
+DISTRIBUTED = ("budgetformer", "tsa")  # the recipes whose losses reduce over processes (recipes/parallel.py)
+
+
+def _launch(args) -> int:
+    """--nproc N: this command again under torch.distributed.run (torchrun), N processes on this machine."""
+    import subprocess
+    import sys
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc}: give at least 1 process")
+    if args.family not in DISTRIBUTED:
+        raise UsageError(f"adaptex train {args.family} runs in one process; --nproc covers {' and '.join(DISTRIBUTED)}")
+    rest, argv = [], list(args.argv)
+    while argv:
+        a = argv.pop(0)
+        if a == "--nproc":
+            argv.pop(0)
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "adaptex", *rest]
+    return subprocess.call(cmd)

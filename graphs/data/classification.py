@@ -3,7 +3,7 @@
 
 One streaming pass validates every line (an error names the file and line), collects the labels of
 the training lines, the characters (for a character-level tokenizer) or the largest id, and indexes
-the lines; batches then read random lines back (graphs/data/files.py). Held-out lines come from
+the lines; batches then read random lines back (graphs/data/lines.py). Held-out lines come from
 --eval FILE, else from the data by the hash rule; a held-out label that no training line has is an
 error naming its line.
 """
@@ -15,8 +15,8 @@ import os
 import numpy as np
 import torch
 
-from adaptex.graphs.data.files import LineIndex, data_files, decode, jsonl_rule, require_lines
-from adaptex.graphs.data.tokenizers import CharTokenizer, JsonTokenizer
+from adaptex.graphs.data.lines import LineIndex, data_files, decode, jsonl_rule, require_lines
+from adaptex.graphs.tokenizers import CharTokenizer, JsonTokenizer
 from adaptex.graphs.errors import DataError
 from adaptex.graphs.tasks import Batch, _pad
 

@@ -3,7 +3,7 @@
 
 One streaming pass checks the text is UTF-8 (an error names the file and line), collects the
 characters (for a character-level tokenizer) and indexes the lines; a window or passage is then read
-back from a random line by seeking (graphs/data/files.py), and tokenised as it is read. Held-out
+back from a random line by seeking (graphs/data/lines.py), and tokenised as it is read. Held-out
 text comes from --eval FILE|DIR, else from the data by the hash rule.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import numpy as np
 import torch
 
-from adaptex.graphs.data.files import LineIndex, data_files, decode, require_lines, text_rule
-from adaptex.graphs.data.tokenizers import CharTokenizer, JsonTokenizer
+from adaptex.graphs.data.lines import LineIndex, data_files, decode, require_lines, text_rule
+from adaptex.graphs.tokenizers import CharTokenizer, JsonTokenizer
 from adaptex.graphs.lm_tasks import LMBatch
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaptex.graphs.data.tokenizers import JsonTokenizer
+from adaptex.graphs.tokenizers import JsonTokenizer
 from adaptex.graphs.errors import CheckpointError
 from adaptex.graphs.hf.common import (CONFIG, TOKENIZER, check_dir, fill, load_state, need, read_config, refuse, sha256,
                                       strip_prefix)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from adaptex.graphs.nn.record import _RECORDERS, MODES, SOFT_MODES, AdaptiveLayer, Recorder
 from adaptex.graphs.ops import budgeted_attention as ba
+from adaptex.graphs.parallel import batch_noise
 
 
 @dataclass
@@ -85,7 +86,7 @@ class BudgetedAttention(AdaptiveLayer, nn.Module):
         s, z = self.router(x, mask)
         if mode in SOFT_MODES:
             if sched.noise_std > 0:
-                z = z + sched.noise_std * torch.randn_like(z)
+                z = z + sched.noise_std * batch_noise(z.shape, lambda s: torch.randn(s, dtype=z.dtype, device=z.device))
             p = torch.softmax(z / sched.tau, dim=-1)  # (B, H)
             w = ba.head_weights(s, p, H)  # (B, H)
             if sched.rank_sharpness > 0:

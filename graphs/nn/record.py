@@ -7,6 +7,9 @@ from typing import Iterator
 import torch.nn as nn
 from torch import Tensor
 
+import adaptex.graphs.ops  # noqa: F401  (registers the ops and their facts)
+from adaptex.graphs.ops.facts import decision_kinds
+
 # What each decision field is, for parity (runtimes.checks): a flip of a field of kind
 #   budget     is excused when |s*H - round(s*H)| is below the margin (k, heads per sample)
 #   head_set   when the gap between the k-th and (k+1)-th head preference is (the heads chosen)
@@ -14,7 +17,8 @@ from torch import Tensor
 #   head_mode  when the router's |SA - FA logit| is (an elastic head's mode; never when the modes
 #              were an input, as at a decoder's decode steps)
 # Other recorded fields (s, p, logits) are values, compared like any output.
-DECISION_KINDS = {"k": "budget", "head_mask": "head_set", "keep": "keep", "sa": "head_mode"}
+# recorded field -> decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS)
+DECISION_KINDS = decision_kinds()
 SOFT_MODES = ("soft", "st")
 
 

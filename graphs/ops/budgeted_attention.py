@@ -32,12 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
+
 OP_NAME = "adaptex::budgeted_attention"
-# ONNX Runtime's sparse lowering (exporter/targets/onnx/functions.py) runs one of three bodies a call,
+# ONNX Runtime's sparse lowering (exporter/targets/onnx/bodies/) runs one of three bodies a call,
 # and the executed FLOP count (graphs/budgetformer.py) follows `onnx_body`:
 # - "active_heads": in a batch of more than one sample, every sample on each of the A heads some
 #   sample selected (B x A pairs), in a handful of batched kernels, where that computes at most
-#   ACTIVE_HEADS_WASTE_ROWS token rows for pairs no sample selected ((B x A - sum_b k_b) x T). A
+#   policy.active_heads_waste_rows token rows for pairs no sample selected ((B x A - sum_b k_b) x T). A
 #   trained router's choices concentrate on a few heads (budgetformer-graded at B8, T = 32: 3 or 4 of
 #   8), so B x A stays near sum_b k_b, and the few kernels beat a chain of about 20 a head
 #   (docs/benchmarking.md);
@@ -45,16 +48,15 @@ OP_NAME = "adaptex::budgeted_attention"
 #   largest k), each head on the samples that selected it (sum_b k_b pairs);
 # - "per_sample": otherwise, the largest k for every sample.
 GROUP_BELOW = 0.9
-ACTIVE_HEADS_WASTE_ROWS = 512
 
 
-def onnx_body(k, head_mask, seq: int) -> str:
+def onnx_body(k, head_mask, seq: int, policy: OrtPolicy = DEFAULT) -> str:
     """The body ONNX Runtime's sparse lowering runs for a batch of `seq` tokens a sample with per-sample
     head counts k (B,) and head_mask (B, H) (numpy or torch): "active_heads", "by_head" or
     "per_sample", by the lowering's own integer rules."""
     k = np.asarray(k, dtype=np.int64)
     B, used, active = len(k), int(k.sum()), int(np.asarray(head_mask).astype(bool).any(axis=0).sum())
-    if B > 1 and (B * active - used) * seq <= ACTIVE_HEADS_WASTE_ROWS:
+    if B > 1 and (B * active - used) * seq <= policy.active_heads_waste_rows:
         return "active_heads"
     num, den = group_ratio()
     return "by_head" if used * den < B * int(k.max()) * num else "per_sample"
@@ -174,3 +176,11 @@ def budgeted_attention_dense_reference(
     w = head_weights(s, p, num_heads) * selected
     o = (o * w[:, :, None, None].to(o.dtype)).transpose(1, 2).reshape(B, T, d)
     return F.linear(o, w_o, b_o), k, selected
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="BudgetedAttention", routing_inputs=("s", "p"),
+    decisions={"k": "budget", "head_mask": "head_set"},
+    margins={"budget": Margin(1e-4, 1e-2, "|s*H - round(s*H)|"),
+             "head_set": Margin(1e-5, 1e-3, "gap between the k-th and (k+1)-th p")}))

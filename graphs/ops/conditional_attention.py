@@ -36,25 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
+
 OP_NAME = "adaptex::conditional_attention"
-
-# Two choices of the ONNX Runtime bodies (exporter/targets/onnx/functions.py), here because the FLOP
-# model of graphs/tsa.py reads them too. A mixed call runs every query row, masked, instead of
-# gathering the kept ones when the batch's largest kept count reaches this share of T: its query
-# side runs that many rows of every sample, so the gathered rows are then nearly all of them, plus
-# the gathers of their rows of hn, x and the (T, S) bias. Measured on tsa-charlm (docs/benchmarking.md): blocks at 0.98 of T ran
-# faster masked at B8 and B64, T = 128, and blocks at 0.92 to 0.95 of T did not at B8, T = 512.
-DENSE_QUERY_SHARE = 0.97
-
-# A call's attention runs a sample at a time, in a Loop, where the batch's scores (B x H x n x S)
-# hold at least this many floats and B > 1: each sample's scores, bias and probabilities then stay
-# in cache between the kernels that read them, where the batch's spill to memory. Measured alone
-# (examples/by_sample_cost.py, ONNX Runtime 1.32, 1 thread, H = 4, dh = 32): 0.92 of the batched
-# kernels at B8, T = 512, 0.85 at B64, T = 512, 0.92 at B64, T = 128, 0.91 at B16, T = 256; less or
-# slower below: 0.96 at B8, T = 256 and 1.00 at B2, T = 512 (2^21 floats), 1.16 at B8, T = 128, 1.35
-# at B64, T = 64.
-# The same pass runs on the dense graphs' attention (passes.attention_by_sample), the yardstick's too.
-BY_SAMPLE_FROM = 1 << 22
 
 
 def kept_rows(keep: Tensor) -> Tensor:
@@ -113,3 +97,10 @@ def conditional_attention_dense_reference(x: Tensor, hn: Tensor, keep: Tensor, g
     """Every query row attended, skipped ones zeroed: the obvious implementation (tests, hard_dense)."""
     upd = _attend_rows(hn, bias, k, v, wq, bq, wo, bo, num_heads)  # (B, T, d)
     return x + upd * (gate.to(upd.dtype) * keep.to(upd.dtype))[..., None]
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="ConditionalAttention", routing_inputs=("keep", "gate"),
+    decisions={"keep": "keep"}, margins={"keep": Margin(1e-4, 1e-2, "|p - threshold|")},
+    coreml_fp32_parts=("", "_kept", "_new")))  # the kept rows and the residual add, as conditional_ffn's

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
+
 OP_NAME = "adaptex::conditional_ffn"
 
 
@@ -64,3 +66,12 @@ def conditional_ffn_dense_reference(x: Tensor, keep: Tensor, gate: Tensor, ln_w:
     """Every token transformed, skipped ones zeroed: the obvious implementation (tests, naive export)."""
     upd = ffn_update(x, ln_w, ln_b, w1, b1, w2, b2, eps)
     return x + upd * (gate.to(upd.dtype) * keep.to(upd.dtype))[..., None]
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="ConditionalFFN", routing_inputs=("keep", "gate"),
+    decisions={"keep": "keep"}, margins={"keep": Margin(1e-4, 1e-2, "|p - threshold|")},
+    # the kept rows, the layer_norm, the residual add and the scatter back stay fp32 beside the
+    # decoder's residual stream; the FFN's linears and gelu run in the body's precision
+    coreml_fp32_parts=("", "_kept", "_ln", "_new", "_ext", "_ext_first", "_ext_zeros", "_scatter", "_end")))

@@ -29,74 +29,36 @@ import math
 import torch
 from torch import Tensor
 
-from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
+from adaptex.graphs.ops.facts import Margin, OpFacts, register
 
 OP_NAME = "adaptex::elastic_attention"
 NEG = -1e30  # masked scores (finite: a row with no visible key stays finite, never NaN)
 
-# ONNX Runtime's general body (exporter/targets/onnx/functions.py) attends every pair of a call with SA
-# pairs over every visible key, the SA pairs' keys outside their sinks and window masked, while the
-# call has at most this many scores a sample (H*T*S, whatever the batch): there gathering the pairs by
-# mode and attending block-local costs more kernels than the scores it skips. Here, not in the
-# exporter, because the families' executed-FLOP models read it too. Measured at B1, 1 thread, masked
-# against block-local (docs/benchmarking.md#short-calls): elastic-charlm 0.856 at T = 128 (65,536
-# scores), 1.072 at T = 256 (262,144); elastic-minilm 0.852 at T = 32, 0.906 at T = 64 (49,152), 0.990
-# at T = 128 (196,608), 1.073 at T = 256. Per sample, not per call: at B8 and B64, T = 128
-# (elastic-charlm) masking ran 0.873 of gathering, and 1.05 at B8, T = 256 (2026-12-04).
-MIXED_CALL_MASKED_UP_TO = 1 << 17
 
-
-# A call whose T queries are its keys (an encoder's, or a decoder's prefill: no cache) also attends every
-# pair masked where the scores that masking adds over block-local attention, the SA pairs' keys past a
-# block's row of about sink + 2 window, batch x pairs x T x (T - sink - 2 window), are at most this many:
-# there gathering's own kernels (NonZero, gathers, scatters, the block layout) cost more. Measured on
-# the AMD EPYC with AVX-512, 1 thread, masked against gathering, --softmax-floor off
-# (docs/benchmarking.md#short-calls). elastic-minilm (and floored): B1, T = 128 0.958 (0.969),
-# T = 160 0.973, T = 192 0.989 (1.011), T = 256 1.042; B2, T = 128 0.975 (0.996), T = 192 1.021; B4,
-# T = 128 1.003; B8, T = 128 1.031. elastic-charlm's prefills (its masked short-call program against
-# the general graph): B1, T = 256 0.911, T = 288 0.929, T = 320 0.972, T = 352 0.990, T = 384 1.032;
-# B2, T = 224 0.915, T = 256 0.957, T = 288 0.987; B4, T = 192 0.954, T = 224 0.971, T = 256 1.061;
-# B8, T = 192 1.005. This bound takes an encoder's B1 up to T = 166 and B2 up to T = 130; a decoder's
-# prefill takes PREFILL_MASKED_EXCESS_UP_TO, below. A large
-# call counts a sample's excess (call_runs_masked). elastic-minilm, two runs: B32, T = 128 0.971 and
-# 0.974, B64, T = 128 0.960 and 0.966, B64, T = 160 0.998 and 0.997; one: B64, T = 192 1.009, and
-# B16, T = 128 (below the threshold) 0.990. elastic-charlm's by-sample prefills: B64, T = 192 0.908.
-# Measured again with ONNX Runtime's memory plan on and off (compare_artifacts.py --memory-plan both):
-# elastic-minilm B64, T = 128 0.982 and 0.991, copies 0.993 to 1.008: within their spread, no loss.
-MASKED_EXCESS_UP_TO = 3 << 16
-
-# A decoder's prefill (its masked short-call program) gained further: past 3 x 2^16 its program against
-# the one at 3 x 2^16 (elastic-charlm, same CPU and settings) ran B1, T = 320 0.975 and T = 330 0.979,
-# B2, T = 248 0.953 and T = 256 0.965, B4, T = 200 0.929 and T = 210 0.948 (240,640 to 261,440 excess
-# scores), and masking against gathering was even by about 360,000 (B2, T = 288 0.987, B8, T = 192
-# 1.005). This bound takes elastic-charlm's B1 up to T = 330, B2 up to T = 258 and B4 up to T = 210.
-PREFILL_MASKED_EXCESS_UP_TO = 1 << 18
-
-
-def runs_masked(pairs: int, T: int, S: int) -> bool:
+def runs_masked(pairs: int, T: int, S: int, policy: OrtPolicy = DEFAULT) -> bool:
     """Whether ONNX Runtime's general body attends a call of T > 1 new tokens over S keys, `pairs` (B, H)
-    pairs a sample, every pair over every key (SA keys masked): what it then executes is full attention."""
-    return T > 1 and pairs * T * S <= MIXED_CALL_MASKED_UP_TO
+    pairs a sample, every pair over every key (SA keys masked; policy.mixed_call_masked_up_to): what it
+    then executes is full attention."""
+    return T > 1 and pairs * T * S <= policy.mixed_call_masked_up_to
 
 
 def masked_excess(batch: int, pairs: int, T: int, beyond: int) -> int:
     """The scores that attending a call of `batch` samples of T tokens (its keys), `pairs` (B, H) pairs a
     sample, every pair masked adds over block-local attention, whose rows hold about `beyond` = sink +
-    2 window keys (also the metadata's short_call.masked_excess, dispatch.taken)."""
+    2 window keys (also the masked short-call programs' guards: exporter/targets/onnx/guards.py)."""
     return batch * pairs * T * max(0, T - beyond)
 
 
-def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int, up_to: int | None = None) -> bool:
+def call_runs_masked(batch: int, pairs: int, T: int, sink: int, window: int, up_to: int | None = None,
+                     policy: OrtPolicy = DEFAULT) -> bool:
     """runs_masked for a call whose T tokens are its keys (an encoder's; a decoder's prefill, which its
-    masked short-call program runs): also where masked_excess fits `up_to` (MASKED_EXCESS_UP_TO; a
-    decoder's prefill PREFILL_MASKED_EXCESS_UP_TO), a sample's where the call is large (batch > 1,
-    batch x pairs x T x T >= BY_SAMPLE_FROM: the gathering paths then attend a sample or a pair at a
-    time, as the decoder's masked program does); never with MIXED_CALL_MASKED_UP_TO at 0, which turns
-    the masked path off."""
-    bound = MASKED_EXCESS_UP_TO if up_to is None else up_to
-    counted = 1 if batch > 1 and batch * pairs * T * T >= BY_SAMPLE_FROM else batch
-    return runs_masked(pairs, T, T) or (MIXED_CALL_MASKED_UP_TO > 0 and T > 1
-                                        and masked_excess(counted, pairs, T, sink + 2 * window) <= bound)
+    masked short-call program runs): also where masked_excess fits `up_to` (default
+    policy.masked_excess_up_to; a decoder's prefill policy.prefill_masked_excess_up_to); never with
+    policy.mixed_call_masked_up_to at 0, which turns the masked path off."""
+    bound = policy.masked_excess_up_to if up_to is None else up_to
+    return runs_masked(pairs, T, T, policy) or (policy.mixed_call_masked_up_to > 0 and T > 1
+                                                and masked_excess(batch, pairs, T, sink + 2 * window) <= bound)
 
 
 def block_index(T: int, S: int, sink: int, window: int, causal: bool, device=None) -> tuple[int, Tensor, Tensor]:
@@ -202,3 +164,9 @@ def elastic_attention_dense_reference(q: Tensor, k: Tensor, v: Tensor, sa: Tenso
     vis = ((m & sa_vis) | (~m & fa)) & key_mask[:, None, None, :]  # (B, H, T, S); no bool Where (ONNX Runtime lacks it)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     return torch.softmax(scores.masked_fill(~vis, NEG), dim=-1) @ v
+
+
+# --- the op's facts (graphs/ops/facts.py): routing inputs, Core ML fp32 parts, decisions, margins ---
+FACTS = register(OpFacts(
+    op=OP_NAME, function="ElasticAttention", routing_inputs=("sa",),
+    decisions={"sa": "head_mode"}, margins={"head_mode": Margin(1e-4, 1e-2, "FA/SA logit gap")}))

@@ -68,10 +68,14 @@ class TrainResult:
     note: str = ""  # one line for the user after the checkpoint is written
 
 
-# family -> the recipe module (imported when used: each pulls in its own model code)
-RECIPES = {"budgetformer": "adaptex.graphs.recipes.budgetformer",
-           "tsa": "adaptex.graphs.recipes.tsa",
-           "elastic": "adaptex.graphs.recipes.elastic"}
+def recipes() -> dict[str, str]:
+    """Family name -> its recipe module, from the family contracts' `recipe` (graphs/family.py): the
+    one table of what `adaptex train` knows. A module is imported when used (each pulls in its own
+    model code)."""
+    from adaptex.graphs.family import FAMILIES, load_families
+
+    load_families()
+    return {name: f"adaptex.graphs.recipes.{cls.recipe}" for name, cls in FAMILIES.items() if cls.recipe}
 
 
 def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda msg: None,
@@ -79,8 +83,9 @@ def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda m
     """Run the recipe of `family` (budgetformer, tsa or elastic). `session`
     (graphs/recipes/session.py) carries periodic saves, resuming and progress; None: progress on
     stderr, nothing saved along the way."""
-    if family not in RECIPES:
-        raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(RECIPES)}")
+    known = recipes()
+    if family not in known:
+        raise TrainError(f"unknown family {family!r}; 'adaptex train' knows: {', '.join(known)}")
     opts.check()
     from adaptex.graphs.recipes.session import Session, deterministic, seed_everything
 
@@ -90,4 +95,4 @@ def train(family: str, opts: TrainOptions, say: Callable[[str], None] = lambda m
         # generators, so the same options trained the same routers only in a fresh process (in a
         # process that had traced a model before, tests/models/test_hf.py's LLaMA routers started elsewhere)
         seed_everything(opts.seed)
-        return importlib.import_module(RECIPES[family]).run(opts, say, session)
+        return importlib.import_module(known[family]).run(opts, say, session)

@@ -42,10 +42,12 @@ def schedule(tc: TrainConfig, cfg: BudgetFormerConfig, t: float) -> RoutingSched
     )
 
 
-def distill_kl(teacher_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(teacher || student) between the softmaxes of the last axis."""
+def distill_kl(teacher_logits: torch.Tensor, logits: torch.Tensor, dp=None) -> torch.Tensor:
+    """Mean over rows (of the global batch, with dp) of KL(teacher || student) between the softmaxes
+    of the last axis."""
     lp_t = teacher_logits.float().log_softmax(-1)
-    return (lp_t.exp() * (lp_t - logits.float().log_softmax(-1))).sum(-1).mean()
+    rows = (lp_t.exp() * (lp_t - logits.float().log_softmax(-1))).sum(-1)
+    return rows.mean() if dp is None else dp.mean_rows(rows)
 
 
 def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "train", session=None,
@@ -67,21 +69,26 @@ def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "tra
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     lr_at = lambda step: tc.lr * min(1.0, (step + 1) / tc.warmup) * 0.5 * (1 + np.cos(np.pi * step / tc.steps))
     model.train()
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
+    net = dp.wrap(model)
     for step1 in session.steps(phase or desc.strip(), model, opt, None, rng, tc.steps, desc=desc):
         step = step1 - 1
         t = step / tc.steps
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        b = task.sample(tc.batch_size, rng)
-        logits, decisions = model(b.input_ids, b.attention_mask, mode="soft", sched=schedule(tc, cfg, t))
-        loss = task_loss = F.cross_entropy(logits, b.labels)
+        b = dp.rows(task.sample(tc.batch_size, rng))
+        with dp.step():
+            logits, decisions = net(b.input_ids, b.attention_mask, mode="soft", sched=schedule(tc, cfg, t))
+        loss = task_loss = F.cross_entropy(logits, b.labels) if dp.world == 1 else \
+            dp.mean_rows(F.cross_entropy(logits, b.labels, reduction="none"))
         if teacher is not None:
             with torch.no_grad():
                 t_logits, _ = teacher(b.input_ids, b.attention_mask, mode="hard" if teacher.cfg.adaptive else "dense")
-            loss = distill * distill_kl(t_logits, logits) + (1 - distill) * task_loss
+            loss = distill * distill_kl(t_logits, logits, dp) + (1 - distill) * task_loss
         if cfg.adaptive:
-            budget = sum(losses.budget_hinge(d["s"].mean(), cfg.s_min, cfg.s_max) for d in decisions)
-            entropy = sum(losses.head_entropy(d["p"]).mean() for d in decisions)
+            budget = sum(losses.budget_hinge(dp.mean_rows(d["s"]), cfg.s_min, cfg.s_max) for d in decisions)
+            entropy = sum(dp.mean_rows(losses.head_entropy(d["p"])) for d in decisions)
             beta = losses.entropy_beta(t, tc.beta_explore, tc.beta_exploit)
             loss = loss + tc.budget_weight * budget / len(decisions) + beta * entropy / len(decisions)
         opt.zero_grad(set_to_none=True)
@@ -91,7 +98,7 @@ def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "tra
         if step % 10 == 0 or step == tc.steps - 1:
             fields = {"loss": task_loss.item()}
             if cfg.adaptive:
-                fields["s"] = torch.stack([d["s"].mean() for d in decisions]).mean().item()
+                fields["s"] = torch.stack([dp.mean_rows(d["s"].detach()) for d in decisions]).mean().item()
             session.show(**fields)
     model.eval()
     return model

@@ -170,8 +170,9 @@ def _run_hf_decoder(opts, say, session):
 
 def _train_decoder(model, task, context: int, opts, say, name: str, backbone_rec: dict, data: dict | None,
                    tokenizer: dict | None, note: str, session=None) -> TrainResult:
-    from adaptex.graphs.elastic_decoder import (ElasticDecoderTrainConfig, calibrate_decoder, evaluate_elastic_decoder,
-                                                summary_table_decoder, train_elastic_decoder)
+    from adaptex.graphs.recipes.elastic_decoder import (ElasticDecoderTrainConfig, calibrate_decoder,
+                                                        evaluate_elastic_decoder,
+                                                        summary_table_decoder, train_elastic_decoder)
 
     target = model.cfg.target_sparsity
     tc = ElasticDecoderTrainConfig(steps=opts.steps or 300, batch_size=opts.batch_size or 8, context=context,

@@ -26,6 +26,7 @@ import json
 import random
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
@@ -110,6 +111,7 @@ class Session:
     family: str = ""
     save_dtype: str = "float16"
     stream: object = None
+    dp: object = None  # the data-parallel group (recipes/parallel.py); one process when None
     # filled as the run goes
     checkpoint_extra: dict = field(default_factory=dict)  # description, tokenizer: what a saved checkpoint carries
     done: dict = field(default_factory=dict)  # phase -> its final trained state (fp32)
@@ -118,6 +120,10 @@ class Session:
     _bar: object = None
 
     def __post_init__(self):
+        if self.dp is None:
+            from adaptex.graphs.recipes.parallel import DataParallel
+
+            self.dp = DataParallel()
         if self.out is not None:
             self.out = Path(self.out)
         if self.resume:
@@ -126,10 +132,15 @@ class Session:
     # --- what a checkpoint records ---------------------------------------------------------------
     def record(self) -> dict:
         """Seed, threads, torch and adaptex versions: every checkpoint's training section holds them."""
-        from adaptex import __version__
-
-        return {"seed": self.options.get("seed", 0), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "adaptex": __version__, "deterministic": True}
+        try:  # the installed distribution's version, read here: graphs/ imports nothing from above it
+            version = metadata.version("adaptex")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+source"
+        rec = {"seed": self.options.get("seed", 0), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "adaptex": version, "deterministic": True}
+        if self.dp.world > 1:
+            rec["processes"] = self.dp.world
+        return rec
 
     # --- the loop --------------------------------------------------------------------------------
     def steps(self, name: str, model: torch.nn.Module, opt, sched, rng: np.random.Generator, total: int,
@@ -184,7 +195,7 @@ class Session:
                                   refresh=False)
 
     def _open_bar(self, total: int, initial: int, desc: str):
-        if self.quiet:
+        if self.quiet or not self.dp.main:  # progress on rank 0 only
             return None
         from tqdm.auto import tqdm
 
@@ -200,7 +211,7 @@ class Session:
         """The checkpoint directory with the state to resume from, atomically (graphs/files.py)."""
         from adaptex.graphs import checkpoint
 
-        if self.out is None:
+        if self.out is None or not self.dp.main:  # rank 0 writes; every rank holds the same state
             return
         tensors: dict[str, torch.Tensor] = {}
         for phase, weights in self.done.items():

@@ -40,15 +40,18 @@ class TSATrainConfig:
     router_init: str = "bias"  # "importance": fit fresh routers to skip what the start model's blocks change least
 
 
-def _lm_loss(logits, batch) -> torch.Tensor:
+def _lm_loss(logits, batch, dp=None) -> torch.Tensor:
+    """Mean cross-entropy over the target tokens of the (global, with dp) batch."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1), reduction="none")
     m = batch.loss_mask.reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1)
+    return (ce * m).sum() / m.sum().clamp(min=1) if dp is None else dp.ratio((ce * m).sum(), m.sum())
 
 
-def depth_loss(decisions: list[dict], mask: torch.Tensor) -> torch.Tensor:
-    """(1/(L-1)) * sum_l mean over real tokens of (1 - p_l)."""
+def depth_loss(decisions: list[dict], mask: torch.Tensor, dp=None) -> torch.Tensor:
+    """(1/(L-1)) * sum_l mean over real tokens (of the global batch, with dp) of (1 - p_l)."""
     m = mask.float()
+    if dp is not None:
+        return torch.stack([dp.ratio(((1 - d["p"]) * m).sum(), m.sum()) for d in decisions]).mean()
     return torch.stack([((1 - d["p"]) * m).sum() / m.sum().clamp(min=1) for d in decisions]).mean()
 
 
@@ -73,12 +76,14 @@ def optimizer_step(model: torch.nn.Module, opt, sched, loss: torch.Tensor) -> No
     sched.step()
 
 
-def _kl_tokens(teacher_logits, logits, mask) -> torch.Tensor:
-    """Mean over the loss-mask tokens of KL(teacher || student) between next-token distributions."""
+def _kl_tokens(teacher_logits, logits, mask, dp=None) -> torch.Tensor:
+    """Mean over the loss-mask tokens (of the global batch, with dp) of KL(teacher || student) between
+    next-token distributions."""
     m = mask.reshape(-1)
     lp_t = teacher_logits.reshape(-1, teacher_logits.shape[-1])[m].float().log_softmax(-1)
     lp_s = logits.reshape(-1, logits.shape[-1])[m].float().log_softmax(-1)
-    return (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
+    kl = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+    return kl.mean() if dp is None or dp.world == 1 else dp.ratio(kl.sum(), m.sum().float())
 
 
 @torch.no_grad()
@@ -160,38 +165,53 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
     st_from = int(tc.steps * (1 - tc.st_frac))
     state = {"lambda": 0.0 if tc.target_keep is not None else tc.lambda_depth}
     model.train()
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
+    net = dp.wrap(model)
+    one = dp if dp.world > 1 else None  # one process computes exactly what it computes without torchrun
     for step in session.steps(phase or desc.strip(), model, opt, sched, rng, tc.steps, state, desc=desc):
-        b = task.sample(tc.batch_size, rng)
+        b = dp.rows(task.sample(tc.batch_size, rng))
         mode = "st" if (cfg.adaptive and step > st_from) else "soft"
-        logits, decisions, _ = model(b.input_ids, b.attention_mask, mode=mode)
-        task_loss = _lm_loss(logits, b)
+        with dp.step():
+            logits, decisions, _ = net(b.input_ids, b.attention_mask, mode=mode)
+        task_loss = _lm_loss(logits, b, one)
         loss = task_loss
         if teacher is not None and tc.distill:
             with torch.no_grad():
                 t_logits = teacher(b.input_ids, b.attention_mask)
-            kl = _kl_tokens(t_logits, logits, b.loss_mask)
+            kl = _kl_tokens(t_logits, logits, b.loss_mask, one)
             loss = tc.distill * kl + (1 - tc.distill) * task_loss
         if cfg.adaptive and tc.target_keep is not None:
-            hard = alpha(decisions, b.attention_mask, hard=True)
-            loss = loss + state["lambda"] * depth_loss(decisions, b.attention_mask)
+            hard = _global_alpha(decisions, b.attention_mask, one)
+            loss = loss + state["lambda"] * depth_loss(decisions, b.attention_mask, one)
             state["lambda"] = max(0.0, state["lambda"] + tc.lambda_lr * (hard - tc.target_keep))
         elif cfg.adaptive and tc.lambda_depth:
             # a delayed, ramped depth loss: early on the FFNs have learnt nothing, so skipping them
             # costs nothing and the routers would learn to skip everything before the FFNs matter
             ramp = min(1.0, max(0.0, (step / tc.steps - tc.lambda_delay) / tc.lambda_delay)) if tc.lambda_delay else 1.0
-            loss = loss + tc.lambda_depth * ramp * depth_loss(decisions, b.attention_mask)
+            loss = loss + tc.lambda_depth * ramp * depth_loss(decisions, b.attention_mask, one)
         optimizer_step(model, opt, sched, loss)
         if step % 25 == 0 or step == tc.steps:
             fields = {"loss": float(task_loss.detach())}
             if teacher is not None and tc.distill:
                 fields["kl"] = float(kl.detach())
             if cfg.adaptive:
-                fields["alpha"] = alpha(decisions, b.attention_mask, hard=(mode == "st"))
+                fields["alpha"] = _global_alpha(decisions, b.attention_mask, one, hard=(mode == "st"))
                 if tc.target_keep is not None:
                     fields["keep"] = hard
                     fields["lambda"] = state["lambda"]
             session.show(**fields)
     return model.eval()
+
+
+def _global_alpha(decisions: list[dict], mask: torch.Tensor, dp=None, hard: bool = True) -> float:
+    """alpha (graphs/tsa.py) over the global batch's real tokens."""
+    if dp is None:
+        return alpha(decisions, mask, hard=hard)
+    m = mask.float()
+    with torch.no_grad():
+        vals = [dp.ratio(((d["keep"].float() if hard else 1 - d["p"]) * m).sum(), m.sum()) for d in decisions]
+    return float(torch.stack(vals).mean()) if vals else 1.0
 
 
 @torch.no_grad()
@@ -282,10 +302,11 @@ def _load_init(opts):
     (ids, mask) -> logits, tokenizer spec or None (the task's), record for the checkpoint)."""
     from adaptex.graphs import checkpoint
     from adaptex.graphs.recipes import TrainError
+    from adaptex.graphs.hf.tsa_weights import gpt2_as_tsa
     from adaptex.graphs.recipes.budgetformer import is_hf_dir
 
     if is_hf_dir(opts.init):
-        return _load_gpt2(opts.init)
+        return gpt2_as_tsa(opts.init)
     src, info = checkpoint.load(opts.init)
     if info["family"] != "tsa":
         raise TrainError(f"--init {opts.init}: a {info['family']} checkpoint; tsa starts from a decoder checkpoint "
@@ -297,42 +318,6 @@ def _load_init(opts):
     mode = "hard" if c.adaptive else "dense"
     teacher = lambda ids, mask: src(ids, mask, mode=mode)[0]
     return kw, init, teacher, info.get("tokenizer"), {"checkpoint": opts.init, "sha256": info["sha256"]}
-
-
-def _load_gpt2(path: str):
-    """A GPT-2 directory as a TSA decoder: learned positions, LayerNorms, fused QKV and the tied head map
-    one to one; GPT-2's tanh GELU becomes TSA's exact GELU (a few 1e-4 apart: distillation from the
-    original closes it). LLaMA (RMSNorm, rotary positions, SwiGLU) has no TSA counterpart."""
-    from adaptex.graphs.hf import is_decoder_dir, load_decoder
-    from adaptex.graphs.recipes import TrainError
-
-    if not is_decoder_dir(path):
-        raise TrainError(f"--init {path}: a Hugging Face encoder; TSA is a decoder: start from a GPT-2 directory or "
-                         "an adaptex decoder checkpoint (put elastic routers on an encoder: adaptex train elastic)")
-    net, tok, info = load_decoder(path)
-    c = net.cfg
-    if c.layout != "gpt2":
-        raise TrainError(f"--init {path}: a {c.layout} directory; TSA's blocks (LayerNorm, learned or sinusoid "
-                         "positions, GELU FFN) map GPT-2 only; put elastic routers on it instead (adaptex train "
-                         "elastic --backbone DIR --data FILE)")
-    if not c.tie_embeddings or c.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-        raise TrainError(f"--init {path}: a GPT-2 with {'an untied head' if not c.tie_embeddings else c.activation}; "
-                         "TSA ties its head to the embeddings and computes GELU")
-    kw = dict(vocab_size=c.vocab_size, d_model=c.d_model, num_heads=c.num_heads, num_layers=c.num_layers,
-              d_ff=c.d_ff, max_len=c.max_len, positions="learned", ln_eps=c.norm_eps, pad_id=c.pad_id)
-    init = {"tok.weight": net.wte.weight, "pos_emb.weight": net.wpe.weight,
-            "ln_f.weight": net.ln_f.weight, "ln_f.bias": net.ln_f.bias}
-    for i, blk in enumerate(net.h):
-        pre = f"blocks.{i}."
-        init.update({pre + "ln1.weight": blk.ln_1.weight, pre + "ln1.bias": blk.ln_1.bias,
-                     pre + "ln2.weight": blk.ln_2.weight, pre + "ln2.bias": blk.ln_2.bias,
-                     pre + "attn.qkv.weight": blk.attn.c_attn.weight.t(), pre + "attn.qkv.bias": blk.attn.c_attn.bias,
-                     pre + "attn.proj.weight": blk.attn.c_proj.weight.t(), pre + "attn.proj.bias": blk.attn.c_proj.bias,
-                     pre + "ffn.0.weight": blk.mlp.c_fc.weight.t(), pre + "ffn.0.bias": blk.mlp.c_fc.bias,
-                     pre + "ffn.2.weight": blk.mlp.c_proj.weight.t(), pre + "ffn.2.bias": blk.mlp.c_proj.bias})
-    init = {k: v.detach().clone().contiguous() for k, v in init.items()}
-    teacher = lambda ids, mask: net.dense(ids, mask)[0]
-    return kw, init, teacher, tok.spec(), {"path": info["path"], "sha256": info["sha256"], "layout": "gpt2"}
 
 
 def run(opts, say, session=None):

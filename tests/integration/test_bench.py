@@ -17,11 +17,14 @@ import torch
 
 from adaptex.cli import main
 from adaptex.exporter.counterparts import Graph, cached_onnx_candidates, onnx_candidates
-from adaptex.exporter.targets.onnx.passes import SOFTMAX_FLOOR, by_sample_ifs, layernorm_rows, softmax_floor
+from adaptex.exporter.targets.onnx.passes import SOFTMAX_FLOOR, layernorm_rows, softmax_floor
+from adaptex.exporter.targets.onnx.passes_by_sample import by_sample_ifs
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.graphs.errors import AdaptexError
-from adaptex.runtimes.bench import Bench, Timing, _report, fit_memory, prune_slow, warm_up
+from adaptex.runtimes.bench import Bench
+from adaptex.runtimes.bench_accounting import bench_report as _report
+from adaptex.runtimes.timing import Timing, fit_memory, prune_slow, warm_up
 from tests.support import zoo
 
 
@@ -118,7 +121,7 @@ def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkp
     together, so the other graphs say why they were not timed."""
     from adaptex.runtimes import bench as bench_mod
 
-    ran, alive_at_runs, real = set(), [], bench_mod._ort_runner
+    ran, alive_at_runs, real = set(), [], bench_mod.ort_runner
     per_session, base = 100.0, 1000.0
 
     def fake_runner(path, threads, programs=False, **kw):
@@ -135,7 +138,7 @@ def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkp
             return 2.5 * per_session / bench_mod.MEMORY_SHARE  # room for two sessions and a half
         return base + per_session * sum(id(f) in ran for f in b._fns.values())
 
-    monkeypatch.setattr(bench_mod, "_ort_runner", fake_runner)
+    monkeypatch.setattr(bench_mod, "ort_runner", fake_runner)
     monkeypatch.setattr(bench_mod, "proc_mb", fake_proc)
     model, info = checkpoint.load(tiny_checkpoint)
     said = []
@@ -161,7 +164,7 @@ def test_the_timed_rounds_cycle_through_distinct_inputs_every_graph_the_same_one
     the mean over them. Inputs given by the caller are timed as given."""
     from adaptex.runtimes import bench as bench_mod
 
-    seen, real = [], bench_mod._ort_runner
+    seen, real = [], bench_mod.ort_runner
 
     def recording_runner(path, threads, programs=False, **kw):
         fn = real(path, threads, programs, **kw)
@@ -171,7 +174,7 @@ def test_the_timed_rounds_cycle_through_distinct_inputs_every_graph_the_same_one
             return fn(feeds)
         return run
 
-    monkeypatch.setattr(bench_mod, "_ort_runner", recording_runner)
+    monkeypatch.setattr(bench_mod, "ort_runner", recording_runner)
     model, info = checkpoint.load(tiny_checkpoint)
     flops = []
     with Bench(tiny_onnx["sparse"], model, info) as b:
@@ -303,14 +306,13 @@ def test_softmax_floor_keeps_the_values_in_every_body(opset):
 
 @pytest.fixture(scope="module")
 def candidates(tiny_checkpoint, tmp_path_factory):
-    """The tiny model's candidates, their attention by sample at any size (BY_SAMPLE_FROM = 1), so that
-    the values test below runs the passes' Loop in the `+rows` graphs."""
-    from adaptex.exporter.targets.onnx import functions as fx
+    """The tiny model's candidates, their attention by sample at any size (policy.by_sample_from = 1), so
+    that the values test below runs the passes' Loop in the `+rows` graphs."""
+    from adaptex.graphs.ops.policy import OrtPolicy
 
     model, _ = checkpoint.load(tiny_checkpoint)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fx, "BY_SAMPLE_FROM", 1)
-        return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"))
+    return model, onnx_candidates(model, family_contract(model), tmp_path_factory.mktemp("cands"),
+                                  policy=OrtPolicy(by_sample_from=1))
 
 
 def test_every_dense_candidate_computes_the_dense_model(candidates):
@@ -576,7 +578,7 @@ def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(
     exported both ways, is timed beside the dense graphs, and it is the same function."""
     from adaptex.graphs.elastic import ElasticConfig, ElasticEncoder
     from adaptex.graphs.hf import load_encoder
-    from tests import hf_dirs
+    from tests.support import hf_dirs
 
     path = hf_dirs.make("roberta", tmp_path)
     backbone, _, info = load_encoder(path)
@@ -616,12 +618,12 @@ def test_each_block_creates_its_sessions_in_a_rotated_order(tiny_checkpoint, tin
     rotated by one place a block, and every block is timed."""
     from adaptex.runtimes import bench as bench_mod
 
-    created, real = [], bench_mod._ort_runner
+    created, real = [], bench_mod.ort_runner
 
     def recording(path, threads, programs=False, **kw):
         created.append(path)
         return real(path, threads, programs, **kw)
-    monkeypatch.setattr(bench_mod, "_ort_runner", recording)
+    monkeypatch.setattr(bench_mod, "ort_runner", recording)
     model, info = checkpoint.load(tiny_checkpoint)
     with Bench(tiny_onnx["sparse"], model, info) as b:
         r = b.run(seq=8, runs=15, blocks=3, warmup=1, memory=False)
@@ -640,7 +642,7 @@ def test_profile_counts_kernels_inside_dispatch_branches_as_adaptive(artifacts, 
     """TSA's ONNX lowerings put their FFN and query work inside If branches: the profile tags those
     kernels as the adaptive op's and leaves out the If itself (its time is its branch's kernels)."""
     from adaptex.graphs.family import family_contract
-    from adaptex.runtimes.bench import profile_onnx
+    from adaptex.runtimes.profile import profile_onnx
 
     model = artifacts.model("tsa")
     feeds = family_contract(model).bench_feeds(None, 1, 16)
@@ -708,16 +710,16 @@ def test_the_runner_runs_a_large_call_in_chunks_and_computes_what_the_whole_call
 def test_bench_runs_every_graph_of_a_large_point_in_the_same_chunks(tiny_checkpoint, tiny_onnx, monkeypatch, tmp_path):
     """What the runner does to the artifact bench does to every dense candidate too, so the yardstick
     is not timed the slower way; the report says so, and off runs every call whole."""
-    from adaptex.runtimes import bench as bench_mod
+    from adaptex.runtimes import bench_candidates
 
-    sizes, real = set(), bench_mod.run_in_chunks
+    sizes, real = set(), bench_candidates.run_in_chunks
 
     def counting(run, feeds, c):
         def one(f):
             sizes.add(len(next(iter(f.values()))))
             return run(f)
         return real(one, feeds, c)
-    monkeypatch.setattr(bench_mod, "run_in_chunks", counting)
+    monkeypatch.setattr(bench_candidates, "run_in_chunks", counting)
     model, info = checkpoint.load(tiny_checkpoint)
     with Bench(tiny_onnx["sparse"], model, info, chunk_rows=16) as b:
         r = b.run(batch=4, seq=8, runs=5, warmup=1, memory=False, prune=False)
@@ -733,5 +735,5 @@ def test_bench_runs_every_graph_of_a_large_point_in_the_same_chunks(tiny_checkpo
     assert "in calls of at most" not in format_bench(whole)
     npz = tmp_path / "inputs.npz"  # the peak-memory worker runs the call in the same chunks
     np.savez(npz, input_ids=np.ones((4, 8), np.int64), attention_mask=np.ones((4, 8), np.int64))
-    peak = bench_mod._peak_rss(str(tiny_onnx["sparse"]), str(npz), 1, "all", ("input_ids", 16))
+    peak = bench_candidates.peak_rss(str(tiny_onnx["sparse"]), str(npz), 1, "all", ("input_ids", 16))
     assert isinstance(peak, float) and peak > 0

@@ -4,7 +4,7 @@ import pytest
 
 from adaptex.exporter import registry
 from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs import checkpoint
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -226,7 +226,7 @@ def test_each_onnx_runtime_body_passes_parity(tiny_onnx, tiny_checkpoint):
     decisions (budgeted_attention.onnx_body): each one's outputs match the eager model's on batches
     that take it, with no unexcused flip."""
     from adaptex.graphs.ops.budgeted_attention import onnx_body
-    from tests import planted
+    from tests.support import planted
 
     model, _ = checkpoint.load(tiny_checkpoint)
     batches = planted.bf_batches(planted.load(tiny_onnx["sparse"]))

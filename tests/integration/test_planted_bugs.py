@@ -113,7 +113,7 @@ def test_the_mil_checker_fails_a_wrong_decision(artifacts, family, capsys, monke
 def test_every_planted_mutation_of_make_mutate_still_finds_its_text():
     """Each mutant of `make mutate` (tests/mutate.py) edits text that occurs exactly once in its file,
     and names test files that exist: a refactor that moved the text would otherwise leave the mutant
-    stale, reported but never run (two were, until the twenty-third session)."""
+    stale, reported but never run."""
     from tests.mutate import MUTANTS, ROOT
 
     for m in MUTANTS:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from adaptex.graphs.ops.policy import OrtPolicy
 from adaptex.cli import main
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.ops import elastic_attention as ea
@@ -55,14 +56,17 @@ def _function_model(variant, sink, window, causal, decode_step=True, fused=False
     """One ElasticAttention call as a model: ONNX Runtime's body (dispatch: If nodes pick the path;
     decode_step: a step's own branch), or dispatch=False TensorRT's; fused: ONNX Runtime's encoder
     body (the call's causal flag known False at export, FA pairs through
-    com.microsoft.MultiHeadAttention where unpadded). masked_up_to: 0 (here) sends the small calls
-    of these tests down the paths that gather pairs; None, the artifacts' threshold."""
+    com.microsoft.MultiHeadAttention where unpadded). masked_up_to (policy.mixed_call_masked_up_to):
+    0 (here) sends the small calls of these tests down the paths that gather pairs; None, the
+    artifacts' policy (OrtPolicy())."""
     vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
     node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
                             causal=int(causal))
     ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
     body = fx.elastic_attention_function(variant, causal_known=False if fused else None, dispatch=dispatch,
-                                         decode_step=decode_step, fused=fused, masked_up_to=masked_up_to)
+                                         decode_step=decode_step, fused=fused,
+                                         policy=OrtPolicy() if masked_up_to is None
+                                         else OrtPolicy(mixed_call_masked_up_to=masked_up_to))
     return helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
                              opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1),
                                             helper.make_opsetid(fx.MS_DOMAIN, 1)],
@@ -116,7 +120,7 @@ def test_onnx_decode_step_reads_sinks_and_window_only(sink, window):
     scores are (N_sa, 1, L) with L = min(sink, S) + the window's keys past them, not S. A step whose
     pairs are all FA or all SA takes a branch of its own (no gather of pairs, no scatter), and so
     does a step whose cache lies within sink + window (the FA branch: SA sees every key there)."""
-    from tests import planted
+    from tests.support import planted
 
     proto = _function_model("sparse", sink, window, True)
     # the general body's probes (else branch: mixed FA and SA, all FA, all SA) come first, then the
@@ -149,7 +153,7 @@ def test_onnx_calls_of_one_mode_take_their_own_body(causal):
     """ONNX Runtime bodies (T > 1): a call whose pairs are all FA attends in place, one all SA runs
     the block-local body on every pair, and only a mix splits the pairs (NonZero, gathers,
     ScatterND); each gives the reference's output."""
-    from tests import planted
+    from tests.support import planted
 
     proto = _function_model("sparse", 2, 6, causal)
     probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
@@ -179,7 +183,7 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
     window; encoder: S - 1 <= window // 2), SA sees what FA sees, so a call of any modes runs the
     plain FA body on every pair; one key more and a mixed call splits its pairs again. The output
     is the reference's on both sides of the boundary, prefill and (causal) decode step."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     proto = _function_model("sparse", sink, window, causal)
@@ -202,11 +206,11 @@ def test_onnx_calls_whose_keys_all_lie_in_the_window_take_the_fa_body(causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
-    """A call with SA pairs and at most MIXED_CALL_MASKED_UP_TO scores a sample (H T S, whatever the
+    """A call with SA pairs and at most policy.mixed_call_masked_up_to scores a sample (H T S, whatever the
     batch) attends every pair over every key as it is, the SA pairs' keys outside their reach masked
     (one (B, H, T, S) softmax, no gather): the reference's output, all SA or mixed; past the
     threshold it gathers again."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     B, H, T = 2, 3, 20
@@ -224,46 +228,41 @@ def test_onnx_small_calls_with_sa_pairs_mask_instead_of_gathering(causal):
             assert (ran != [(B, H, T, T)]) == gathers, (up_to, ran)
 
 
-def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores(monkeypatch):
-    """An encoder's body (causal known False, the default threshold) also attends every pair masked
-    where the scores masking adds over block-local SA, B H T (T - sink - 2 window), fit
-    MASKED_EXCESS_UP_TO, though H T T is past MIXED_CALL_MASKED_UP_TO; one score past that
-    bound it gathers; a large call counts a sample's excess. The reference's output either way, as
-    call_runs_masked says."""
+def test_onnx_encoder_calls_also_mask_where_masking_adds_few_scores():
+    """An encoder's body (causal known False) also attends every pair masked where the scores masking
+    adds over block-local SA, B H T (T - sink - 2 window), fit policy.masked_excess_up_to, though H T T
+    is past policy.mixed_call_masked_up_to; one score past that bound it gathers. The reference's
+    output either way, as call_runs_masked says."""
     from adaptex.graphs.ops.elastic_attention import call_runs_masked
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 4
     B, H, T = 2, 3, 24
     excess = B * H * T * (T - sink - 2 * window)
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)  # per sample: past it
-    monkeypatch.setattr(ea, "MIXED_CALL_MASKED_UP_TO", H * T * T - 1)
     q, k, v, sa, km = _inputs(B, H, T, T, seed=7)
     sa[0, 0], sa[0, 1] = True, False  # a mix
 
-    def runs(masks: bool, why) -> None:  # the reference's output, by the path call_runs_masked names
-        assert call_runs_masked(B, H, T, sink, window) == masks
-        proto = _function_model("sparse", sink, window, False, decode_step=False, fused=True, masked_up_to=None)
+    def runs(masks: bool, policy) -> None:  # the reference's output, by the path call_runs_masked names
+        assert call_runs_masked(B, H, T, sink, window, policy=policy) == masks
+        vi = lambda n, t: helper.make_tensor_value_info(n, t, None)  # noqa: E731
+        node = helper.make_node("ElasticAttention", fx.EA_INPUTS, ["o"], domain="adaptex", sink=sink, window=window,
+                                causal=0)
+        ins = [vi(n, TensorProto.BOOL if n in ("sa", "key_mask") else TensorProto.FLOAT) for n in fx.EA_INPUTS]
+        body = fx.elastic_attention_function("sparse", causal_known=False, dispatch=True, decode_step=False,
+                                             fused=True, policy=policy)
+        proto = helper.make_model(helper.make_graph([node], "g", ins, [vi("o", TensorProto.FLOAT)]),
+                                  opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("adaptex", 1),
+                                                 helper.make_opsetid(fx.MS_DOMAIN, 1)], functions=[body])
         probes, = planted.expose(proto, "ElasticAttention", "Softmax", rank=3)
         out = planted.run(proto, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "sa": sa.numpy(),
                                   "key_mask": km.numpy()})
         ref = ea.elastic_attention_dense_reference(q, k, v, sa, km, sink, window, False)
-        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, why
+        assert np.abs((out["o"] - ref.numpy()) * _real_rows(km, T, T).numpy()).max() < 1e-5, policy
         ran = [out[p].shape for p in probes if out[p].size]
-        assert (ran == [(B, H, T, T)]) == masks, (why, ran)
+        assert (ran == [(B, H, T, T)]) == masks, (policy, ran)
 
-    for bound, masks in ((excess, True), (excess - 1, False)):
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", bound)
-        monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", bound)
-        runs(masks, bound)
-    # a large call (B > 1 and B H T T >= BY_SAMPLE_FROM: its gathering paths go a sample or a pair at a
-    # time) counts a sample's excess: within the bound at that threshold, past it one score below
-    monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", excess // B)
-    monkeypatch.setattr(ea, "MASKED_EXCESS_UP_TO", excess // B)
-    for from_scores, masks in ((B * H * T * T, True), (B * H * T * T + 1, False)):
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", from_scores)
-        monkeypatch.setattr(ea, "BY_SAMPLE_FROM", from_scores)
-        runs(masks, from_scores)
+    for bound, masks in ((excess, True), (excess - 1, False)):  # per sample past the plain rule
+        runs(masks, OrtPolicy(mixed_call_masked_up_to=H * T * T - 1, masked_excess_up_to=bound))
 
 
 def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
@@ -274,7 +273,7 @@ def test_onnx_encoder_pairs_run_ort_fused_attention(artifacts):
     sinks + Bq + window). Both give the reference's output. Only encoder bodies on ONNX Runtime
     hold the kernel: decoders (their dense yardstick has no fused attention) and TensorRT-bound
     bodies never do."""
-    from tests import planted
+    from tests.support import planted
 
     sink, window = 2, 6
     proto = _function_model("sparse", sink, window, False, fused=True)
@@ -314,7 +313,7 @@ def test_tensorrt_bodies_have_no_decode_step_branch(artifacts):
     (BH, 1, dh) against (BH, T, dh), so the TensorRT-bound body is the general one alone, with no If
     at all (it computes a decode step too), and the ONNX Runtime body (of an artifact without a
     decode-step graph) holds the step If at its top."""
-    from tests import planted
+    from tests.support import planted
 
     for target, ifs, options in (("tensorrt", 0, {}), ("onnx", 1, {"decode_graph": "off", "short_graph": "off"})):
         proto = planted.load(artifacts("eldec", target, "sparse", **options))
@@ -385,29 +384,22 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-@pytest.mark.parametrize("up_to", [None, 0, "excess", "large"])
-def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, monkeypatch,
-                                                                              capsys, up_to):
+@pytest.mark.parametrize("up_to", [None, 0, "excess"])
+def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, capsys, up_to):
     """An encoder's ONNX Runtime calls read what every layer derives alike from the key mask
     (fx.ENCODER_SHARED: the reach and padding tests, the pairs' key mask, a masked call's bias planes)
     as inputs that the graph computes once; the artifact passes parity with its small calls masked
     (the default threshold), with every call gathering pairs by mode (the threshold at 0), and with
-    every call masked by the encoder's second test alone (masking adds few scores: "excess"), and the
-    probed call masked only by that test counting a sample's excess, the call large ("large")."""
+    every call masked by the encoder's second test alone (masking adds few scores: "excess")."""
     import onnx
 
     model, info = checkpoint.load(elastic_ckpt)
-    if up_to in ("excess", "large"):
-        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 1)  # no call masks per sample
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", 1 << 40)  # every call masks by this test
-    elif up_to is not None:
-        monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", up_to)
-    if up_to == "large":  # the probed call (2 samples of T = 20): its batch's excess past the bound, a sample's not
-        H, cfg = model.cfg.num_heads, model.cfg
-        monkeypatch.setattr(fx, "MASKED_EXCESS_UP_TO", H * 20 * (20 - cfg.sink - 2 * cfg.window))
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 2 * H * 20 * 20)
+    if up_to == "excess":  # no call masks per sample, every call by the second test
+        policy = OrtPolicy(mixed_call_masked_up_to=1, masked_excess_up_to=1 << 40)
+    else:
+        policy = OrtPolicy() if up_to is None else OrtPolicy(mixed_call_masked_up_to=up_to)
     path = tmp_path / "el.onnx"
-    zoo.export(model, info, path)
+    zoo.export(model, info, path, policy=policy)
     graph = onnx.load(path).graph
     calls = [n for n in graph.node if n.op_type == "ElasticAttention"]
     shared = {tuple(n.input[len(fx.EA_INPUTS):]) for n in calls}
@@ -432,7 +424,7 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     assert marked <= {o for n in made.values() for o in n.output}
     assert {o for n in made.values() if n.op_type == "Range" for o in n.output} <= marked
     # which path a call of 2 unpadded samples of T = 20 took: masked, every pair's (B, H, T, S) Softmax
-    from tests import planted
+    from tests.support import planted
 
     probed = onnx.load(path)
     probes = planted.expose(probed, "ElasticAttention", "Softmax", rank=4)
@@ -446,16 +438,15 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
 
 
 @pytest.mark.parametrize("sink,window", [(0, 3), (3, 1), (4, 64)])
-def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path, monkeypatch, capsys, sink, window):
+def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path, capsys, sink, window):
     """An encoder's artifact, its calls reading what every layer derives alike (fx.ENCODER_SHARED),
     with SA pairs block-local in every call (the masked threshold at 0): no sink and an odd window, a
     window of one (no key beside the query's own) and a window wider than most calls (one block, a
     call shorter than it). It passes `adaptex check` over prompts of many lengths, padded and not."""
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
     checkpoint.save(tmp_path / "ck", zoo.tiny_elastic(sink=sink, window=window), {"description": "blocks"})
     model, info = checkpoint.load(tmp_path / "ck")
     path = tmp_path / "el.onnx"
-    zoo.export(model, info, path)
+    zoo.export(model, info, path, policy=OrtPolicy(mixed_call_masked_up_to=0))
     _checked(capsys, path)
 
 

@@ -13,7 +13,8 @@ from adaptex.cli import main
 from adaptex.exporter.trace import adaptex_nodes, trace
 from adaptex.graphs.family import family_contract
 from adaptex.graphs import checkpoint
-from adaptex.graphs.elastic_decoder import ElasticDecoderTrainConfig, attention_flops, train_elastic_decoder
+from adaptex.graphs.elastic_decoder import attention_flops
+from adaptex.graphs.recipes.elastic_decoder import ElasticDecoderTrainConfig, train_elastic_decoder
 from adaptex.graphs.errors import InputError
 from tests.support import zoo
 
@@ -110,7 +111,7 @@ def test_a_decode_step_runs_no_router(artifacts, model):
     probes come back empty) and gives the fed modes one-hot as its logits, as eager does (the
     decode-step graph an artifact holds by default has no router at all: tests/targets/test_decode_graph.py).
     TensorRT-bound graphs compute both and select (no If in their main graph)."""
-    from tests import planted
+    from tests.support import planted
 
     proto = planted.general(artifacts("eldec", decode_graph="off", short_graph="off"))
     assert sum(n.op_type == "If" for n in proto.graph.node) == model.cfg.num_layers

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints as frozen backbones: random-initialised GPT-2, LLaMA (grouped-query
 attention), RoBERTa and DistilBERT directories written by transformers match transformers on their
-dense path; elastic routers train on them from a text file, export to ONNX and Core ML, and pass
-`adaptex check`; the artifacts carry the tokenizer; bad directories are one-line errors."""
+dense path; every parameter loaded (BERT too) is its tensor in the file, by name; elastic routers
+train on them from a text file, export to ONNX and Core ML, and pass `adaptex check`; the artifacts
+carry the tokenizer; bad directories are one-line errors."""
 from __future__ import annotations
 
 import json
@@ -88,6 +89,43 @@ def test_encoder_dense_path_matches_transformers(dirs, layout):
     text_ids, _ = tok.encode(["the model is dense"])
     first, last = {"roberta": ("<s>", "</s>"), "distilbert": ("[CLS]", "[SEP]")}[layout]
     assert text_ids[0, 0] == tok._tok.token_to_id(first) and text_ids[0, -1] == tok._tok.token_to_id(last)
+
+
+# what a saved directory holds that is no parameter of the model adaptex loads: GPT-2's causal-mask
+# buffers (older transformers), BERT's position ids
+_NOT_PARAMETERS = ("attn.bias", "attn.masked_bias", "position_ids")
+
+
+@pytest.mark.parametrize("layout", hf_dirs.LAYOUTS)
+def test_every_loaded_parameter_is_its_tensor_in_the_file(dirs, layout):
+    """Each parameter adaptex loads equals, bit for bit, the tensor of its name in model.safetensors,
+    and every tensor of the file is loaded once. The test directories perturb every parameter before
+    saving, so a bias or norm weight left at its initial value differs from the file."""
+    from safetensors.torch import load_file
+
+    from adaptex.graphs.hf.encoders import LAYOUTS as ENCODER_NAMES
+    from adaptex.graphs.minilm import _hf_name
+
+    state = load_file(str(dirs[layout] / "model.safetensors"))
+    if layout in DECODERS:
+        net = load_decoder(dirs[layout])[0]
+        prefix = {"gpt2": "transformer.", "llama": "model."}[layout]
+        name = lambda n: n if n == "lm_head.weight" else prefix + n
+    else:
+        net = load_encoder(dirs[layout])[0]
+        name = ENCODER_NAMES[layout][1] if layout in ENCODER_NAMES else _hf_name
+    used = []
+    for ours, param in net.named_parameters():
+        theirs = name(ours)
+        assert theirs in state, f"{layout}: {ours} loaded from {theirs}, which the file does not hold"
+        assert torch.equal(param, state[theirs].float()), f"{layout}: {ours} differs from {theirs} in the file"
+        used.append(theirs)
+    assert len(used) == len(set(used)), f"{layout}: a file tensor loaded into two parameters"
+    tied = {"lm_head.weight"} if layout == "gpt2" else set()  # GPT-2's head is its word embedding
+    rest = set(state) - set(used) - tied
+    assert not {k for k in rest if not k.endswith(_NOT_PARAMETERS)}, f"{layout}: tensors never loaded: {sorted(rest)}"
+    zeros = [n for n, p in net.named_parameters() if not p.any() or bool((p == 1).all())]
+    assert not zeros, f"{layout}: parameters still at an initial value in the test directory: {zeros}"
 
 
 def _spread_llama(path, spread: float = 30.0):

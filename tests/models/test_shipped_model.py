@@ -133,7 +133,7 @@ def test_shipped_elastic_charlm_reproduces():
     """elastic-charlm: routers on the frozen charlm-dense decoder; a fresh evaluation on 8 of the
     recorded held-out windows agrees with the recorded SA fraction and loss increase, and the
     backbone inside it is charlm-dense's, untouched."""
-    from adaptex.graphs.elastic_decoder import evaluate_elastic_decoder
+    from adaptex.graphs.recipes.elastic_decoder import evaluate_elastic_decoder
     from adaptex.graphs.lm_tasks import StdlibChars
 
     model, info = checkpoint.load("elastic-charlm")

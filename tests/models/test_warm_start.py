@@ -41,10 +41,10 @@ def test_tsa_from_gpt2_maps_its_layers(tmp_path, capsys):
     gpt2 = hf_dirs.make("gpt2", tmp_path)
     corpus = hf_dirs.corpus(tmp_path / "c.txt")
     from adaptex.graphs.hf import load_decoder
-    from adaptex.graphs.recipes.tsa import _load_gpt2
+    from adaptex.graphs.hf.tsa_weights import gpt2_as_tsa
     from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
-    kw, init, teacher, tok, rec = _load_gpt2(str(gpt2))
+    kw, init, teacher, tok, rec = gpt2_as_tsa(str(gpt2))
     model = TSADecoder(TSAConfig(**kw, adaptive=False))
     model.load_state_dict(init)
     net, tokenizer, _ = load_decoder(gpt2)

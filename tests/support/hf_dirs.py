@@ -1,5 +1,8 @@
 """Small random-initialised Hugging Face directories, written with transformers' save_pretrained and
-a tokenizers WordLevel vocabulary: the layouts adaptex loads, nothing downloaded."""
+a tokenizers WordLevel vocabulary: the layouts adaptex loads, nothing downloaded.
+
+Every parameter is perturbed before saving: transformers starts LayerNorm and most linear biases at
+zero and norm weights at one, so a loader that never copied them would load the same model."""
 from __future__ import annotations
 
 import json
@@ -9,7 +12,7 @@ from pathlib import Path
 WORDS = ("the a an of to in on at by for with from as is was be are were it this that these those and or but "
          "not no yes model data file line text token head layer router cache window sink stream dense sparse "
          "train eval check export . ,").split()
-LAYOUTS = ("gpt2", "llama", "roberta", "distilbert")
+LAYOUTS = ("gpt2", "llama", "roberta", "distilbert", "bert")
 VOCAB = 72
 
 
@@ -50,13 +53,29 @@ def _model(layout: str, seed: int):
         cfg = tf.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                                   max_position_embeddings=128, **common)
         return tf.DistilBertModel(cfg), tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"], ("[CLS]", "[SEP]"), "[UNK]")
+    if layout == "bert":  # adaptex's BERT loader wants the tokenizer's vocabulary to be the embedding's rows
+        cfg = tf.BertConfig(vocab_size=4 + len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=128, **common)
+        return tf.BertModel(cfg, add_pooling_layer=False), tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
+                                                                     ("[CLS]", "[SEP]"), "[UNK]")
     raise ValueError(layout)
 
 
+def perturb(model, seed: int, scale: float = 0.05) -> None:
+    """Every parameter moved by seeded noise of `scale` (a tied one once), so that none is zero or one."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
 def make(layout: str, root: Path, seed: int = 0) -> Path:
-    """A directory of `layout` (gpt2, llama, roberta, distilbert) under root: config.json,
-    model.safetensors, tokenizer.json."""
+    """A directory of `layout` (gpt2, llama, roberta, distilbert, bert) under root: config.json,
+    model.safetensors, tokenizer.json; every parameter perturbed."""
     model, tok = _model(layout, seed)
+    perturb(model, seed)
     path = Path(root) / layout
     model.eval().save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))

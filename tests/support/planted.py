@@ -22,12 +22,12 @@ def general(path) -> onnx.ModelProto:
     no other dispatch) its general program, the one every call these tests make runs, as an artifact
     of its own: the file's metadata without the large-call entry."""
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.exporter.targets.onnx import dispatch, stamp
+    from adaptex.exporter.targets.onnx import programs, stamp
 
     proto, meta = load(path), read_onnx_metadata(path)
     if not meta.get("large_call"):
         return proto
-    program = dispatch.program(proto, (False,))
+    program = programs.program(proto, (False,))
     stamp(program, {k: v for k, v in meta.items() if k != "large_call"}, proto.doc_string)
     return program
 

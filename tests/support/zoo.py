@@ -114,6 +114,8 @@ def export(model, info: dict | None, path, target: str = "onnx", **kw) -> dict:
 
     if info is not None:
         model.adaptex_source = {**info, "name": info.get("name") or info.get("path")}
+    if target == "onnx":  # the same graphs on every CPU (adaptex.export measures the floor's default here)
+        kw.setdefault("softmax_floor", "on")
     return adaptex.export(model, None, path, target=target, **kw)
 
 

@@ -11,9 +11,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attention_by_sample, by_sample_ifs
+from adaptex.exporter.targets.onnx import programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample, by_sample_ifs
+from adaptex.graphs.ops.policy import OrtPolicy
 from tests.support import planted
 
 B, H, T, dh = 3, 2, 6, 4
@@ -43,12 +44,12 @@ def _run(model: onnx.ModelProto, feeds: dict, tmp_path) -> tuple[np.ndarray, Cou
 
 
 @pytest.mark.parametrize("mask_batch", ["b", 1])
-def test_a_large_batchs_attention_runs_by_sample_with_the_same_values(mask_batch, tmp_path, monkeypatch):
+def test_a_large_batchs_attention_runs_by_sample_with_the_same_values(mask_batch, tmp_path):
     rng = np.random.default_rng(0)
     before = _attention(mask_batch)
     after = _attention(mask_batch)
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)  # this batch is large, one sample is not
-    assert attention_by_sample(after) == 1
+    # this batch is large, one sample is not
+    assert attention_by_sample(after, OrtPolicy(by_sample_from=B * H * T * T)) == 1
     onnx.checker.check_model(after, full_check=True)
     for batch in (B, 1):
         feeds = {n: rng.standard_normal((batch, H, T, dh)).astype(np.float32) for n in "qkv"}
@@ -84,15 +85,14 @@ def _gathered_bias(op: str, read_again: bool = False) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("op", ["Gather", "GatherND"])
-def test_a_bias_gathered_by_sample_is_gathered_in_the_loop(op, tmp_path, monkeypatch):
+def test_a_bias_gathered_by_sample_is_gathered_in_the_loop(op, tmp_path):
     """The gather that makes the (b, H, t, t) bias moves into the rewrite: the Loop gathers each
     sample's planes by its own row of indices, the batched branch the batch's, and the values stay
     the batched kernels'; a bias read again stays where it is, sliced a sample at a time."""
     rng = np.random.default_rng(1)
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", B * H * T * T)
     for read_again in (False, True):
         before, after = _gathered_bias(op, read_again), _gathered_bias(op, read_again)
-        assert attention_by_sample(after) == 1
+        assert attention_by_sample(after, OrtPolicy(by_sample_from=B * H * T * T)) == 1
         onnx.checker.check_model(after, full_check=True)
         assert [n.op_type for n in after.graph.node if n.op_type == op] == ([op] if read_again else [])
         for batch in (B, 1):
@@ -128,19 +128,18 @@ def test_attention_whose_probabilities_are_read_again_is_left_alone():
     assert attention_by_sample(model) == 0 and model.SerializeToString() == before
 
 
-def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_path, monkeypatch):
-    """Every call counted large (BY_SAMPLE_FROM = 1): the gated blocks' attention (the op bodies)
+def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_path):
+    """Every call counted large (policy.by_sample_from = 1): the gated blocks' attention (the op bodies)
     runs a sample at a time, with the outputs of the artifact exported as shipped. The first block's
     plain attention stays batched: a decoder's main graph also serves its decode steps, where the
     pass's If would only cost (with --dense-rows, its sparse branch gets it: the test below)."""
     from adaptex.graphs import checkpoint
-    from tests import zoo
+    from tests.support import zoo
 
     checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
     zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
-    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
+    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off", policy=OrtPolicy(by_sample_from=1))
     assert by_sample_ifs(onnx.load(tmp_path / "by_sample.onnx").graph.node) == 0
     rng = np.random.default_rng(0)
     ids = rng.integers(2, model.cfg.vocab_size, size=(3, 12)).astype(np.int64)
@@ -159,21 +158,21 @@ def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_p
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=o.name)
 
 
-def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, monkeypatch):
+def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path):
     """--dense-rows N: the dense branch runs calls of at most N token rows, whose scores are at most
     N x heads x the longest sequence; below the threshold its If would only cost (a decode step)."""
     from adaptex.graphs import checkpoint
-    from tests import zoo
+    from tests.support import zoo
 
     checkpoint.save(tmp_path / "ck", zoo.tiny_tsa(), {"training": {"task": "copy"}, "description": "test decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
     cfg = model.cfg
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
+    policy = OrtPolicy(by_sample_from=8 * cfg.num_heads * cfg.max_len + 1)  # 8 rows stay below it
     for rows, dense_ifs in ((8, 0), (9, 1)):
         path = tmp_path / f"merged{rows}.onnx"
-        zoo.export(model, info, path, dense_rows=rows)
+        zoo.export(model, info, path, dense_rows=rows, policy=policy)
         # the sparse branch holds the large-call If: its general program and the large-call one
-        step, dense, general, large = (dispatch.program(onnx.load(path), p)
+        step, dense, general, large = (programs.program(onnx.load(path), p)
                                        for p in ((True,), (False, True), (False, False, False), (False, False, True)))
         assert not any(n.domain == fx.DOMAIN for g in (step, dense) for n in g.graph.node)
         assert any(n.domain == fx.DOMAIN for n in general.graph.node)
@@ -182,21 +181,20 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path, mo
 
 
 @pytest.mark.parametrize("modes", ["mixed", "fa"])
-def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs(modes, tmp_path, monkeypatch):
+def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs(modes, tmp_path):
     """ElasticAttention's FA paths (every pair as it is; the gathered FA pairs of a mixed call) run a
-    sample (a pair) at a time where the call is large; forced here (BY_SAMPLE_FROM = 1, no masked
+    sample (a pair) at a time where the call is large; forced here (by_sample_from = 1, no masked
     path in the op's body and no short-call graphs, which would take this prefill), against the same
     export batched."""
     from adaptex.graphs import checkpoint
-    from tests import zoo
-    from tests.test_decode_graph import _feeds
+    from tests.support import zoo
+    from tests.targets.test_decode_graph import _feeds
 
     checkpoint.save(tmp_path / "ck", zoo.tiny_elastic_decoder(), {"description": "test elastic decoder"})
     model, info = checkpoint.load(tmp_path / "ck")
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
-    zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off")
-    monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
-    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off")
+    zoo.export(model, info, tmp_path / "batched.onnx", short_graph="off", policy=OrtPolicy(mixed_call_masked_up_to=0))
+    zoo.export(model, info, tmp_path / "by_sample.onnx", short_graph="off",
+               policy=OrtPolicy(mixed_call_masked_up_to=0, by_sample_from=1))
     sess = ort.InferenceSession(str(tmp_path / "batched.onnx"), providers=["CPUExecutionProvider"])
     feeds = _feeds(sess, 3, 24, 0, modes, pad=2)
     want = sess.run(None, feeds)

@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.functions import EA_INPUTS, MIXED_STEP_MASKED_UP_TO, STEP_SHARED
-from adaptex.exporter.targets.onnx.passes import by_sample_ifs, subgraphs
+from adaptex.exporter.targets.onnx import dispatch, programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.bodies import EA_INPUTS, STEP_SHARED
+from adaptex.graphs.ops.policy import DEFAULT
+from adaptex.exporter.targets.onnx.passes import subgraphs
+from adaptex.exporter.targets.onnx.passes_by_sample import by_sample_ifs
 from adaptex.graphs import checkpoint
 from tests.support import planted, zoo
 from tests.support.ort_sessions import session as _session
@@ -73,23 +75,17 @@ def _ran(path, feeds, tmp_path) -> set[str]:
     sess.run(None, feeds)
     events = json.loads(open(sess.end_profiling()).read())
     innermost = (e["name"].rsplit(dispatch.RESERVED, 1)[-1].split(".")[0] for e in events if e.get("cat") == "Node")
-    return {t for t in innermost if t in ("near", "step", "short", "masked_large", "masked", "long")}
+    return {t for t in innermost if t in ("step", "short", "masked_large", "masked", "long")}
 
 
 # the tiny elastic decoder: sink 2, window 8, so prefills of at most 10 tokens run the short-call graph,
-# longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within MIXED_CALL_MASKED_UP_TO) the
-# masked short-call graph, or from batch x 4 heads x T x T = 2^22 scores (fx.BY_SAMPLE_FROM: B64 at
-# T = 128) its form that attends a sample at a time, and steps of at most 20 keys (fx.NEAR_STEP_KEYS x
-# 10) and 640 batch x keys (fx.NEAR_STEP_KEYS_CELLS x 10), or 60 batch x keys (fx.NEAR_STEP_CELLS x
-# 10), the near-cache step graph
+# longer ones (to its 128 positions: 4 heads x 128 x 128 scores is within policy.mixed_call_masked_up_to)
+# the masked short-call graph, or from batch x 4 heads x T x T = 2^22 scores (policy.by_sample_from: B64
+# at T = 128) its form that attends a sample at a time, and every decode step the step graph
 @pytest.mark.parametrize("batch, seq, past, branch", [
-    (1, 1, 9, "near"),      # a decode step after a short cache
-    (5, 1, 19, "near"),     # 20 keys
-    (32, 1, 19, "near"),    # 20 keys, 640 cells
-    (33, 1, 19, "step"),    # 660 cells: past the key count's cap
-    (5, 1, 20, "step"),     # a decode step: 21 keys, 105 cells
-    (3, 1, 20, "step"),     # 21 keys, 63 cells
-    (1, 1, 59, "near"),     # 60 cells
+    (1, 1, 9, "step"),      # a decode step after a short cache
+    (33, 1, 19, "step"),
+    (5, 1, 20, "step"),     # a decode step: 21 keys
     (1, 1, 60, "step"),
     (2, 1, 0, "short"),     # a prompt of one token: the routers decide
     (2, 6, 0, "short"),     # a prompt within the streaming heads' reach
@@ -116,7 +112,7 @@ def _same(got: list, want: list, names: list) -> None:
 
 
 @pytest.mark.parametrize("batch, past, modes, pad", [
-    (1, 9, "sa", 0),      # a near-cache step (at most 20 keys): every pair over every key, masked
+    (1, 9, "sa", 0),      # a step after a short cache, every pair SA
     (2, 15, "mixed", 3),  # ... a mix, with left padding
     (2, 19, "fa", 0),     # ... every pair FA
     (1, 60, "mixed", 2),  # ... after a longer cache, at B1 (at most 80 batch x keys)
@@ -124,7 +120,7 @@ def _same(got: list, want: list, names: list) -> None:
     (3, 30, "sa", 4),     # ... with left padding in the window's reach
     (3, 30, "fa", 3),     # every pair FA
     (4, 40, "mixed", 2),  # a mix, small: every pair over every key, SA keys outside masked
-    (336, 99, "mixed", 5),  # a mix past MIXED_STEP_MASKED_UP_TO floats: pairs gathered by mode
+    (336, 99, "mixed", 5),  # a mix past DEFAULT.mixed_step_masked_up_to floats: pairs gathered by mode
     (2, 3, "sa", 0),      # a cache shorter than the sinks and the window
 ])
 def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, past, modes, pad):
@@ -132,7 +128,7 @@ def test_the_step_graph_computes_what_the_general_graph_does(decoders, batch, pa
     feeds = _feeds(sess, batch, 1, past, modes, pad)
     if (batch, past) == (336, 99):
         heads, dim = sess.get_inputs()[2].shape[1], sess.get_inputs()[2].shape[3]
-        assert batch * heads * (past + 1) * dim > MIXED_STEP_MASKED_UP_TO  # the pairs path runs
+        assert batch * heads * (past + 1) * dim > DEFAULT.mixed_step_masked_up_to  # the pairs path runs
     names = [o.name for o in sess.get_outputs()]
     _same(sess.run(None, feeds), _session(decoders["eldec-general.onnx"]).run(None, feeds), names)
 
@@ -188,10 +184,10 @@ def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decode
 def longer_decoder(tmp_path_factory) -> dict:
     """The tiny elastic decoder with 320 positions, exported by default and as its general graph alone:
     past its masked short-call program's 181 tokens (4 heads x 181^2 scores a sample is within
-    MIXED_CALL_MASKED_UP_TO), a prefill also runs that program where the scores masking adds over
+    policy.mixed_call_masked_up_to), a prefill also runs that program where the scores masking adds over
     block-local attention, batch x 4 heads x T x (T - sink - 2 window = T - 18), are at most
-    PREFILL_MASKED_EXCESS_UP_TO (2^18): B1 up to T = 265, B2 up to 190; a batch whose attention runs a
-    sample at a time (batch x 4 x T^2 >= fx.BY_SAMPLE_FROM = 2^22) counts as B1."""
+    policy.prefill_masked_excess_up_to (2^18): B1 up to T = 265, B2 up to 190; a batch whose attention
+    runs a sample at a time (batch x 4 x T^2 >= policy.by_sample_from = 2^22) counts as B1."""
     from adaptex.graphs.family import family_contract
 
     d = tmp_path_factory.mktemp("longer")
@@ -205,11 +201,15 @@ def longer_decoder(tmp_path_factory) -> dict:
 
 def test_the_artifact_records_where_longer_prefills_run_the_masked_program(longer_decoder):
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO
 
-    within = read_onnx_metadata(longer_decoder["default"])["short_call"]
-    assert within["masked_keys"] == 181 and PREFILL_MASKED_EXCESS_UP_TO == 1 << 18
-    assert within["masked_excess"] == {"heads": 4, "beyond": 18, "up_to": PREFILL_MASKED_EXCESS_UP_TO}
+    meta = read_onnx_metadata(longer_decoder["default"])
+    masked = next(p for p in meta["programs"] if p["name"] == "masked short-call")
+    assert masked["masked"] and DEFAULT.prefill_masked_excess_up_to == 1 << 18
+    assert masked["guard"] == {"all": [{"any": [
+        {"axes": [["attention_mask", 1]], "op": "<=", "value": 181},
+        {"axes": [["attention_mask", 0], ["attention_mask", 1], ["attention_mask", 1, 18]], "op": "<=",
+         "value": DEFAULT.prefill_masked_excess_up_to, "scale": 4}]},
+        {"axes": [["past_key_values.0.key", 2]], "op": "==", "value": 0}]}
 
 
 @pytest.mark.parametrize("batch, seq, pad, branch", [
@@ -224,14 +224,14 @@ def test_the_artifact_records_where_longer_prefills_run_the_masked_program(longe
 ])
 def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph_does(
         longer_decoder, tmp_path, batch, seq, pad, branch):
-    """The branch the graph takes is the one dispatch.taken (and so bench) names, the masked ones
+    """The branch the graph takes is the one the stored guards (and so bench) name, the masked ones
     where elastic_attention.call_runs_masked says (a sample's excess where the call is large); its
     outputs are the general graph's, decisions exactly, where parity compares them (the contract's
     select: a padded position's logits and cache entries, which the gathering and the masked paths
     compute differently, mean nothing)."""
     from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO, call_runs_masked
-    from adaptex.runtimes.bench import ran_graph
+    from adaptex.graphs.ops.elastic_attention import call_runs_masked
+    from adaptex.runtimes.bench_accounting import program_entry
 
     path = longer_decoder["default"]
     sess = _session(path)
@@ -239,8 +239,8 @@ def test_each_longer_prefill_runs_one_branch_and_computes_what_the_general_graph
     assert _ran(path, feeds, tmp_path) == {branch}
     names = {"masked": "masked short-call", "masked_large": "masked short-call (attention by sample)",
              "long": "general"}
-    assert ran_graph(read_onnx_metadata(path), seq, 0, batch) == names[branch]
-    assert call_runs_masked(batch, 4, seq, 2, 8, PREFILL_MASKED_EXCESS_UP_TO) == (branch != "long")
+    assert program_entry(read_onnx_metadata(path), feeds)["name"] == names[branch]
+    assert call_runs_masked(batch, 4, seq, 2, 8, DEFAULT.prefill_masked_excess_up_to) == (branch != "long")
     out, rows = [o.name for o in sess.get_outputs()], np.arange(batch)
     got, want = ([longer_decoder["contract"].select(n, v, feeds, {"past": 0}, rows) for n, v in zip(out, values)]
                  for values in (sess.run(None, feeds), _session(longer_decoder["general"]).run(None, feeds)))
@@ -252,9 +252,8 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
     every layer, the masked one a second for the streaming heads) and read no cache (its shape at
     most); the long one calls the op."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    short, by_sample, masked, long = (dispatch.program(proto, path).graph for path in (
-        (False, False, True), (False, False, False, True), (False, False, False, False, True),
-        (False, False, False, False, False)))
+    short, by_sample, masked, long = (programs.program(proto, path).graph for path in (
+        (False, True), (False, False, True), (False, False, False, True), (False, False, False, False)))
     for g in (short, masked, by_sample):
         assert not any(n.domain == "adaptex" for n in g.node)
         assert {n.op_type for n in g.node for i in n.input if i.startswith("past_key_values.")} <= {"Shape"}
@@ -276,7 +275,10 @@ def test_the_short_call_graphs_run_no_elastic_op_and_a_long_call_does(decoders):
         loop = next(a.g for a in n.attribute if a.name == "then_branch").node[-1]
         assert "GatherND" in [m.op_type for m in next(a.g for a in loop.attribute if a.name == "body").node]
     assert any(n.domain == "adaptex" for n in long.node)
-    assert dispatch.short_keys_of(proto) == 10
+    from adaptex.exporter.metadata import read_onnx_metadata
+
+    short_guard = read_onnx_metadata(decoders["eldec.onnx"])["programs"][1]["guard"]["all"][0]
+    assert short_guard == {"axes": [["attention_mask", 1]], "op": "<=", "value": 10}
 
 
 def _softmaxes(model: onnx.ModelProto) -> tuple[int, int]:
@@ -306,12 +308,12 @@ def test_the_softmax_floor_goes_where_prefills_run(decoders, artifacts):
     graph, which serves its steps too), not in those that serve only decode steps (the step graphs, a
     decoder's dense step graph)."""
     proto = onnx.load(str(decoders["eldec.onnx"]))
-    for path, floored in (((True,), False), ((False, True), False), ((False, False, True), True),
+    for path, floored in (((True,), False), ((False, True), True), ((False, False, True), True),
                           ((False, False, False, True), True), ((False, False, False, False), True)):
-        total, with_floor = _softmaxes(dispatch.program(proto, path))
+        total, with_floor = _softmaxes(programs.program(proto, path))
         assert total and with_floor == (total if floored else 0), (path, total, with_floor)
     rows = onnx.load(str(artifacts("tsa", dense_rows="8")))
-    step, dense, sparse = (_softmaxes(dispatch.program(rows, p)) for p in ((True,), (False, True), (False, False)))
+    step, dense, sparse = (_softmaxes(programs.program(rows, p)) for p in ((True,), (False, True), (False, False)))
     assert step[0] and step[1] == 0 and dense[1] == dense[0] == step[0] and sparse[1] == sparse[0] > 0
     one = _softmaxes(onnx.load(str(decoders["tsa-general.onnx"])))
     assert one[1] == one[0] > 0
@@ -329,7 +331,7 @@ def test_softmax_floor_off_leaves_it_out_of_every_program_and_keeps_the_outputs(
     on, off = artifacts("tsa", dense_rows="8"), artifacts("tsa", dense_rows="8", softmax_floor="off")
     proto = onnx.load(str(off))
     for path in ((True,), (False, True), (False, False)):
-        total, floored = _softmaxes(dispatch.program(proto, path))
+        total, floored = _softmaxes(programs.program(proto, path))
         assert total and not floored, path
     assert read_onnx_metadata(off)["softmax_floor"] is False and read_onnx_metadata(on)["softmax_floor"] is True
     a, b = _session(on), _session(off)
@@ -354,21 +356,18 @@ def test_every_branch_holds_its_weights_once_onnx_runtime_has_loaded_it(decoders
             if n.op_type == "If" and n.name.startswith(dispatch.RESERVED):
                 for a in n.attribute:
                     yield a.name, a.g
-    near, others = (g for _, g in branches(loaded.graph))
-    step, general = (g for _, g in branches(others))
+    step, general = (g for _, g in branches(loaded.graph))
     short, longer = (g for _, g in branches(general))
     by_sample, rest = (g for _, g in branches(longer))
     masked, long = (g for _, g in branches(rest))
-    for g in (near, step, short, by_sample, masked, long):  # six graphs, each with its own folded copies
+    for g in (step, short, by_sample, masked, long):  # five graphs, each with its own folded copies
         assert not any(n.op_type == "Reshape" and ".fold." in n.name for n in g.node)
         assert len([i for i in g.initializer if np.prod(i.dims) > 1]) >= len(weights) // 2
 
 
 def test_an_sa_pair_reads_nothing_of_its_cache_outside_its_sinks_and_window(decoders, family_checkpoints):
     """NaN in every cache entry an SA query does not see leaves a step whose pairs are all SA
-    finite and unchanged: those entries are never read (the general graph's masking reads them, as
-    does the near-cache step graph, which attends at most fx.NEAR_STEP_KEYS x (sink + window) keys
-    masked)."""
+    finite and unchanged: those entries are never read (the general graph's masking reads them)."""
     sess = _session(decoders["eldec.onnx"])
     model, _ = checkpoint.load(family_checkpoints / "eldec")
     sink, window, past = model.cfg.sink, model.cfg.window, 40
@@ -410,44 +409,26 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     from adaptex.exporter.metadata import read_onnx_metadata
 
     meta = read_onnx_metadata(decoders["eldec.onnx"])
-    assert meta["decode_step"]["new_tokens_input"] == "input_ids"
-    assert meta["decode_step"]["cache_input"] == "past_key_values.0.key"
-    assert "decode_step" not in read_onnx_metadata(decoders["eldec-general.onnx"])
-    assert meta["short_call"] == {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10,
-                                  "masked_keys": 128, "masked_large_call": {"heads": 4, "from_scores": 1 << 22}}
-    assert "short_call" not in read_onnx_metadata(decoders["eldec-general.onnx"])
-    assert meta["decode_step"]["near_keys"] == 20 and meta["decode_step"]["keys_input"] == "attention_mask"
-    assert meta["decode_step"]["near_cells"] == 60 and meta["decode_step"]["near_keys_cells"] == 640
+    assert [p["name"] for p in meta["programs"]] == ["decode-step", "short-call", "masked short-call (attention by sample)",
+                                                     "masked short-call", "general"]
+    assert meta["programs"][0]["guard"] == {"all": [{"axes": [["input_ids", 1]], "op": "==", "value": 1},
+                                                    {"axes": [["past_key_values.0.key", 2]], "op": ">", "value": 0}]}
+    assert "programs" not in read_onnx_metadata(decoders["eldec-general.onnx"])
     proto = onnx.load(str(decoders["eldec.onnx"]))
     assert proto.graph.node[-1].op_type == "If"
     top = {a.name: a.g for a in proto.graph.node[-1].attribute}
-    near, steps = top["then_branch"], top["else_branch"]  # steps of at most 20 keys (or 60 cells), the rest
-    assert steps.node[-1].op_type == "If"
-    branches = {a.name: a.g for a in steps.node[-1].attribute}
-    step, prompts = branches["then_branch"], branches["else_branch"]
-    assert [n.op_type for n in prompts.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
-                                                 "And", "If"]  # short or long
-    longer = {a.name: a.g for a in prompts.node[-1].attribute}["else_branch"]
-    assert [n.op_type for n in longer.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
-                                                "And", "Shape", "Squeeze", "Mul", "Mul", "Mul", "GreaterOrEqual",
-                                                "Greater", "And", "And", "If"]  # masked by sample, or the rest
-    longer = {a.name: a.g for a in longer.node[-1].attribute}["else_branch"]
-    assert [n.op_type for n in longer.node] == ["Shape", "Squeeze", "Shape", "Squeeze", "LessOrEqual", "Equal",
-                                                "And", "If"]  # masked short or long
-    general = {a.name: a.g for a in longer.node[-1].attribute}["else_branch"]
+    step, prompts = top["then_branch"], top["else_branch"]
+    general = prompts
+    for _ in range(3):  # short, masked by sample, masked short: each an If whose else holds the rest
+        assert general.node[-1].op_type == "If"
+        general = {a.name: a.g for a in general.node[-1].attribute}["else_branch"]
     # no router in the step graph; beside it, the general graph's calls after a cache are chunks of
     # several tokens, so its routers compute and select (no If a layer at a prefill)
     assert not any(n.op_type == "If" for n in step.node) and not any(n.op_type == "If" for n in general.node)
     assert any(n.op_type == "Where" for n in general.node)
     calls = [n for n in step.node if n.domain == "adaptex"]
     assert calls and all(n.overload == dispatch.STEP_OVERLOAD for n in calls)
-    assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {
-        "", dispatch.STEP_OVERLOAD, dispatch.NEAR_OVERLOAD}
-    # the near-cache step graph: the step graph's nodes, its calls' bodies masked, with no If at all
-    near_calls = [n for n in near.node if n.domain == "adaptex"]
-    assert len(near_calls) == len(calls) and all(n.overload == dispatch.NEAR_OVERLOAD for n in near_calls)
-    near_body, = (f for f in proto.functions if f.name == "ElasticAttention" and f.overload == dispatch.NEAR_OVERLOAD)
-    assert not any(n.op_type == "If" for n in near.node) and not any(n.op_type == "If" for n in near_body.node)
+    assert {f.overload for f in proto.functions if f.name == "ElasticAttention"} == {"", dispatch.STEP_OVERLOAD}
     # what every layer's step body reads alike (the positions an SA query reads, the padding biases)
     # is computed once in the step graph and read by every call: the body computes no position
     shared = {tuple(n.input[len(EA_INPUTS):]) for n in calls}
@@ -460,7 +441,7 @@ def test_the_artifact_records_the_step_graph_which_runs_no_router(decoders):
     assert fused and not any(n.op_type == "SkipLayerNormalization" for n in general.node)
     single = onnx.load(str(decoders["eldec-general.onnx"]))
     params = {i.name for i in single.graph.initializer
-              if i.name.startswith("model.") and np.prod(i.dims) > dispatch.COPIED_UP_TO}
+              if i.name.startswith("model.") and np.prod(i.dims) > DEFAULT.copied_up_to}
     assert params and params <= {i.name for i in proto.graph.initializer}  # the weights, stored once
     assert sum(np.prod(i.dims) for i in proto.graph.initializer) < 1.2 * sum(np.prod(i.dims) for i in single.graph.initializer)
 
@@ -505,77 +486,6 @@ def test_cli_refuses_it_for_another_target(family_checkpoints, tmp_path):
     assert not (tmp_path / "m.mlpackage").exists()
 
 
-def test_metadata_with_a_malformed_short_call_is_refused(decoders):
-    from adaptex.exporter.metadata import read_onnx_metadata, validate
-    from adaptex.graphs.errors import AdaptexError
-
-    meta = read_onnx_metadata(decoders["eldec.onnx"])
-    good = meta["short_call"]
-    for bad in ({**good, "max_keys": "10"}, {**good, "max_keys": 0}, {**good, "max_keys": True},
-                {**good, "keys_input": "nope"}, {"max_keys": 10}, "10", {**good, "masked_keys": 10},
-                {**good, "masked_keys": "128"}, {**good, "masked_keys": True},
-                {**good, "masked_large_call": {"heads": 4}}, {**good, "masked_large_call": 4},
-                {**good, "masked_large_call": {**good["masked_large_call"], "from_scores": 0}},
-                {**good, "masked_large_call": {**good["masked_large_call"], "heads": True}},
-                {**good, "masked_large_call": {**good["masked_large_call"], "ids_input": "input_ids"}},
-                {k: v for k, v in good.items() if k != "masked_keys"},
-                {**good, "masked_excess": {"heads": 4, "beyond": 18}}, {**good, "masked_excess": 4},
-                {**good, "masked_excess": {"heads": 4, "beyond": -1, "up_to": 9}},
-                {**good, "masked_excess": {"heads": 4, "beyond": True, "up_to": 9}},
-                {**good, "masked_excess": {"heads": 0, "beyond": 18, "up_to": 9}},
-                {**good, "masked_excess": {"heads": 4, "beyond": 18, "up_to": "9"}},
-                {**{k: v for k, v in good.items() if k != "masked_keys"},
-                 "masked_excess": {"heads": 4, "beyond": 18, "up_to": 9}}):
-        with pytest.raises(AdaptexError, match="short_call"):
-            validate({**meta, "short_call": bad}, "m.onnx")
-    step = meta["decode_step"]
-    for bad in ({**step, "near_keys": "20"}, {**step, "near_keys": 0}, {**step, "near_keys": False},
-                {**step, "near_cells": 0}, {**step, "near_cells": 8.0}, {**step, "near_cells": None},
-                {**step, "near_keys_cells": 0}, {**step, "near_keys_cells": "640"},
-                {k: v for k, v in step.items() if k != "near_cells"},
-                {k: v for k, v in step.items() if k != "near_keys"},
-                {**step, "keys_input": "nope"}, {k: v for k, v in step.items() if k != "keys_input"}):
-        with pytest.raises(AdaptexError, match="decode_step' with near_keys"):
-            validate({**meta, "decode_step": bad}, "m.onnx")
-
-
-def test_bench_names_the_graph_a_call_runs():
-    from adaptex.runtimes.bench import ran_graph
-
-    both = {"decode_step": {"new_tokens_input": "input_ids", "cache_input": "past_key_values.0.key"},
-            "short_call": {"keys_input": "attention_mask", "cache_input": "past_key_values.0.key", "max_keys": 10}}
-    assert ran_graph(both, 1, 5) == "decode-step" and ran_graph(both, 1, 0) == "short-call"
-    assert ran_graph(both, 10, 0) == "short-call" and ran_graph(both, 11, 0) == "general"
-    assert ran_graph(both, 3, 5) == "general"  # new tokens after a cache: the general graph
-    masked = {**both, "short_call": {**both["short_call"], "masked_keys": 128}}
-    assert ran_graph(masked, 10, 0) == "short-call" and ran_graph(masked, 11, 0) == "masked short-call"
-    assert ran_graph(masked, 128, 0) == "masked short-call" and ran_graph(masked, 129, 0) == "general"
-    assert ran_graph(masked, 3, 5) == "general" and ran_graph(masked, 1, 5) == "decode-step"
-    large = {**masked, "short_call": {**masked["short_call"], "masked_large_call": {"heads": 4, "from_scores": 1 << 22}}}
-    assert ran_graph(large, 128, 0, batch=64) == "masked short-call (attention by sample)"
-    assert ran_graph(large, 128, 0, batch=63) == ran_graph(large, 128, 0) == "masked short-call"
-    assert ran_graph(large, 10, 0, batch=64) == "short-call" and ran_graph(large, 129, 0, batch=64) == "general"
-    assert ran_graph(large, 1, 127, batch=64) == "decode-step"
-    # longer prefills where batch x heads x keys x (keys - beyond) <= up_to, a large call's a sample's
-    excess = {**large, "short_call": {**large["short_call"], "masked_excess": {"heads": 4, "beyond": 100,
-                                                                                "up_to": 4 * 150 * 50}}}
-    assert ran_graph(excess, 150, 0) == "masked short-call" and ran_graph(excess, 151, 0) == "general"
-    assert ran_graph(excess, 140, 0, batch=2) == "general" and ran_graph(excess, 128, 0, batch=2) == "masked short-call"
-    assert ran_graph(excess, 150, 0, batch=64) == "masked short-call (attention by sample)"
-    assert ran_graph(excess, 150, 5) == "general" and ran_graph(excess, 151, 0, batch=64) == "general"
-    assert ran_graph({"decode_step": both["decode_step"]}, 10, 0) == "general"
-    assert ran_graph({}, 10, 0) is None
-    near = {**both, "decode_step": {**both["decode_step"], "keys_input": "attention_mask", "near_keys": 20,
-                                    "near_cells": 80}}
-    for seq, past, batch in ((1, 19, 1), (1, 79, 1), (1, 25, 3)):
-        assert ran_graph(near, seq, past, batch) == "near-cache decode-step"
-    assert ran_graph(near, 1, 80) == ran_graph(near, 1, 25, batch=4) == "decode-step"
-    assert ran_graph(near, 4, 19, batch=9) == "general"
-    capped = {**near, "decode_step": {**near["decode_step"], "near_keys_cells": 100}}
-    assert ran_graph(capped, 1, 19, batch=5) == ran_graph(capped, 1, 79) == "near-cache decode-step"
-    assert ran_graph(capped, 1, 19, batch=6) == "decode-step"  # 120 cells: the key count no longer counts
-
-
 def test_a_constant_named_as_a_value_of_the_other_graph_is_renamed():
     """A graph merged in with its constants stored in the main graph (dispatch._share_weights): one
     of them named as a value the other graph makes inside a subgraph of its own (exporters name
@@ -609,26 +519,3 @@ def test_a_constant_named_as_a_value_of_the_other_graph_is_renamed():
         x = np.arange(s, dtype=np.float32)[None]
         got, = sess.run(None, {"ids": x, "past": np.zeros((1, 1, 0, 1), np.float32)})
         np.testing.assert_allclose(got, want(x), rtol=1e-6)
-
-
-def test_without_the_softmax_floor_more_steps_run_the_near_cache_graph(decoders, artifacts, tmp_path):
-    """--softmax-floor off (a CPU whose Softmax takes masked scores at full speed) records
-    fx.NEAR_STEP_CELLS_UNFLOORED for the near-cache graph's batch x keys, where the floored file keeps
-    fx.NEAR_STEP_CELLS, and no cap on its key count's rule (near_keys_cells): a B1 step after 99
-    cached tokens (100 cells) and a B33 step after 19 (20 keys, 660 cells) run the near graph there
-    and the step graph here, with the same outputs."""
-    from adaptex.exporter.metadata import read_onnx_metadata
-
-    on, off = decoders["eldec.onnx"], artifacts("eldec", softmax_floor="off")
-    reach = 10  # the tiny decoder's sink + window
-    floored, plain = (read_onnx_metadata(p)["decode_step"] for p in (on, off))
-    assert floored["near_cells"] == fx.NEAR_STEP_CELLS * reach
-    assert floored["near_keys_cells"] == fx.NEAR_STEP_KEYS_CELLS * reach
-    assert plain["near_cells"] == fx.NEAR_STEP_CELLS_UNFLOORED * reach and "near_keys_cells" not in plain
-    assert plain["near_keys"] == floored["near_keys"] == 2 * reach
-    a, b = _session(on), _session(off)
-    for batch, past, ran in ((1, 99, ("step", "near")), (1, 120, ("step", "step")), (2, 59, ("step", "near")),
-                             (33, 19, ("step", "near")), (33, 20, ("step", "step"))):
-        feeds = _feeds(a, batch, 1, past, pad=2 if batch > 1 else 0)
-        assert (*_ran(on, feeds, tmp_path), *_ran(off, feeds, tmp_path)) == ran, (batch, past)
-        _same(b.run(None, feeds), a.run(None, feeds), [o.name for o in a.get_outputs()])

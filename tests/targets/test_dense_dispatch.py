@@ -16,9 +16,10 @@ import onnxruntime as ort
 import pytest
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx import dispatch, guards
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError, CheckpointError
+from adaptex.graphs.ops.policy import DEFAULT
 from tests.support import zoo
 from tests.support.ort_sessions import session as _session
 
@@ -127,19 +128,18 @@ def test_the_artifact_records_the_threshold_and_holds_the_weights_once(merged, a
     meta = read_onnx_metadata(merged["tsa"])
     assert meta["variant"] == "sparse"
     assert meta["dispatch"]["dense_rows"] == ROWS and meta["dispatch"]["rows_input"] == "input_ids"
-    assert meta["dispatch"]["step_graph"] is True
+    assert [p["name"] for p in meta["programs"]] == ["dense decode-step", "dense", "general"]
+    assert [p["variant"] for p in meta["programs"]] == ["dense", "dense", "sparse"]
     assert set(meta["dispatch"]["dense_lowerings"].values()) == {"conditional_attention_onnx_dense",
                                                                  "conditional_ffn_onnx_dense"}
     proto = onnx.load(str(merged["tsa"]))
-    assert dispatch.dense_rows_of(proto) == ROWS
-    assert [n.op_type for n in proto.graph.node] == ["Shape", "Squeeze", "Shape", "ReduceProd", "LessOrEqual", "Equal",
-                                                     "And", "If"]
+    assert meta["programs"][1]["guard"] == {"axes": [["input_ids", 0], ["input_ids", 1]], "op": "<=", "value": ROWS}
+    assert [n.op_type for n in proto.graph.node][-1] == "If"
     single = onnx.load(str(artifacts("tsa", "onnx", "sparse")))
     # the weights once in the main graph (the small tensors each branch copies), and the thresholds
-    big = {i.name for i in single.graph.initializer if np.prod(i.dims) > dispatch.COPIED_UP_TO}
-    assert big and {i.name for i in proto.graph.initializer} == big | {
-        f"{dispatch.RESERVED}{n}" for n in ("dense_rows", "dense_step_rows_limit", "dense_step_one")}
-    assert dispatch.dense_rows_of(single) is None
+    big = {i.name for i in single.graph.initializer if np.prod(i.dims) > DEFAULT.copied_up_to}
+    thresholds = {i.name for i in proto.graph.initializer if i.name.startswith(f"{dispatch.RESERVED}guard.")}
+    assert big and thresholds and {i.name for i in proto.graph.initializer} == big | thresholds
     # the functions are the sparse lowering's; the dense branch holds its bodies inlined
     assert {(f.name, f.overload) for f in proto.functions if f.domain == "adaptex"} == {
         ("ConditionalAttention", ""), ("ConditionalFFN", "")}
@@ -355,10 +355,29 @@ def test_metadata_with_a_malformed_threshold_is_refused(merged):
 
     meta = read_onnx_metadata(merged["bf"])
     for bad in ({"dense_rows": "8", "rows_input": "input_ids"}, {"dense_rows": 0, "rows_input": "input_ids"},
-                {"dense_rows": 8}, {"dense_rows": 8, "rows_input": "nope"}, "8",
-                {"dense_rows": 8, "rows_input": "input_ids", "step_graph": "yes"}):
+                {"dense_rows": 8}, {"dense_rows": 8, "rows_input": "nope"}, "8"):
         with pytest.raises(AdaptexError, match="dispatch"):
             validate({**meta, "dispatch": bad}, "m.onnx")
+
+
+def test_metadata_with_a_malformed_guard_is_refused(merged):
+    """A program's guard is data, checked when read and never evaluated: an unknown comparison, an
+    axis that is not [input, axis], an input the artifact does not take, a guard on the last
+    program or none on another are each refused in one line."""
+    from adaptex.exporter.metadata import read_onnx_metadata, validate
+
+    meta = read_onnx_metadata(merged["bf"])
+    good = meta["programs"]
+    rows = good[0]["guard"]
+    for bad, what in (({**rows, "op": "__import__('os')"}, "op"), ({**rows, "axes": [["input_ids", "0"]]}, "axis"),
+                      ({**rows, "axes": [["nope", 0]]}, "not an input"), ({**rows, "value": True}, "value"),
+                      ({"all": []}, "non-empty"), ("rows <= 8", "JSON object")):
+        with pytest.raises(AdaptexError, match=what):
+            validate({**meta, "programs": [{**good[0], "guard": bad}] + good[1:]}, "m.onnx")
+    with pytest.raises(AdaptexError, match="only the last program"):
+        validate({**meta, "programs": [{**good[0], "guard": None}] + good[1:]}, "m.onnx")
+    with pytest.raises(AdaptexError, match="only the last program"):
+        validate({**meta, "programs": good[:-1] + [{**good[-1], "guard": rows}]}, "m.onnx")
 
 
 def test_merge_refuses_lowerings_of_other_weights(artifacts, family_checkpoints, tmp_path):
@@ -369,24 +388,26 @@ def test_merge_refuses_lowerings_of_other_weights(artifacts, family_checkpoints,
         break
     zoo.export(model, info, tmp_path / "other.onnx", variant="dense")
     with pytest.raises(ExportError, match="differ in their weights"):
-        dispatch.merge(sparse, onnx.load(str(tmp_path / "other.onnx")), rows_input="input_ids", dense_rows=8)
+        dispatch.merge(sparse, onnx.load(str(tmp_path / "other.onnx")), guard=guards.rows_at_most("input_ids", 8))
 
 
 def test_bench_counts_the_flops_of_the_branch_that_ran(merged):
-    from adaptex.runtimes.bench import Bench
+    """bench reads the program a call runs, and its variant, from the stored guards."""
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.runtimes.bench_accounting import program_entry
 
-    bench = Bench.__new__(Bench)
-    bench.meta = {"variant": "sparse", "dispatch": {"dense_rows": ROWS, "rows_input": "input_ids"}}
-    assert bench.ran_variant(1, 8) == "dense" and bench.ran_variant(2, 5) == "sparse"
-    bench.meta = {"variant": "sparse"}
-    assert bench.ran_variant(1, 1) == "sparse"
+    meta = read_onnx_metadata(merged["tsa"])
+    ids = lambda b, t: {"input_ids": np.zeros((b, t), np.int64)}  # noqa: E731
+    assert program_entry(meta, ids(1, 8))["variant"] == "dense" and program_entry(meta, ids(2, 5))["variant"] == "sparse"
+    assert program_entry(meta, ids(8, 1))["name"] == "dense decode-step"
+    assert program_entry({"variant": "sparse"}, ids(1, 1)) is None
 
 
 def test_the_profile_counts_the_dense_branchs_op_kernels_as_adaptive(merged, tmp_path):
     """A decode step runs the dense branch, whose op calls the export inlined: their nodes keep names
     that mark them as the ops' (passes.name_op_nodes), so `adaptex bench --profile` does not count
     the step's attention and FFN as the rest of the graph."""
-    from adaptex.runtimes.bench import profile_onnx
+    from adaptex.runtimes.profile import profile_onnx
 
     feeds = _feeds(_session(merged["tsa"]), batch=1, seq=1, past=7)
     assert _ran(merged["tsa"], feeds, tmp_path) == {"dense_step"}

@@ -13,8 +13,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs.ops import conditional_attention as ca
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.graphs.ops import conditional_ffn as cf
 from tests.support import planted
 
@@ -45,7 +46,7 @@ def _run(model: bytes, feeds: dict, tmp_path, shapes_of: str | None = None):
 def _keeps(seed=0):
     mixed = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
     mixed[0, 0], mixed[1, 1] = True, False
-    assert mixed.sum(1).max() < fx.DENSE_QUERY_SHARE * T  # attention gathers this mix
+    assert mixed.sum(1).max() < DEFAULT.dense_query_share * T  # attention gathers this mix
     most = torch.ones(B, T, dtype=torch.bool)
     most[1, 2:] = False  # sample 0 keeps all T: attention runs every row of this mix, masked
     return {"none": torch.zeros(B, T, dtype=torch.bool), "all": torch.ones(B, T, dtype=torch.bool), "mixed": mixed,
@@ -78,14 +79,12 @@ def test_conditional_ffn_runs_the_kept_rows(case, tmp_path):
 
 @pytest.mark.parametrize("by_sample", [False, True])
 @pytest.mark.parametrize("case", ["none", "all", "mixed", "most"])
-def test_conditional_attention_dispatch(case, by_sample, tmp_path, monkeypatch):
-    """by_sample: every call counts as large (BY_SAMPLE_FROM = 1), so attention runs a sample at a
-    time in a Loop; a mixed call attends each sample's own kept rows and pads the rest with zeros."""
+def test_conditional_attention_dispatch(case, by_sample, tmp_path):
+    """by_sample: every call counts as large (policy.by_sample_from = 1), so attention runs a sample
+    at a time in a Loop; a mixed call attends each sample's own kept rows and pads the rest with zeros."""
     from adaptex.graphs.tsa import attention_mask_4d
 
-    if by_sample:
-        monkeypatch.setattr(fx, "BY_SAMPLE_FROM", 1)
-
+    policy = OrtPolicy(by_sample_from=1) if by_sample else OrtPolicy()
     g = torch.Generator().manual_seed(2)
     w = {"wq": 0.3 * torch.randn(d, d, generator=g), "bq": 0.1 * torch.randn(d, generator=g),
          "wo": 0.3 * torch.randn(d, d, generator=g), "bo": 0.1 * torch.randn(d, generator=g)}
@@ -99,7 +98,7 @@ def test_conditional_attention_dispatch(case, by_sample, tmp_path, monkeypatch):
     node = helper.make_node("ConditionalAttention", ["x", "hn", "keep", "gate", "k", "v", "bias", *w], ["y"],
                             domain=fx.DOMAIN, num_heads=H)
     feeds = {n: t.numpy() for n, t in dict(x=x, hn=hn, keep=keep, gate=gate, k=k, v=v, bias=bias).items()}
-    model = _model(fx.conditional_attention_function("sparse", dispatch=True), node,
+    model = _model(fx.conditional_attention_function("sparse", dispatch=True, policy=policy), node,
                    [(n, TensorProto.BOOL if n == "keep" else TensorProto.FLOAT, a.ndim) for n, a in feeds.items()], w)
     y, ran, softmax = _run(model, feeds, tmp_path, shapes_of="Softmax")
     ref = ca.conditional_attention_dense_reference(x, hn, keep, gate, k, v, bias, *w.values(), H)

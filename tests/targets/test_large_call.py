@@ -1,7 +1,7 @@
 """The large-call program (exporter/targets/onnx/dispatch.merge_large_call): a decoder's main graph,
 which serves decode steps and short prompts, runs its attention batched with no If a layer (its
 plain attention and its op bodies alike), and the calls large enough for attention a sample at a
-time (passes.attention_by_sample, the bodies' functions._by_sample) run a second program of the same
+time (passes.attention_by_sample, the bodies' bodies.by_sample) run a second program of the same
 weights that has it. With --dense-rows the large-call If sits in the sparse branch, and the general
 program keeps the main graph's If (only the op bodies leave theirs out). The tiny TSA decoder (its
 first block's attention plain) reaches the real threshold (2^22 scores) only at a batch of 1024, so
@@ -14,11 +14,12 @@ import onnx
 import pytest
 from onnx import helper
 
-from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attends_by_sample, by_sample_ifs
+from adaptex.exporter.targets.onnx import dispatch, guards, programs
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attends_by_sample, by_sample_ifs
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 from tests.support import zoo
 from tests.targets.test_programs import _conditions, _feeds
@@ -32,13 +33,7 @@ def _export(family_checkpoints, tmp_path_factory, **kw):
     """(the tiny TSA decoder exported with the threshold at FROM scores, its metadata)."""
     model, info = checkpoint.load(family_checkpoints / "tsa")
     path = tmp_path_factory.mktemp("large") / "tsa.onnx"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(fx, "BY_SAMPLE_FROM", FROM)
-    try:
-        meta = zoo.export(model, info, path, **kw)
-    finally:
-        mp.undo()
-    return path, meta
+    return path, zoo.export(model, info, path, policy=OrtPolicy(by_sample_from=FROM), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +53,7 @@ def _runs_as_the_file(artifact, batch: int, seq: int, past: int, path: tuple[boo
     feeds = _feeds(artifact, batch, seq, past)
     runner = OnnxRuntimeRunner(artifact, threads=1, chunk_rows=None)  # every call whole, as the Ifs see it
     got = runner.infer(feeds)
-    assert list(runner.programs.sessions) == [path]
+    assert list(runner.programs.sessions) == [runner.programs.names[len(path) - 1 if path[-1] else len(path)]]
     assert _conditions(onnx.load(str(artifact)), feeds, path) == list(path)
     want = OnnxRuntimeRunner(artifact, threads=1, programs=False).infer(feeds)
     for name in want:
@@ -80,11 +75,12 @@ def _called_overloads(nodes) -> set[str]:
 
 def test_the_artifact_records_the_condition_and_only_the_large_program_attends_by_sample(large):
     path, meta = large
-    assert meta["large_call"] == {"ids_input": "input_ids", "keys_input": "attention_mask", "heads": 4,
-                                  "from_scores": FROM}
+    assert meta["programs"][0] == {"name": "large-call (attention by sample)", "variant": "sparse", "guard": {"all": [
+        {"axes": [["input_ids", 0]], "op": ">", "value": 1},
+        {"axes": [["input_ids", 0], ["input_ids", 1], ["attention_mask", 1]], "op": ">=", "value": FROM, "scale": 4}]}}
     proto = onnx.load(str(path))
     assert [n.op_type for n in proto.graph.node][-1] == "If"
-    big, general = dispatch.program(proto, (True,)), dispatch.program(proto, (False,))
+    big, general = programs.program(proto, (True,)), programs.program(proto, (False,))
     assert by_sample_ifs(big.graph.node) == 1 and by_sample_ifs(general.graph.node) == 0
     # the op bodies alike: the general program's calls read bodies with no by-sample If, the large one's
     # their own overload, which has it
@@ -94,15 +90,17 @@ def test_the_artifact_records_the_condition_and_only_the_large_program_attends_b
     stored = {t.name for t in proto.graph.initializer}
     for model in (big, general):  # the weights read from the file's initializers, no branch copies to fold
         assert not [n for n in model.graph.node if ".fold." in n.name]
-        assert all(t.name in stored for t in model.graph.initializer if np.prod(t.dims) > dispatch.COPIED_UP_TO)
+        assert all(t.name in stored for t in model.graph.initializer if np.prod(t.dims) > DEFAULT.copied_up_to)
 
 
 def test_under_dense_dispatch_the_sparse_branch_holds_the_large_call_if(large_rows):
     path, meta = large_rows
-    assert meta["dispatch"]["dense_rows"] == 8 and meta["large_call"]["from_scores"] == FROM
+    assert meta["dispatch"]["dense_rows"] == 8 and meta["policy"]["by_sample_from"] == FROM
+    assert [p["name"] for p in meta["programs"]] == ["dense decode-step", "dense", "large-call (attention by sample)",
+                                                     "general"]
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path))
-    dense, general, big = (dispatch.program(onnx.load(str(path)), p)
+    dense, general, big = (programs.program(onnx.load(str(path)), p)
                            for p in ((True,), (False, False, False), (False, False, True)))
     # the general program keeps the main graph's If (the first block's plain attention), not the bodies'
     assert by_sample_ifs(general.graph.node) == 1 and by_sample_ifs(big.graph.node) == 1
@@ -121,12 +119,12 @@ def test_under_dense_dispatch_the_sparse_branch_holds_the_large_call_if(large_ro
     (1, 32, 0, (False, False, False)),   # one sample: nothing to split
 ])
 def test_the_runner_takes_the_nested_program_and_computes_what_the_file_does(large_rows, batch, seq, past, path):
-    from adaptex.runtimes.bench import ran_graph
+    from adaptex.runtimes.bench_accounting import program_entry
 
     artifact, meta = large_rows
     _runs_as_the_file(artifact, batch, seq, past, path)
-    assert ran_graph(meta, seq=seq, past=past, batch=batch) == \
-        {(True,): None, (False, True): None, (False, False, True): "large-call (attention by sample)",
+    assert program_entry(meta, _feeds(artifact, batch, seq, past))["name"] == \
+        {(True,): "dense decode-step", (False, True): "dense", (False, False, True): "large-call (attention by sample)",
          (False, False, False): "general"}[path]
 
 
@@ -154,11 +152,11 @@ def test_parity_passes_on_prefill_and_decode_steps(large, family_checkpoints):
 
 
 def test_bench_names_the_program_that_ran(large):
-    from adaptex.runtimes.bench import ran_graph
+    from adaptex.runtimes.bench_accounting import program_entry
 
-    _, meta = large
-    assert ran_graph(meta, seq=16, past=16, batch=2) == "large-call (attention by sample)"
-    assert ran_graph(meta, seq=1, past=31, batch=4) == "general"
+    path, meta = large
+    assert program_entry(meta, _feeds(path, 2, 16, 16))["name"] == "large-call (attention by sample)"
+    assert program_entry(meta, _feeds(path, 4, 1, 31))["name"] == "general"
 
 
 def test_a_model_whose_calls_never_reach_the_threshold_gets_no_second_program(artifacts):
@@ -166,18 +164,7 @@ def test_a_model_whose_calls_never_reach_the_threshold_gets_no_second_program(ar
     from adaptex.exporter.metadata import read_onnx_metadata
 
     meta = read_onnx_metadata(artifacts("tsa"))
-    assert "large_call" not in meta and fx.BY_SAMPLE_FROM > 64 * 32 * 32 * 4
-
-
-def test_metadata_with_a_malformed_condition_is_refused(large):
-    from adaptex.exporter.metadata import validate
-
-    _, meta = large
-    good = meta["large_call"]
-    for bad in ({**good, "heads": 0}, {**good, "from_scores": "4096"}, {**good, "heads": True},
-                {**good, "ids_input": "nope"}, {k: v for k, v in good.items() if k != "keys_input"}, "large"):
-        with pytest.raises(AdaptexError, match="large_call"):
-            validate({**meta, "large_call": bad}, "m.onnx")
+    assert "programs" not in meta and DEFAULT.by_sample_from > 64 * 32 * 32 * 4
 
 
 def test_merge_refuses_a_bad_threshold_and_lowerings_of_other_weights(family_checkpoints):
@@ -187,17 +174,18 @@ def test_merge_refuses_a_bad_threshold_and_lowerings_of_other_weights(family_che
 
     model = checkpoint.load(family_checkpoints / "tsa")[0].eval()
     general = lower(model, family_contract(model), by_sample=False)[0]
-    for what in ({"heads": 0}, {"from_scores": True}):
-        kw = {"ids_input": "input_ids", "keys_input": "attention_mask", "heads": 4, "from_scores": FROM, **what}
-        with pytest.raises(ExportError, match="large-call dispatch"):
-            dispatch.merge_large_call(general, general, **kw)
+    for what in ({"heads": -1}, {"from_scores": True}):
+        kw = {"heads": 4, "from_scores": FROM, **what}
+        with pytest.raises(AdaptexError, match="guard's"):
+            guards.large_call("input_ids", "attention_mask", **kw)
+    with pytest.raises(ExportError, match="large-call dispatch: the graph has no input 'nope'"):
+        dispatch.merge_large_call(general, general, guard=guards.large_call("nope", "attention_mask", 4, FROM))
     other = onnx.ModelProto()
     other.CopyFrom(general)
     w = next(t for t in other.graph.initializer if len(t.dims) == 2)
     w.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w) + 1, w.name))
     with pytest.raises(ExportError, match="differ in their weights"):
-        dispatch.merge_large_call(other, general, ids_input="input_ids", keys_input="attention_mask", heads=4,
-                                  from_scores=FROM)
+        dispatch.merge_large_call(other, general, guard=guards.large_call("input_ids", "attention_mask", 4, FROM))
 
 
 @pytest.mark.parametrize("body", [

@@ -1,9 +1,11 @@
 """One session per program (runtimes/onnxruntime.py): an artifact whose graph begins with run-time
 dispatch (an elastic decoder's decode-step and short-call graphs, --dense-rows) holds several
 programs under top-level Ifs, and the runner runs the one a call takes as a session of its own
-(exporter/targets/onnx/dispatch.program), chosen from the input shapes as the Ifs choose
-(dispatch.taken). Each call takes the program the file's own Ifs take, computes what the file in one
-session computes, and a program holds no dispatch If; an artifact without dispatch runs as before."""
+(exporter/targets/onnx/programs.program), chosen by the guards the metadata stores, the ones the
+Ifs were built from (exporter/targets/onnx/guards.py). Each call takes the program the file's own
+Ifs take, computes what the file in one session computes, and a program holds no dispatch If; an
+artifact without dispatch runs as before; a threshold changed in the policy moves the file's If,
+the runner and bench alike."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from adaptex.exporter.targets.onnx import dispatch
+from adaptex.exporter.targets.onnx import dispatch, programs
 from adaptex.exporter.targets.onnx.passes import reads, subgraphs
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -57,22 +59,19 @@ def _conditions(proto: onnx.ModelProto, feeds: dict, path: tuple[bool, ...]) -> 
     return out
 
 
-PATHS = {"near": (True,), "step": (False, True), "short": (False, False, True),
-         "masked_large": (False, False, False, True), "masked": (False, False, False, False, True),
-         "long": (False, False, False, False, False), "dense_step": (True,), "dense": (False, True),
-         "sparse": (False, False)}
+NAMES = {"step": "decode-step", "short": "short-call", "masked_large": "masked short-call (attention by sample)",
+         "masked": "masked short-call", "long": "general", "dense_step": "dense decode-step", "dense": "dense",
+         "sparse": "general"}
+PATHS = {"step": (True,), "short": (False, True), "masked_large": (False, False, True),
+         "masked": (False, False, False, True), "long": (False, False, False, False), "dense_step": (True,),
+         "dense": (False, True), "sparse": (False, False)}
 
 
 # the tiny elastic decoder: sink 2, window 8 (short calls: at most 10 keys, masked short calls to its
-# 128 positions, by sample from batch x 4 heads x T x T = 2^22 scores; near-cache steps: at most 20
-# keys and 640 batch x keys, or 60 batch x keys); dense dispatch at 8 rows
+# 128 positions, by sample from batch x 4 heads x T x T = 2^22 scores); dense dispatch at 8 rows
 @pytest.mark.parametrize("artifact, batch, seq, past, program", [
-    ("eldec", 1, 1, 9, "near"),
-    ("eldec", 5, 1, 19, "near"),   # 20 keys
-    ("eldec", 32, 1, 19, "near"),  # 640 cells: the key count's cap
+    ("eldec", 1, 1, 9, "step"),
     ("eldec", 33, 1, 19, "step"),
-    ("eldec", 5, 1, 20, "step"),
-    ("eldec", 1, 1, 59, "near"),   # 60 cells
     ("eldec", 1, 1, 60, "step"),
     ("eldec", 2, 1, 0, "short"),   # one new token and no cache: a prompt, not a step
     ("eldec", 2, 10, 0, "short"),
@@ -92,8 +91,9 @@ def test_the_runner_takes_the_program_the_files_ifs_take_and_computes_the_same(a
     feeds = _feeds(path, batch, seq, past)
     runner = OnnxRuntimeRunner(path, threads=1, chunk_rows=None)  # every call whole, as the file's Ifs see it
     got = runner.infer(feeds)
-    assert list(runner.programs.sessions) == [PATHS[program]]
+    assert list(runner.programs.sessions) == [NAMES[program]]
     assert _conditions(onnx.load(str(path)), feeds, PATHS[program]) == list(PATHS[program])
+    assert programs.path_of(runner.programs.names.index(NAMES[program]), len(runner.programs.names)) == PATHS[program]
     one = OnnxRuntimeRunner(path, threads=1, programs=False)
     assert one.programs is None
     want = one.infer(feeds)
@@ -107,21 +107,18 @@ def test_the_runner_takes_the_program_the_files_ifs_take_and_computes_the_same(a
 
 
 def test_one_runner_follows_each_calls_shapes(artifacts):
-    """The runner looks a call's program up by the shapes its Ifs read (evaluated once for each):
+    """The runner looks a call's program up by the shapes its guards read (evaluated once for each):
     a call of other shapes takes its own program, one of shapes seen before the same program again."""
     path = artifacts("eldec")
     runner = OnnxRuntimeRunner(path, threads=1).activate()
-    evaluated = []
-    real = runner.programs._taken
-    runner.programs._taken = lambda shapes, **conds: evaluated.append(shapes) or real(shapes, **conds)
-    calls = ((2, 10, 0, "short"), (2, 11, 0, "masked"), (2, 3, 5, "long"), (1, 1, 9, "near"), (2, 10, 0, "short"),
+    calls = ((2, 10, 0, "short"), (2, 11, 0, "masked"), (2, 3, 5, "long"), (1, 1, 9, "step"), (2, 10, 0, "short"),
              (2, 11, 0, "masked"), (1, 1, 60, "step"))
     for batch, seq, past, program in calls:
         feeds = _feeds(path, batch, seq, past)
         runner.infer(feeds)
-        assert runner.programs.taken(feeds) == PATHS[program]
-    assert set(runner.programs.sessions) == {PATHS[p] for *_, p in calls}
-    assert len(evaluated) == 5  # the five sets of shapes, each once
+        assert runner.programs.chosen(feeds) == NAMES[program]
+    assert set(runner.programs.sessions) == {NAMES[p] for *_, p in calls}
+    assert len(runner.programs._chosen) == 5  # the five sets of shapes, each once
 
 
 def _outer_reads(nodes) -> set[str]:
@@ -142,8 +139,8 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
     and no metadata, and reads its weights from initializers of its own."""
     path = artifacts("eldec")
     proto = onnx.load(str(path))
-    for program in ("near", "step", "short", "masked_large", "masked", "long"):
-        model = dispatch.program(proto, PATHS[program])
+    for program in ("step", "short", "masked_large", "masked", "long"):
+        model = programs.program(proto, PATHS[program])
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == [i.name for i in proto.graph.input]
         assert [o.name for o in model.graph.output] == [o.name for o in proto.graph.output]
@@ -153,7 +150,7 @@ def test_a_program_is_a_model_of_its_own_without_the_dispatch(artifacts):
         assert _outer_reads(model.graph.node) <= made | {i.name for i in model.graph.input} | {
             t.name for t in model.graph.initializer}
     with pytest.raises(Exception, match="no run-time dispatch If"):
-        dispatch.program(proto, (False, False, False, False, False, True))
+        programs.program(proto, (False, False, False, False, True))
 
 
 def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):
@@ -197,3 +194,35 @@ def test_check_runs_the_file_in_one_session_on_request(artifacts, tmp_path):
     (tmp_path / "m.mlpackage").mkdir()
     with pytest.raises(AdaptexError, match="--one-session applies to ONNX artifacts"):
         open_artifact(tmp_path / "m.mlpackage", one_session=True)
+
+
+def test_a_threshold_changed_in_the_policy_moves_the_file_the_runner_and_bench(artifacts, family_checkpoints,
+                                                                                tmp_path):
+    """One guard per program: the tiny TSA decoder's large-call program (attention by sample) takes
+    B x T x S x heads >= policy.by_sample_from. With the threshold lowered to 2^12, a call of 2 x 16 x 16
+    x 4 = 2^11 scores stays in the general program and one of 2 x 32 x 32 x 4 = 2^13 moves to the
+    large-call program: in the file's If (evaluated by a plain ONNX Runtime session of the whole
+    file), in the runner and in bench, all reading the one stored guard."""
+    import adaptex
+    from adaptex.exporter.metadata import read_onnx_metadata
+    from adaptex.graphs import checkpoint
+    from adaptex.graphs.ops.policy import OrtPolicy
+    from adaptex.runtimes.bench import Bench
+
+    model, info = checkpoint.load(family_checkpoints / "tsa")
+    path = tmp_path / "low.onnx"
+    adaptex.export(model, None, path, policy=OrtPolicy(by_sample_from=1 << 12, large_call_batch=64))
+    meta = read_onnx_metadata(path)
+    assert [p["name"] for p in meta["programs"]] == ["large-call (attention by sample)", "general"]
+    assert meta["programs"][0]["guard"]["all"][1]["value"] == 1 << 12 and meta["policy"]["by_sample_from"] == 1 << 12
+    proto = onnx.load(str(path))
+    runner = OnnxRuntimeRunner(path, threads=1, chunk_rows=None)
+    with Bench(path, model, info, chunk_rows=None) as bench:
+        for batch, seq, want in ((2, 16, "general"), (2, 32, "large-call (attention by sample)")):
+            feeds = _feeds(path, batch, seq, 0)
+            runner.infer(feeds)
+            assert runner.programs.chosen(feeds) == want
+            taken = want != "general"
+            assert _conditions(proto, feeds, (taken,)) == [taken]  # the file's own If
+            r = bench.run(batch=batch, seq=seq, runs=5, blocks=1, warmup=1, memory=False, prune=False)
+            assert r["program"] == want

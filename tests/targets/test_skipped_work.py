@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from adaptex.graphs.ops.policy import OrtPolicy
 from adaptex.graphs.ops.budgeted_attention import onnx_body
 from adaptex.runtimes import coreml_mil
 from adaptex.runtimes.coreml_mil import MilReferenceRunner
@@ -159,16 +160,15 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
     output and keys, (N_fa, T, dh) and (N_fa, S, dh), count them. (ONNX Runtime bodies mask the SA
     pairs of a call this small instead of gathering them: exported here with that threshold at 0, so
     the tiny models' prefills take the sparse paths.)"""
-    from adaptex.exporter.targets.onnx import functions as fx
+    from adaptex.exporter.targets.onnx import bodies as fx
     from adaptex.graphs import checkpoint
     from adaptex.graphs.family import family_contract
-    from tests import zoo
+    from tests.support import zoo
 
     model = artifacts.model(family)
     cfg, contract = model.cfg, family_contract(model)
     T = 48
     feeds = _prefill(T, contract, cfg.vocab_size, 4) if contract.decoder else _ids(T, cfg.vocab_size, 4)
-    monkeypatch.setattr(fx, "MIXED_CALL_MASKED_UP_TO", 0)
 
     def export(variant):  # a prefill: an elastic decoder's general graph (a decode-step graph serves steps)
         if target != "onnx":
@@ -176,7 +176,8 @@ def test_the_runtime_attends_sa_heads_block_local(artifacts, family, target, fam
         m, info = checkpoint.load(family_checkpoints / family)
         path = tmp_path / f"{family}.{variant}.onnx"
         if not path.exists():
-            zoo.export(m, info, path, variant=variant, decode_graph="off", short_graph="off")
+            zoo.export(m, info, path, variant=variant, decode_graph="off", short_graph="off",
+                       policy=OrtPolicy(mixed_call_masked_up_to=0))
         return path
 
     for variant in ("sparse", "dense"):

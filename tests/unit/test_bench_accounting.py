@@ -232,10 +232,10 @@ def test_a_block_with_no_kept_token_runs_no_query_side_on_onnx_runtime(artifacts
 
 def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifacts):
     """A mixed block runs its queries on the batch's largest kept count in every sample, on every row
-    once that count reaches DENSE_QUERY_SHARE of T, and on each sample's own kept rows where the
-    call attends a sample at a time (B > 1 and BY_SAMPLE_FROM scores: test_dispatch.py checks the
-    rows the body runs)."""
-    from adaptex.graphs.ops.conditional_attention import BY_SAMPLE_FROM, DENSE_QUERY_SHARE
+    once that count reaches policy.dense_query_share of T, and on each sample's own kept rows where
+    the call attends a sample at a time (B > 1 and policy.by_sample_from scores: test_dispatch.py
+    checks the rows the body runs)."""
+    from adaptex.graphs.ops.policy import DEFAULT
 
     model = artifacts.model("tsa")
     cfg, contract = model.cfg, family_contract(model)
@@ -253,20 +253,21 @@ def test_executed_tsa_query_rows_follow_the_onnx_runtime_bodies_dispatch(artifac
     for B in (1, 64):
         keep = rng.random((B, T)) < rng.uniform(0.5, 0.8, (B, 1))  # the samples keep different counts
         n = keep.sum(1).max()
-        large = B > 1 and B * cfg.num_heads * n * T >= BY_SAMPLE_FROM
-        assert large == (B == 64) and n < DENSE_QUERY_SHARE * T
+        large = B > 1 and B * cfg.num_heads * n * T >= DEFAULT.by_sample_from
+        assert large == (B == 64) and n < DEFAULT.dense_query_share * T
         assert executed(keep) == pytest.approx(with_queries(keep, keep.mean() if large else n / T))
         keep[0, :] = True  # one sample keeps every token: every row of every sample, masked
         assert executed(keep) == pytest.approx(with_queries(keep, 1.0))
 
 
 @pytest.mark.parametrize("family", ["el", "eldec"])
-def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse(artifacts, family, monkeypatch):
+def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse(artifacts, family):
     """Every key executed by the dense variant, and on ONNX Runtime by a call of at most
-    MIXED_CALL_MASKED_UP_TO scores a sample, or an encoder's whose masking adds at most
-    MASKED_EXCESS_UP_TO scores (the general body masks; test_elastic checks it runs so); the
+    policy.mixed_call_masked_up_to scores a sample, or an encoder's whose masking adds at most
+    policy.masked_excess_up_to scores (the general body masks; test_elastic checks it runs so); the
     decisions' FLOPs by a larger one, and by a TensorRT-bound graph (no masked path)."""
     from adaptex.graphs.ops import elastic_attention
+    from adaptex.graphs.ops.policy import OrtPolicy
 
     model = artifacts.model(family)
     contract = family_contract(model)
@@ -279,50 +280,27 @@ def test_elastic_executed_ratio_is_one_dense_and_masked_and_the_decisions_sparse
     r = contract.flops(out, "sparse", T)
     assert r["executed_flop_ratio"] == 1.0 and r["flop_ratio"] < 1.0
     assert contract.flops(out, "sparse", T, target="tensorrt")["executed_flop_ratio"] == r["flop_ratio"]
-    monkeypatch.setattr(elastic_attention, "MIXED_CALL_MASKED_UP_TO", pairs * T * T - 1)
+    policy = OrtPolicy(mixed_call_masked_up_to=pairs * T * T - 1)
     if family == "el":  # an encoder's call also masks where masking adds few scores over block-local SA
         cfg = model.cfg
         excess = 2 * pairs * T * (T - cfg.sink - 2 * cfg.window)
         assert excess > 0
-        monkeypatch.setattr(elastic_attention, "MASKED_EXCESS_UP_TO", excess)
-        assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == 1.0
-        monkeypatch.setattr(elastic_attention, "MASKED_EXCESS_UP_TO", excess - 1)
-    assert contract.flops(out, "sparse", T)["executed_flop_ratio"] == r["flop_ratio"]
-
-
-def test_a_near_cache_step_executes_every_key(artifacts):
-    """An elastic decoder's step after at most near_keys keys (and near_keys_cells batch x keys; or
-    near_cells batch x keys) runs the near-cache step graph, which attends every key masked: bench
-    counts it so, and names it; a step past the limits gathers."""
-    from adaptex.exporter.metadata import read_onnx_metadata
-    from adaptex.runtimes.bench import MASKED_PROGRAMS, ran_graph
-
-    model = artifacts.model("eldec")
-    contract = family_contract(model)
-    meta = read_onnx_metadata(artifacts("eldec"))
-    near, cells, capped = (meta["decode_step"][k] for k in ("near_keys", "near_cells", "near_keys_cells"))
-    for batch, past, graph in ((5, near - 1, "near-cache decode-step"), (5, near, "decode-step"),
-                               (2, cells // 2 - 1, "near-cache decode-step"), (2, cells // 2, "decode-step"),
-                               (capped // near, near - 1, "near-cache decode-step"),
-                               (capped // near + 1, near - 1, "decode-step")):
-        out = {f"decisions.layer{i}.sa": np.ones((batch, model.cfg.num_kv_heads), bool)
-               for i in range(model.cfg.num_layers)}
-        assert ran_graph(meta, 1, past, batch) == graph
-        r = contract.flops(out, "sparse", 1, past, masked_program=graph in MASKED_PROGRAMS)
-        assert (r["executed_flop_ratio"] == 1.0) == (graph == "near-cache decode-step") and r["flop_ratio"] < 1.0
+        policy = OrtPolicy(mixed_call_masked_up_to=pairs * T * T - 1, masked_excess_up_to=excess)
+        assert contract.flops(out, "sparse", T, policy=policy)["executed_flop_ratio"] == 1.0
+        policy = OrtPolicy(mixed_call_masked_up_to=pairs * T * T - 1, masked_excess_up_to=excess - 1)
+    assert contract.flops(out, "sparse", T, policy=policy)["executed_flop_ratio"] == r["flop_ratio"]
 
 
 def test_a_prefill_the_masked_program_runs_executes_every_key():
     """A prefill longer than the general body's per-sample rule that the masked short-call program
-    runs (its masked_excess: runtimes.bench.MASKED_PROGRAMS) is counted as every key; the same
-    prefill in the general graph as the decisions' FLOPs."""
-    from adaptex.graphs.ops.elastic_attention import PREFILL_MASKED_EXCESS_UP_TO, call_runs_masked, runs_masked
-    from adaptex.runtimes.bench import MASKED_PROGRAMS
+    runs (its metadata entry says masked) is counted as every key; the same prefill in the general
+    graph as the decisions' FLOPs."""
+    from adaptex.graphs.ops.elastic_attention import call_runs_masked, runs_masked
+    from adaptex.graphs.ops.policy import DEFAULT
 
     model = zoo.tiny_elastic_decoder(max_len=320)
     contract, T = family_contract(model), 265
-    assert not runs_masked(4, T, T) and call_runs_masked(1, 4, T, 2, 8, PREFILL_MASKED_EXCESS_UP_TO)
-    assert {"masked short-call", "masked short-call (attention by sample)"} <= set(MASKED_PROGRAMS)
+    assert not runs_masked(4, T, T) and call_runs_masked(1, 4, T, 2, 8, DEFAULT.prefill_masked_excess_up_to)
     out = {f"decisions.layer{i}.sa": np.array([[True, False, True, True]]) for i in range(model.cfg.num_layers)}
     r = contract.flops(out, "sparse", T, masked_program=True)
     assert r["executed_flop_ratio"] == 1.0 and r["flop_ratio"] < 1.0

@@ -11,7 +11,7 @@ import pytest
 
 from adaptex.cli import main
 from adaptex.graphs.data import CharTokenizer, JsonlClassification, TextCorpus, TextFiles, TextPassages, from_spec
-from adaptex.graphs.data.files import BLOCK, LineIndex, jsonl_rule, text_rule
+from adaptex.graphs.data.lines import BLOCK, LineIndex, jsonl_rule, text_rule
 from adaptex.graphs.errors import DataError
 from tests.support import hf_dirs
 

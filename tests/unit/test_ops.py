@@ -99,7 +99,7 @@ def test_fake_kernel_shapes():
 def test_model_modes_agree_at_inference():
     """hard (the op), eager (its kernel as plain Python) and naive (all heads, masked) are the
     same function; only their cost and traceability differ."""
-    from tests import zoo
+    from tests.support import zoo
 
     model = zoo.tiny_model()
     ids, mask = torch.randint(1, 64, (4, 11)), torch.ones(4, 11, dtype=torch.int64)

@@ -67,7 +67,7 @@ def test_every_op_has_a_core_ml_translation_and_its_mil_ops_an_evaluator(tmp_pat
     evaluator (the only Core ML oracle on Linux): the op x target test catches a missing one."""
     import adaptex
     from adaptex.runtimes.coreml_mil import EVAL, MilReferenceRunner
-    from tests import user_models as um
+    from tests.support import user_models as um
 
     targets.load_all()
     for op in OPS:

@@ -120,16 +120,16 @@ def residual_stream(ep) -> set[str]:
 
 
 def conditional_residual_ops(ep) -> set[str]:
-    """The MIL op names the conditional ops' translations give their residual parts (the kept rows,
-    the layer_norm, the residual add and the scatter back): fp32 beside the decoder's residual
-    stream, while the FFN's linears and gelu run in the body's precision."""
+    """The MIL op names the adaptex ops' translations give the parts they keep fp32 in an fp16 body
+    (each op's `coreml_fp32_parts`, graphs/ops/<op>.py: the conditional ops' kept rows, layer_norm,
+    residual add and scatter back, beside the decoder's residual stream)."""
+    from adaptex.graphs.ops.facts import OP_FACTS
+
     out = set()
     for n in adaptex_nodes(ep):
-        if op_name(n) == "adaptex::conditional_ffn":
-            out |= {f"{n.name}{s}" for s in ("", "_kept", "_ln", "_new", "_ext", "_ext_first", "_ext_zeros",
-                                               "_scatter", "_end")}
-        elif op_name(n) == "adaptex::conditional_attention":
-            out |= {f"{n.name}{s}" for s in ("", "_kept", "_new")}
+        facts = OP_FACTS.get(op_name(n))
+        if facts is not None:
+            out |= {f"{n.name}{s}" for s in facts.coreml_fp32_parts}
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from pathlib import Path
 
 import onnx
 
@@ -19,10 +20,12 @@ from adaptex.exporter.errors import ExportError
 from adaptex.exporter.registry import lookup
 from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.onnx import dispatch
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx import passes
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx import guards, passes, passes_by_sample
 from adaptex.exporter.targets.onnx.lowerings import LoweringContext
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
+from adaptex.graphs.errors import AdaptexError
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 
 PRECISIONS = ("fp32",)
 
@@ -43,8 +46,8 @@ def trace_for(model, contract, target: str = "onnx", step: bool = False, decode_
 
 def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
           target: str = "onnx", ep=None, step: bool = False, short: bool = False, masked: bool = False,
-          decode_graph: bool = False, by_sample: bool = True, near: bool = False,
-          floor: bool = True, ops_by_sample: bool = True) -> tuple[onnx.ModelProto, dict, dict, dict]:
+          decode_graph: bool = False, by_sample: bool = True, floor: bool = True, ops_by_sample: bool = True,
+          policy: OrtPolicy = DEFAULT) -> tuple[onnx.ModelProto, dict, dict, dict]:
     """Trace `model` (or take `ep`, trace_for's program) and lower it to an ONNX ModelProto with
     `target`'s lowerings (the TensorRT target hands its engine builder ONNX too); returns (proto,
     lowering per op, inputs, outputs). step: the decode-step program, lowered with the ops' step
@@ -54,15 +57,15 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     decode_graph: the general program of an artifact that holds the step program too. by_sample:
     False leaves out the main graph's attention-by-sample If (passes.attention_by_sample), for a
     graph whose calls are known to stay below its threshold; ops_by_sample=False does the same in
-    the ops' bodies (their own attention-by-sample Ifs). near: with step, the near-cache step
-    program (the ops' near-cache step bodies, fx.NEAR_STEP_KEYS). floor: False leaves out
+    the ops' bodies (their own attention-by-sample Ifs). policy: ONNX Runtime's thresholds, which
+    the ops' bodies and the passes read (graphs/ops/policy.py). floor: False leaves out
     passes.softmax_floor, for a graph that serves only small calls (a step graph never has it:
     three kernels more a layer, where a step's one query row has nothing masked to speed up)."""
     ep = ep if ep is not None else trace_for(model, contract, target, step=step, short=short, masked=masked,
                                              decode_graph=decode_graph)
     inputs, outputs = io_specs(ep, contract)
     ctx = LoweringContext(target, variant, precision, fx.ONNX_OPSET, step=step, decode_graph=decode_graph,
-                          near=near, by_sample=ops_by_sample)
+                          by_sample=ops_by_sample, policy=policy)
     table, functions, notes = {}, {}, {}
     for node in adaptex_nodes(ep):
         entry = lookup(op_name(node), target, variant, node)
@@ -90,7 +93,7 @@ def lower(model, contract, *, variant: str = "sparse", precision: str = "fp32",
     if target == "onnx" and step:  # a few rows a call: fewer kernels (passes.skip_layernorm)
         passes.skip_layernorm(proto)
     elif target == "onnx":  # ONNX Runtime's speed; TensorRT fuses normalisation its own way
-        passes.artifact_passes(proto, by_sample=by_sample, floor=floor)
+        passes.artifact_passes(proto, by_sample=by_sample, floor=floor, policy=policy)
     _bind_overloads(proto)
     if not any(o.domain == fx.DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(fx.DOMAIN, fx.OPSET_VERSION))
@@ -209,19 +212,32 @@ def describe(meta: dict, what: str = "") -> str:
             "decisions.*; the full metadata is the JSON under the 'adaptex' key")
 
 
-# A decoder's main graph gets a large-call program (dispatch.merge_large_call) only where a call of
-# at most this many sequences of its longest length reaches the attention-by-sample threshold: the
-# largest batch of the latency grid (docs/benchmarking.md). Below, the program would never run and
-# only double what a session that loads the file holds.
-LARGE_CALL_BATCH = 64
-
-
-def _may_run_by_sample(contract, rows: int, keys: int | None = None) -> bool:
+def _may_run_by_sample(contract, rows: int, policy: OrtPolicy, keys: int | None = None) -> bool:
     """Whether a call of at most `rows` token rows over at most `keys` keys (default: the model's
     longest sequence) may reach attention_by_sample's threshold: its scores (B H T S) are at most
     rows x heads x keys. Unknown sizes: True."""
     heads, longest = getattr(contract.cfg, "num_heads", None), keys or contract.max_sequence
-    return not (heads and longest) or rows * heads * longest >= fx.BY_SAMPLE_FROM
+    return not (heads and longest) or rows * heads * longest >= policy.by_sample_from
+
+
+def policy_option(value) -> OrtPolicy:
+    """The policy option as an OrtPolicy: one given, None for OrtPolicy(), or (the CLI's --policy) the
+    path of a JSON object of its fields."""
+    if value is None:
+        return DEFAULT
+    if isinstance(value, OrtPolicy):
+        return value
+    if isinstance(value, (str, Path)):
+        try:
+            data = json.loads(Path(value).read_text())
+        except (OSError, ValueError) as e:
+            raise ExportError(f"--policy {value}: not a readable JSON file ({str(e).splitlines()[0]}); give a JSON "
+                              "object of graphs/ops/policy.py's fields, e.g. {\"by_sample_from\": 2097152}") from None
+        try:
+            return OrtPolicy.from_dict(data, f"--policy {value}")
+        except AdaptexError as e:
+            raise ExportError(str(e)) from None
+    raise ExportError(f"policy: an OrtPolicy (adaptex.graphs.ops.policy) or a JSON file, got {type(value).__name__}")
 
 
 def dense_rows_option(value) -> int | None:
@@ -248,6 +264,17 @@ def _on_off(value, flag: str, default: bool) -> bool:
     return text == "on"
 
 
+def softmax_floor_option(value) -> tuple[bool, str]:
+    """The softmax_floor option as (on, why): "on" or "off" (or a bool) as given; {"on": bool, "why":
+    text}, the choice adaptex.export measured on this CPU (runtimes/cpu.py, floor_probe); None, on."""
+    if isinstance(value, dict):
+        if set(value) != {"on", "why"} or not isinstance(value["on"], bool) or not isinstance(value["why"], str):
+            raise ExportError("softmax_floor: give on, off, or {'on': bool, 'why': text}")
+        return value["on"], value["why"]
+    on = _on_off(value, "--softmax-floor", True)
+    return on, "the default (on)" if value is None else f"--softmax-floor {'on' if on else 'off'} given"
+
+
 def decode_graph_option(value, contract) -> bool:
     """The decode_graph option as a bool; None for the contract's default (on for the families
     whose decode steps it was measured to speed up)."""
@@ -262,7 +289,7 @@ def short_graph_option(value, contract) -> bool:
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
            tokenizer: dict | None = None, say=None, dense_rows=None, decode_graph=None, short_graph=None,
-           softmax_floor=None) -> dict:
+           softmax_floor=None, policy: OrtPolicy | None = None) -> dict:
     """Export to `out` atomically; returns the artifact metadata. dense_rows=N: one graph holding
     the sparse and the dense lowering, running the dense one for calls of at most N token rows
     (dispatch.py). decode_graph (decoders): one graph more, traced for a decode step, which runs
@@ -272,7 +299,9 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     where the model has one (contract.masked_call_keys(), masked_call_excess()) its masked form for
     the prefills a little longer. softmax_floor (default on): passes.softmax_floor in every graph but
     the decode-step ones; off for a CPU whose Softmax takes masked scores at full speed
-    (docs/benchmarking.md#the-softmax-floor)."""
+    (docs/benchmarking.md#the-softmax-floor). policy: ONNX Runtime's thresholds (graphs/ops/policy.py;
+    default OrtPolicy()), stored in the metadata with the guards of the programs (guards.py)."""
+    policy = policy_option(policy)
     precision = precision or "fp32"
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not supported for the onnx target yet; "
@@ -302,7 +331,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         raise ExportError("--short-graph and --dense-rows each put an If at the top of the graph; choose one "
                           "(--short-graph off or --dense-rows off)")
     short = short and variant == "sparse" and rows is None
-    floor = _on_off(softmax_floor, "--softmax-floor", True)
+    floor, floor_why = softmax_floor_option(softmax_floor)
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_onnx_artifact)
     say = say or (lambda m: None)
@@ -319,99 +348,98 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     # large-call program, in the sparse branch where there is a dense one)
     split = contract.decoder and variant == "sparse" and not step and not short \
         and isinstance(heads, int) and heads > 0 and bool(longest) \
-        and _may_run_by_sample(contract, LARGE_CALL_BATCH * longest)
-    proto, notes, inputs, outputs = lower(model, contract, variant=variant, precision=precision, ep=ep,
-                                          decode_graph=step, ops_by_sample=not split,
-                                          by_sample=not contract.decoder or rows is not None, floor=floor)
-    routed, stepped, within, large = None, None, None, None
+        and _may_run_by_sample(contract, policy.large_call_batch * longest, policy)
+    lowered = dict(variant=variant, precision=precision, policy=policy)
+    proto, notes, inputs, outputs = lower(model, contract, ep=ep, decode_graph=step, ops_by_sample=not split,
+                                          by_sample=not contract.decoder or rows is not None, floor=floor, **lowered)
+    names = contract.input_names()
+    # the decision list, outermost If first: a call runs the first program whose guard holds
+    programs = [{"name": "general", "guard": None, "variant": variant}]
+
+    def on_top(name: str, guard, **entry) -> None:
+        programs.insert(0, {"name": name, "guard": guard.to_dict(), "variant": variant, **entry})
+
+    routed = None
     if split:
-        big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=ep, by_sample=True, floor=floor)
-        if passes.attends_by_sample(big):
+        big, _, _, _ = lower(model, contract, ep=ep, by_sample=True, floor=floor, **lowered)
+        if passes_by_sample.attends_by_sample(big):
             say("the graph for large calls too (attention a sample at a time) ...")
-            ids_input, keys_input = contract.input_names()[:2]
-            large = {"ids_input": ids_input, "keys_input": keys_input, "heads": heads,
-                     "from_scores": fx.BY_SAMPLE_FROM}  # the merge's condition is what the metadata records
-            proto = dispatch.merge_large_call(big, proto, **large, domain=fx.DOMAIN)
+            guard = guards.large_call(names[0], names[1], heads, policy.by_sample_from)
+            proto = dispatch.merge_large_call(big, proto, guard=guard, domain=fx.DOMAIN, policy=policy)
+            on_top("large-call (attention by sample)", guard)
     if rows is not None:
         say(f"lowering the dense variant too, for calls of at most {rows} token rows ...")
-        dense_by_sample = _may_run_by_sample(contract, rows)
+        dense_by_sample = _may_run_by_sample(contract, rows, policy)
         dense_proto, dense_notes, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
-                                               by_sample=dense_by_sample, floor=floor)
-        rows_input = contract.input_names()[0]
-        proto = dispatch.merge(proto, dense_proto, rows_input=rows_input, dense_rows=rows, domain=fx.DOMAIN)
-        routed = {"dense_rows": rows, "rows_input": rows_input, "dense_lowerings": dense_notes}
+                                               by_sample=dense_by_sample, floor=floor, policy=policy)
+        guard = guards.rows_at_most(names[0], rows)
+        proto = dispatch.merge(proto, dense_proto, guard=guard, domain=fx.DOMAIN, policy=policy)
+        on_top("dense", guard, variant="dense")
+        routed = {"dense_rows": rows, "rows_input": names[0], "dense_lowerings": dense_notes}
         if contract.decoder:
             # its decode steps take the dense lowering without softmax_floor, whose three kernels a
             # layer only cost a step; its short prompts keep the floor (a causal mask's scores)
             say("lowering the dense variant for decode steps too (no softmax floor) ...")
             step_proto, _, _, _ = lower(model, contract, variant="dense", precision=precision, ep=ep,
-                                        by_sample=dense_by_sample, floor=False)
-            proto = dispatch.merge_dense_step(step_proto, proto, rows_input=rows_input, dense_rows=rows,
-                                              domain=fx.DOMAIN)
-            routed["step_graph"] = True
+                                        by_sample=dense_by_sample, floor=False, policy=policy)
+            guard = guards.AllOf((guards.one_new_token(names[0]), guard))
+            proto = dispatch.merge_dense_step(step_proto, proto, guard=guard, domain=fx.DOMAIN, policy=policy)
+            on_top("dense decode-step", guard, variant="dense")
     if short:
-        keys, longer = contract.short_call_keys(), contract.masked_call_keys()
-        keys_input, cache_input = contract.input_names()[1], contract.input_names()[2]
-        within = {"keys_input": keys_input, "cache_input": cache_input, "max_keys": keys}
+        keys, longer = contract.short_call_keys(), contract.masked_call_keys(policy)
+        keys_input, cache_input = names[1], names[2]
+        prefill = guards.no_cache(cache_input)
         # short calls: an attention-by-sample If would only cost (by_sample=False)
         if longer is not None:  # the inner If: prefills up to `longer` tokens, the masked program
             say(f"tracing and lowering the masked short-call graph too (prefills of {keys + 1} to {longer} "
                 "tokens, and longer ones where masking adds few scores) ...")
             masked_ep = trace_for(model, contract, short=True, masked=True, decode_graph=step)
-            masked_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
-                                          short=True, masked=True, decode_graph=step, by_sample=False, floor=floor)
-            excess = contract.masked_call_excess()  # longer prefills too, where masking adds few scores
-            proto = dispatch.merge_short_call(masked_proto, proto, keys_input=keys_input, cache_input=cache_input,
-                                              max_keys=longer, domain=fx.DOMAIN, masked=True, excess=excess)
-            within["masked_keys"] = longer
-            if excess is not None:
-                within["masked_excess"] = excess
-            if isinstance(heads, int) and heads > 0 and _may_run_by_sample(contract, LARGE_CALL_BATCH * longer, longer):
+            masked_proto, _, _, _ = lower(model, contract, ep=masked_ep, short=True, masked=True, decode_graph=step,
+                                          by_sample=False, floor=floor, **lowered)
+            excess = contract.masked_call_excess(policy)  # longer prefills too, where masking adds few scores
+
+            def masked_guard(batch: bool):
+                few = guards.keys_at_most(keys_input, longer)
+                if excess is not None:
+                    few = guards.AnyOf((few, guards.excess_at_most(keys_input, **excess, batch=batch)))
+                return guards.AllOf((few, prefill))
+            guard = masked_guard(True)
+            proto = dispatch.merge_short_call(masked_proto, proto, guard=guard, tag="masked", domain=fx.DOMAIN,
+                                              policy=policy)
+            on_top("masked short-call", guard, masked=True)
+            if isinstance(heads, int) and heads > 0 \
+                    and _may_run_by_sample(contract, policy.large_call_batch * longer, policy, longer):
                 # its large batches a sample at a time (the bias planes gathered in the Loop), behind an If
                 # of their own: the masked program's smaller calls pay no If a layer
-                big, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=masked_ep,
-                                     short=True, masked=True, decode_graph=step, by_sample=True, floor=floor)
-                if passes.by_sample_ifs(big.graph.node):
+                big, _, _, _ = lower(model, contract, ep=masked_ep, short=True, masked=True, decode_graph=step,
+                                     by_sample=True, floor=floor, **lowered)
+                if passes_by_sample.by_sample_ifs(big.graph.node):
                     say("the masked short-call graph for large batches too (attention a sample at a time) ...")
-                    by_sample = {"heads": heads, "from_scores": fx.BY_SAMPLE_FROM}
-                    proto = dispatch.merge_short_call(big, proto, keys_input=keys_input, cache_input=cache_input,
-                                                      max_keys=longer, domain=fx.DOMAIN, masked=True, large=by_sample,
-                                                      excess=excess)
-                    within["masked_large_call"] = by_sample
+                    # where it attends a sample at a time, a sample's excess scores count
+                    guard = guards.AllOf((masked_guard(False),
+                                          guards.large_call(keys_input, keys_input, heads, policy.by_sample_from)))
+                    proto = dispatch.merge_short_call(big, proto, guard=guard, tag="masked_large", domain=fx.DOMAIN,
+                                                      policy=policy)
+                    on_top("masked short-call (attention by sample)", guard, masked=True)
         say(f"tracing and lowering the short-call graph too (prefills of at most {keys} tokens) ...")
-        short_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, short=True,
-                                     decode_graph=step, by_sample=False, floor=floor)
-        proto = dispatch.merge_short_call(short_proto, proto, keys_input=keys_input, cache_input=cache_input,
-                                          max_keys=keys, domain=fx.DOMAIN)
+        short_proto, _, _, _ = lower(model, contract, short=True, decode_graph=step, by_sample=False, floor=floor,
+                                     **lowered)
+        guard = guards.AllOf((guards.keys_at_most(keys_input, keys), prefill))
+        proto = dispatch.merge_short_call(short_proto, proto, guard=guard, tag="short", domain=fx.DOMAIN,
+                                          policy=policy)
+        on_top("short-call", guard)
     if step:
         say("tracing and lowering the decode-step graph too (one new token after a non-empty cache) ...")
         step_ep = trace_for(model, contract, step=True)
-        step_proto, step_notes, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
-                                             step=True)
-        ids_input, keys_input, past_input = contract.input_names()[:3]
-        proto = dispatch.merge_decode_step(step_proto, proto, ids_input=ids_input, past_input=past_input,
-                                           domain=fx.DOMAIN)
-        stepped = {"new_tokens_input": ids_input, "cache_input": past_input, "lowerings": step_notes}
-        reach = contract.short_call_keys()
-        if reach is not None and variant == "sparse":  # an elastic decoder: steps after a short cache
-            # without the softmax floor (a CPU whose Softmax takes masked scores at full speed) the near
-            # program wins over more keys: twice the cells, and its key count's rule at every batch
-            near = fx.NEAR_STEP_KEYS * reach
-            cells = (fx.NEAR_STEP_CELLS if floor else fx.NEAR_STEP_CELLS_UNFLOORED) * reach
-            capped = {"near_keys_cells": fx.NEAR_STEP_KEYS_CELLS * reach} if floor else {}
-            batches = f" and {capped['near_keys_cells']} batch x keys" if capped else ""
-            say(f"lowering the near-cache decode-step graph too (steps of at most {near} keys{batches}, or at most "
-                f"{cells} batch x keys) ...")
-            near_proto, _, _, _ = lower(model, contract, variant=variant, precision=precision, ep=step_ep,
-                                        step=True, near=True)
-            proto = dispatch.merge_decode_step(near_proto, proto, ids_input=ids_input, past_input=past_input,
-                                               keys=(keys_input, near, cells, *capped.values()), domain=fx.DOMAIN)
-            stepped.update(keys_input=keys_input, near_keys=near, near_cells=cells, **capped)
+        step_proto, step_notes, _, _ = lower(model, contract, ep=step_ep, step=True, **lowered)
+        guard = guards.decode_step(names[0], names[2])
+        proto = dispatch.merge_decode_step(step_proto, proto, guard=guard, domain=fx.DOMAIN, policy=policy)
+        on_top("decode-step", guard, lowerings=step_notes)
     meta = metadata.build(contract, target="onnx", variant=variant, precision=precision, lowerings=notes,
                           inputs=inputs, outputs=outputs, source=source,
                           opset={"adaptex": fx.OPSET_VERSION, "onnx": fx.ONNX_OPSET},
-                          tokenizer=tokenizer, dispatch=routed, decode_step=stepped, short_call=within,
-                          large_call=large, softmax_floor=floor)
+                          tokenizer=tokenizer, dispatch=routed, programs=programs if len(programs) > 1 else None,
+                          policy=policy.to_dict(), softmax_floor=floor, softmax_floor_why=floor_why)
     stamp(proto, meta, describe(meta))
     try:
         onnx.checker.check_model(proto, full_check=True)
@@ -442,8 +470,11 @@ TARGET = register_target(Target(
                                      "one bias for every layer); off: neither (default: on for elastic "
                                      "decoders; docs/benchmarking.md#short-calls)",
                     variants=("sparse",)),
-             Option("--softmax-floor", "on (default) raises every masked attention score to its row's largest "
-                                       "minus 80 before the Softmax, so ONNX Runtime's exp never makes subnormal "
-                                       "floats, which are slow on some CPUs; off leaves it out, for a CPU where "
-                                       "they are not (adaptex bench says which; "
-                                       "docs/benchmarking.md#the-softmax-floor)"))))
+             Option("--policy", "a JSON file of ONNX Runtime thresholds by which the op bodies and the "
+                                "programs choose their paths (the fields of adaptex.graphs.ops.policy.OrtPolicy; "
+                                "those not given keep their defaults); stored in the artifact's metadata"),
+             Option("--softmax-floor", "on raises every masked attention score to its row's largest minus 80 "
+                                       "before the Softmax, so ONNX Runtime's exp never makes subnormal floats, "
+                                       "which are slow on some CPUs; off leaves it out, for a CPU where they are "
+                                       "not (default: whichever a causal Softmax timed plain and floored on this "
+                                       "CPU at export runs faster; adaptex inspect says which and why)"))))

@@ -11,7 +11,8 @@ from typing import Callable
 import onnx
 
 from adaptex.exporter.registry import lowering
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
 
 BOTH = ("onnx", "tensorrt")
 
@@ -25,8 +26,8 @@ class LoweringContext:
     onnx_opset: int
     step: bool = False  # the decode-step program: every call one causal token after a non-empty cache
     decode_graph: bool = False  # the general program of an artifact whose decode steps run the step program
-    near: bool = False  # the near-cache step program (fx.NEAR_STEP_KEYS), with step
     by_sample: bool = True  # False: a program whose calls never reach attention by sample's threshold
+    policy: OrtPolicy = DEFAULT  # ONNX Runtime's thresholds (graphs/ops/policy.py)
 
 
 @dataclass
@@ -86,7 +87,7 @@ def elastic_step_node(q, k, v, sa, key_mask, sink: int, window: int, causal: boo
                                      window=window, causal=int(causal))
 
 
-def elastic_encoder_node_for(heads: int):
+def elastic_encoder_node_for(heads: int, policy: OrtPolicy = DEFAULT):
     """The translation of an encoder's calls (fx.elastic_attention_function with `heads`): what every
     layer's body reads alike (fx.ENCODER_SHARED), computed here in the graph from the key mask, the
     attributes and the head count, where the exporter's common-subexpression elimination keeps one
@@ -105,14 +106,11 @@ def elastic_encoder_node_for(heads: int):
         flat = op.Reshape(op.Expand(op.Unsqueeze(key_mask, ints(1)), op.Concat(B1, ints(heads), S1, axis=0)),
                           op.Concat(ints(-1), S1, axis=0))  # (B H, S)
         # a masked call's bias planes, (2 B, Tm, S): Tm = T where the body takes the masked path, else 0
-        few = op.LessOrEqual(op.Mul(S, S), op.Constant(value_int=fx.MIXED_CALL_MASKED_UP_TO // heads))
-        if fx.MIXED_CALL_MASKED_UP_TO > 0:  # also where masking adds few scores (call_runs_masked)
+        few = op.LessOrEqual(op.Mul(S, S), op.Constant(value_int=policy.mixed_call_masked_up_to // heads))
+        if policy.mixed_call_masked_up_to > 0:  # also where masking adds few scores (call_runs_masked)
             beyond = op.Max(op.Sub(S, op.Constant(value_int=sink + 2 * window)), zero)  # keys past a row
-            HS = op.Mul(op.Constant(value_int=heads), S)
-            large = op.And(op.Greater(B, one),
-                           op.GreaterOrEqual(op.Mul(op.Mul(B, HS), S), op.Constant(value_int=fx.BY_SAMPLE_FROM)))
-            excess = op.Mul(op.Mul(op.Where(large, one, B), HS), beyond)  # a large call's: a sample's
-            few = op.Or(few, op.LessOrEqual(excess, op.Constant(value_int=fx.MASKED_EXCESS_UP_TO)))
+            excess = op.Mul(op.Mul(B, op.Mul(op.Constant(value_int=heads), S)), beyond)
+            few = op.Or(few, op.LessOrEqual(excess, op.Constant(value_int=policy.masked_excess_up_to)))
         Tm = op.Where(few, S, zero)
         a = op.Unsqueeze(op.Range(zero, Tm, one), ints(1))  # (Tm, 1) query positions
         j = op.Unsqueeze(op.Range(zero, S, one), ints(0))  # (1, S)
@@ -143,7 +141,8 @@ def budgeted_attention_onnx_sparse(ctx, node):
     ONNX Runtime a batch whose k differ groups its samples by head instead (an If; the body is the
     function overload for the call's head count): sum_b k_b head-samples run."""
     grouped = num_heads_of(node) if ctx.target == "onnx" else None
-    return OnnxLowering(budgeted_attention_node, [fx.budgeted_attention_function("sparse", grouped_heads=grouped)])
+    return OnnxLowering(budgeted_attention_node,
+                        [fx.budgeted_attention_function("sparse", grouped_heads=grouped, policy=ctx.policy)])
 
 
 @lowering("adaptex::budgeted_attention", target=BOTH, variant="dense")
@@ -176,7 +175,7 @@ def conditional_attention_onnx_sparse(ctx, node):
     gather when all are."""
     return OnnxLowering(conditional_attention_node,
                         [fx.conditional_attention_function("sparse", dispatch=ctx.target == "onnx",
-                                                           by_sample=ctx.by_sample)])
+                                                           by_sample=ctx.by_sample, policy=ctx.policy)])
 
 
 @lowering("adaptex::conditional_attention", target="tensorrt", variant="sparse", priority=10)
@@ -224,15 +223,15 @@ def elastic_attention_onnx_sparse(ctx, node):
     sinks: O(T (sink + window))); ScatterND puts both groups back. In a decode-step program (ONNX
     Runtime) the step's own body: an SA pair reads its sinks and window, a FA pair every key."""
     if ctx.step and ctx.target == "onnx":
-        return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node), near=ctx.near)])
+        return OnnxLowering(elastic_step_node, [fx.elastic_step_function(head_dim_of(node), policy=ctx.policy)])
     ort = ctx.target == "onnx"
     causal = causal_flag(node)
     heads = heads_of(node) if ort and causal is False else None  # an encoder's layers share what they derive alike
-    return OnnxLowering(elastic_encoder_node_for(heads) if heads else elastic_attention_node,
+    return OnnxLowering(elastic_encoder_node_for(heads, ctx.policy) if heads else elastic_attention_node,
                         [fx.elastic_attention_function("sparse", causal, dispatch=ort,
                                                        decode_step=ort and not ctx.decode_graph, fused=ort,
                                                        head_dim=head_dim_of(node), by_sample=ctx.by_sample,
-                                                       heads=heads)])
+                                                       heads=heads, policy=ctx.policy)])
 
 
 @lowering("adaptex::elastic_attention", target=BOTH, variant="dense")

@@ -20,7 +20,7 @@ from adaptex.exporter import metadata
 from adaptex.exporter.errors import ExportError
 from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets import onnx as onnx_target
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.exporter.targets.tensorrt import rules
 from adaptex.exporter.targets.tensorrt.engine import build_engine, require_tensorrt, sidecar
 from adaptex.exporter.targets.tensorrt.plan import (ROUTE_MARK, dynamic_axes, mark_routing, parse_shapes, pin_plan,

@@ -17,13 +17,11 @@ from dataclasses import dataclass
 import onnx
 
 from adaptex.exporter.errors import ExportError
-from adaptex.exporter.targets.onnx import functions as fx
+from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.graphs.nn import routing_class_names
+from adaptex.graphs.ops.facts import routing_inputs
 
 ROUTE_MARK = "adaptex_route"
-# the routing inputs of each adaptex node, by the body's input names
-ROUTING_INPUTS = {"BudgetedAttention": ("s", "p"), "ConditionalFFN": ("keep", "gate"),
-                  "ConditionalAttention": ("keep", "gate"), "ElasticAttention": ("sa",)}
 BODY_INPUTS = {"BudgetedAttention": fx.INPUTS, "ConditionalFFN": fx.CFFN_INPUTS,
                "ConditionalAttention": fx.CA_INPUTS, "ElasticAttention": fx.EA_INPUTS}
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -77,10 +75,12 @@ def mark_routing(proto: onnx.ModelProto) -> list[str]:
     in_layer = [n.domain != fx.DOMAIN and any(c in _classes(n) for c in layers) for n in nodes]
     layer_outs = {o for n, r in zip(nodes, in_layer) if r for o in n.output}
     sinks = {o.name for o in g.output if o.name.startswith("decisions.")}
+    routing = routing_inputs()  # the routing inputs of each adaptex node, as the ops declare them
+    formals = {f.name: list(f.input) for f in proto.functions if f.domain == fx.DOMAIN} | BODY_INPUTS
     for n in nodes:
-        names = BODY_INPUTS.get(n.op_type, [])
+        names = formals.get(n.op_type, []) if n.domain == fx.DOMAIN else []
         sinks.update(n.input[pos] for pos, name in enumerate(names)
-                     if name in ROUTING_INPUTS[n.op_type] and pos < len(n.input))
+                     if name in routing.get(n.op_type, ()) and pos < len(n.input))
     marked = {i for i, r in enumerate(in_layer) if r} | _graph_routing(g, layer_outs, sinks)
     values = []
     for i in sorted(marked):
@@ -88,8 +88,8 @@ def mark_routing(proto: onnx.ModelProto) -> list[str]:
         n.name = f"{ROUTE_MARK}/{n.name or f'{n.op_type}_{i}'}"
         values.extend(n.output)
     for f in proto.functions:
-        formal = BODY_INPUTS.get(f.name, [])
-        sources = {f.input[i] for i, n in enumerate(formal) if n in ROUTING_INPUTS.get(f.name, ()) and i < len(f.input)}
+        formal = formals.get(f.name, [])
+        sources = {f.input[i] for i, n in enumerate(formal) if n in routing.get(f.name, ()) and i < len(f.input)}
         body = _graph_routing(f, set(f.input) - sources, set())  # reads x or the weights
         marked = _graph_routing(f, sources, set()) - body
         for i, n in enumerate(f.node):

@@ -3,8 +3,8 @@ optimizer makes of MatMul + Transpose (+ Mul by a constant), with alpha = 1 (the
 query weights, as adaptex's decoders do) against alpha = 1/sqrt(dh) (the scale on the scores, as a
 stock export of `(q @ k.transpose(-1, -2)) / sqrt(dh)` becomes). Interleaved rounds, 1 thread.
 
-    python examples/score_scale_cost.py                       # decode steps and a prefill of tsa-charlm's shapes
-    python examples/score_scale_cost.py --shapes 64x4x1x512x32 --rounds 500
+    python lab/score_scale_cost.py                       # decode steps and a prefill of tsa-charlm's shapes
+    python lab/score_scale_cost.py --shapes 64x4x1x512x32 --rounds 500
 
 A shape is BATCHxHEADSxQUERIESxKEYSxHEAD_DIM. The outputs of the two are checked against each other
 (the scaled one times sqrt(dh)).

@@ -9,8 +9,8 @@ scores, the keys after each query at NEG (-1e30), timed three ways in interleave
   It runs in a process of its own: in a process whose thread had run other sessions first, the
   flag was seen to change nothing.
 
-    python examples/softmax_floor_cost.py                    # tsa-charlm's heads at T = 32, 128 and 512
-    python examples/softmax_floor_cost.py --shapes 8x4x128 --rounds 500
+    python lab/softmax_floor_cost.py                    # tsa-charlm's heads at T = 32, 128 and 512
+    python lab/softmax_floor_cost.py --shapes 8x4x128 --rounds 500
 
 A shape is BATCHxHEADSxT. The floored probabilities are checked against the plain ones (a masked
 key weighs at most e^-80 where it weighed 0). Each line names the CPU: whether the floor pays depends

@@ -1,6 +1,6 @@
 """What masked keys cost ONNX Runtime's fused attention kernel (com.microsoft.MultiHeadAttention),
 the finding that took Elastic Attention's streaming (SA) pairs out of it
-(exporter/targets/onnx/functions.py, block_local). Block-local streaming attention as the kernel
+(exporter/targets/onnx/bodies/, block_local). Block-local streaming attention as the kernel
 would run it: N sequences (pair x block) of Bq queries against K keys (the sinks, then the block's
 run), each query seeing a band of them, the band given as the kernel's `attention_bias`. Timed in
 interleaved rounds, 1 thread:
@@ -10,8 +10,8 @@ interleaved rounds, 1 thread:
 - -80: at -80, which stays fast only while a row's scores lie within a few units of each other
   (--spreads scales the queries, and so the scores' spread).
 
-    python examples/fused_mask_cost.py                     # 6 pairs x 16 blocks of (32, 4 + 64): T = 512
-    python examples/fused_mask_cost.py --shapes 96x32x68x32 --spreads 1,4 --rounds 300
+    python lab/fused_mask_cost.py                     # 6 pairs x 16 blocks of (32, 4 + 64): T = 512
+    python lab/fused_mask_cost.py --shapes 96x32x68x32 --spreads 1,4 --rounds 300
 
 A shape is SEQUENCESxQUERIESxKEYSxHEAD_DIM; the first 4 keys are sinks, seen by every query.
 """

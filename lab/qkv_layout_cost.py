@@ -3,8 +3,8 @@ of (B, T, D) by (D, D), a Reshape to (B, T, H, dh) and a Transpose to (B, H, T, 
 batched MatMul a projection of (B, 1, T, D) by weights stored as (H, D, dh), which gives (B, H, T, dh)
 directly. Interleaved rounds, 1 thread; the outputs of the two are checked against each other.
 
-    python examples/qkv_layout_cost.py                          # elastic-minilm's width and heads
-    python examples/qkv_layout_cost.py --shapes 1x512x384x12 --rounds 500
+    python lab/qkv_layout_cost.py                          # elastic-minilm's width and heads
+    python lab/qkv_layout_cost.py --shapes 1x512x384x12 --rounds 500
 
 A shape is BATCHxTOKENSxWIDTHxHEADS (the width a multiple of the heads).
 """

@@ -15,8 +15,8 @@ the keys outside its sinks and window. Timed in interleaved rounds against that 
   samples' plane offsets made once per call from the mask, in the graph;
 - `artifact`: the program adaptex's runner runs for that call (the artifact's general graph).
 
-    python examples/attention_bias_cost.py em.onnx --points 1x32,1x128,8x32
-    python examples/attention_bias_cost.py em.onnx --points 1x512 --rounds 60
+    python lab/attention_bias_cost.py em.onnx --points 1x32,1x128,8x32
+    python lab/attention_bias_cost.py em.onnx --points 1x512 --rounds 60
 
 A point is BATCHxTOKENS. The artifact is an elastic encoder's ONNX export (adaptex export
 elastic-minilm --target onnx -o em.onnx); the yardstick is read from bench's cache, or exported

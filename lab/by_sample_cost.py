@@ -2,11 +2,11 @@
 batch, as a stock export writes it, against the same graph after adaptex's `attention_by_sample`
 pass with its Loop forced on (the If still decides; its threshold is set to 0 here), so each
 sample's scores, bias and probabilities stay in cache between the kernels. Interleaved rounds,
-1 thread. This is how the pass's threshold (BY_SAMPLE_FROM, graphs/ops/conditional_attention.py)
+1 thread. This is how the pass's threshold (OrtPolicy.by_sample_from, graphs/ops/policy.py)
 was chosen.
 
-    python examples/by_sample_cost.py                         # the shapes the threshold was chosen on
-    python examples/by_sample_cost.py --shapes 8x4x512x32 --rounds 60
+    python lab/by_sample_cost.py                         # the shapes the threshold was chosen on
+    python lab/by_sample_cost.py --shapes 8x4x512x32 --rounds 60
 
 A shape is BATCHxHEADSxTOKENSxHEAD_DIM (self-attention with a causal bias per sample). The outputs
 of the two graphs are checked against each other.
@@ -21,8 +21,9 @@ import onnxruntime as ort
 from if_branch_cost import interleaved_medians, one_thread, parse_shapes, timings  # beside this script
 from onnx import TensorProto, helper
 
-from adaptex.exporter.targets.onnx import functions as fx
-from adaptex.exporter.targets.onnx.passes import attention_by_sample
+from adaptex.exporter.targets.onnx import bodies as fx
+from adaptex.exporter.targets.onnx.passes_by_sample import attention_by_sample
+from adaptex.graphs.ops.policy import OrtPolicy
 
 
 def attention_model(batch: int, heads: int, tokens: int, dh: int, by_sample: bool) -> bytes:
@@ -37,11 +38,7 @@ def attention_model(batch: int, heads: int, tokens: int, dh: int, by_sample: boo
     model = helper.make_model(helper.make_graph(nodes, "attention", io, out),
                               opset_imports=[helper.make_opsetid("", fx.ONNX_OPSET)])
     if by_sample:
-        threshold, fx.BY_SAMPLE_FROM = fx.BY_SAMPLE_FROM, 0
-        try:
-            assert attention_by_sample(model) == 1
-        finally:
-            fx.BY_SAMPLE_FROM = threshold
+        assert attention_by_sample(model, OrtPolicy(by_sample_from=0)) == 1
     return model.SerializeToString()
 
 

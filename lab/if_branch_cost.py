@@ -4,7 +4,7 @@ reads them through the fold nodes `--dense-rows` writes (a Reshape pair per weig
 folding turns into initializers of the branch at load). Interleaved rounds; the outputs are checked
 against the plain graph's.
 
-    python examples/if_branch_cost.py build/tsa-dense.onnx --points 1x1x127,1x1x511,8x1x511
+    python lab/if_branch_cost.py build/tsa-dense.onnx --points 1x1x127,1x1x511,8x1x511
 
 A point is BATCHxNEWxCACHED as in compare_artifacts.py. The inputs are random (ids, a full mask, a
 random cache, random head modes), which is enough to time a graph, not to judge its outputs. Both

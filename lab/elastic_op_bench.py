@@ -1,6 +1,6 @@
 """The elastic_attention op alone in ONNX Runtime, against full attention, at long sequence lengths.
 
-    python examples/elastic_op_bench.py [--sa 0.6] [--seq 512 2048 4096] [--heads 12] [--head-dim 32]
+    python lab/elastic_op_bench.py [--sa 0.6] [--seq 512 2048 4096] [--heads 12] [--head-dim 32]
 
 MiniLM's learned positions stop at 512 tokens, so `adaptex bench` on an elastic MiniLM can only sweep
 up to there; this script times one layer's attention (the part Elastic Attention changes) beyond it:
@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from adaptex.exporter.targets.onnx import functions as fx  # noqa: E402
+from adaptex.exporter.targets.onnx import bodies as fx  # noqa: E402
 
 
 def session(variant: str, sink: int, window: int) -> ort.InferenceSession:

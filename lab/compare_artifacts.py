@@ -1,8 +1,8 @@
 """Two or more ONNX artifacts of the same model, timed in the same interleaved rounds: how a change to a
 lowering is measured (the first artifact is the baseline, 1.000).
 
-    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --points 1x1x511,1x512x0
-    python examples/compare_artifacts.py tsa-charlm old.onnx new.onnx --budget 5   # seconds a point
+    python lab/compare_artifacts.py tsa-charlm old.onnx new.onnx --points 1x1x511,1x512x0
+    python lab/compare_artifacts.py tsa-charlm old.onnx new.onnx --budget 5   # seconds a point
 
 A point is BATCHxNEWxCACHED (1x1x511: a decode step after 511 cached tokens; 8x128x0: a prefill of 128
 tokens at batch 8). The inputs are the ones `adaptex bench` generates for the model; a decode step's
@@ -52,7 +52,7 @@ def compare(paths: list[str], threads: int, feeds: dict, budget_s: float, rng,
     """Interleaved rounds within about `budget_s`, in one block per artifact whose sessions are
     created in the order of `paths` rotated by the block's index: (rounds, path -> list of ns,
     path -> the median ns of each block)."""
-    from adaptex.runtimes.bench import _ort_runner
+    from adaptex.runtimes.bench_candidates import ort_runner as _ort_runner
 
     k, rounds = len(paths), None
     times = {p: [] for p in paths}
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import adaptex
     from adaptex.graphs.errors import AdaptexError
-    from adaptex.runtimes.bench import Bench, _ort_runner
+    from adaptex.runtimes.bench import Bench
+    from adaptex.runtimes.bench_candidates import ort_runner as _ort_runner
 
     if len(args.artifacts) < 2 or len(set(args.artifacts)) != len(args.artifacts):
         print("compare_artifacts: give two or more different artifacts (the first is the baseline)", file=sys.stderr)
