@@ -46,13 +46,15 @@ def _measured_floor(say=None) -> dict:
 
 
 def export(model, example_inputs=None, path=None, target: str = "onnx", variant: str = "sparse",
-           precision: str | None = None, dynamic_shapes=None, *, validate: bool = True, fp16_audit: bool = True,
-           say=None, **options) -> dict:
+           precision: str | None = None, dynamic_shapes=None, *, example_kwargs: dict | None = None,
+           validate: bool = True, fp16_audit: bool = True, say=None, **options) -> dict:
     """Export `model` to `path`: ONNX (`.onnx`), Core ML (`.mlpackage`) or TensorRT (`.plan`, or the
     TensorRT-bound `.onnx` with onnx_only=True). Returns the artifact's metadata.
 
-    example_inputs: a tuple with one tensor per forward argument (batch >= 2), or None for a model from
-    adaptex.load. The decisions become outputs named `decisions.<module path>.<field>`.
+    example_inputs: a tuple with one tensor per forward argument (batch >= 2), a dict of them by argument
+    name, or None for a model from adaptex.load; example_kwargs: more keyword arguments (a tensor is an
+    input, None, a bool, a number or a string a constant of every call). dynamic_shapes: torch.export's
+    forms (a dict by argument name, a tuple or a list; Dim, Dim.AUTO, Dim.DYNAMIC). The decisions become outputs named `decisions.<module path>.<field>`.
     An fp16 Core ML package is audited before it is written (runtimes/audit.py: fp16 arithmetic
     throughout, as the Neural Engine may compute); one that fails is refused with the layer and the
     range or drift; where fp16 was the model's default precision rather than asked for, the package is
@@ -66,18 +68,19 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     modes = [(m, m.training) for m in model.modules()] if hasattr(model, "modules") else []
     try:
         return _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes,
-                             validate=validate, fp16_audit=fp16_audit, say=say, **options)
+                             example_kwargs=example_kwargs, validate=validate, fp16_audit=fp16_audit, say=say,
+                             **options)
     finally:
         for m, training in modes:
             m.training = training
 
 
-def _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes, *, validate, fp16_audit,
-                  say, **options) -> dict:
+def _export_model(model, example_inputs, path, target, variant, precision, dynamic_shapes, *, example_kwargs,
+                  validate, fp16_audit, say, **options) -> dict:
     from adaptex.exporter.export import resolve
 
     contract, t, prec = resolve(model, example_inputs, target, precision, dynamic_shapes,
-                                options.pop("input_names", None))
+                                options.pop("input_names", None), example_kwargs, variant)
     recorded = (((getattr(model, "adaptex_source", None) or {}).get("export") or {}).get(t.name) or {})
     if t.name == "onnx" and options.get("softmax_floor") is None and "softmax_floor" not in recorded:
         options["softmax_floor"] = _measured_floor(say)

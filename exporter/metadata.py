@@ -91,6 +91,7 @@ SCHEMA = {
     "tensorrt": (dict, False), "dispatch": (dict, False), "programs": (list, False), "policy": (dict, False),
     "softmax_floor": (bool, False), "softmax_floor_why": (str, False),
     "quantize": (dict, False),
+    "model": (str, False), "call": (dict, False),
 }
 
 

@@ -16,9 +16,8 @@ the adaptive layers' recorder (graphs/nn.py), the same way for every model.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor
 from adaptex.graphs.errors import AdaptexError, InputError
 from adaptex.graphs.nn import ConditionalBlock, adaptive_mode, name_layers, record_decisions
 from adaptex.graphs.ops.facts import decision_kinds
+from adaptex.graphs.user_io import Call, dynamic_shapes_for, flatten_outputs, split_example
 
 ADAPTIVE_MODES = ("hard", "naive", "hard_dense", "eager")  # modes whose graphs carry decision outputs
 
@@ -261,26 +261,6 @@ class ContractWrapper(torch.nn.Module):
 
 # --- a user's model ---------------------------------------------------------------------------------
 
-def _flatten_outputs(out: Any, prefix: str = "output") -> tuple[list[str], list[Tensor]]:
-    """A forward's return value as (names, tensors): a tensor is `output`, a tuple `output.0`...,
-    a dict its keys (nested containers joined with dots)."""
-    if isinstance(out, Tensor):
-        return [prefix], [out]
-    if isinstance(out, dict):
-        items = [(f"{k}" if prefix == "output" else f"{prefix}.{k}", v) for k, v in out.items()]
-    elif isinstance(out, (tuple, list)):
-        items = [(f"{prefix}.{i}", v) for i, v in enumerate(out)]
-    else:
-        raise AdaptexError(f"the model returned a {type(out).__name__}; adaptex exports models that return a "
-                           "tensor, or a tuple, list or dict of tensors")
-    names, tensors = [], []
-    for name, v in items:
-        n, t = _flatten_outputs(v, name)
-        names += n
-        tensors += t
-    return names, tensors
-
-
 class GenericContract(Contract):
     """The contract of any model built from adaptex.nn layers, derived by running it once on its
     example inputs: inputs from the forward's signature, outputs from its return value, decisions
@@ -294,32 +274,33 @@ class GenericContract(Contract):
         self._inputs, self._outputs, self._recorded = list(input_names), list(output_names), list(recorded)
         self._example, self._dynamic, self._structure = example, dynamic, structure
         self.model_name = model_name
+        self._call = Call(list(input_names), len(input_names))
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, example_inputs, dynamic_shapes=None,
-                   input_names: list[str] | None = None) -> "GenericContract":
-        example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        if not all(isinstance(t, Tensor) for t in example):
-            raise InputError("example_inputs must be a tensor or a tuple of tensors, one per forward argument")
-        if input_names is None:
-            params = [p for p in inspect.signature(model.forward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            input_names = [p.name for p in params[:len(example)]]
-            input_names += [f"input_{i}" for i in range(len(input_names), len(example))]
-        if len(input_names) != len(example):
-            raise InputError(f"{len(input_names)} input names for {len(example)} example inputs")
+                   input_names: list[str] | None = None, example_kwargs: dict | None = None,
+                   call: Call | None = None) -> "GenericContract":
+        """example_inputs: a tensor, a tuple of tensors (positional) or a dict by argument name;
+        example_kwargs: more keyword arguments (a non-tensor one is a constant of every call);
+        dynamic_shapes: any of torch.export's forms (graphs.user_io.dynamic_shapes_for). call: how the
+        flat inputs call the model (an artifact's, when check rebuilds the contract)."""
+        if call is None:
+            example, call = split_example(model, example_inputs, example_kwargs, input_names)
+        else:
+            example = tuple(example_inputs)
         model.eval()
         name_layers(model)
         with torch.no_grad(), adaptive_mode("hard"), record_decisions() as rec:
-            out = model(*example)
-        names, _ = _flatten_outputs(out)
+            out = call(model, example)
+        names, _ = flatten_outputs(out)
         recorded = [RecordedOutput(f"decisions.{p}.{f}", p, f) for p, fields in rec.decisions.items() for f in fields]
         clash = set(names) & {r.name for r in recorded}
         if clash:
             raise AdaptexError(f"the model's outputs {sorted(clash)} clash with its decision names; rename them")
-        dynamic = tuple(dynamic_shapes) if dynamic_shapes is not None else _auto_dynamic(example)
-        contract = cls(input_names, names, recorded, example, dynamic, lambda o: _flatten_outputs(o)[1],
+        dynamic = dynamic_shapes_for(dynamic_shapes, call.names, example)
+        contract = cls(call.names, names, recorded, example, dynamic, lambda o: flatten_outputs(o)[1],
                        type(model).__name__)
+        contract._call = call
         if any(isinstance(m, ConditionalBlock) for m in model.modules()):
             # a decoder of TSA blocks: its residual stream and norms stay fp32 in an fp16 Core ML package
             # (standard mixed precision; an fp16 residual stream compounds over the blocks), and fp32
@@ -339,7 +320,7 @@ class GenericContract(Contract):
 
     def call(self, model, inputs, mode):
         with adaptive_mode(mode):
-            return tuple(self._structure(model(*inputs)))
+            return tuple(self._structure(self._call(model, tuple(inputs))))
 
     def example_inputs(self, mode: str = "hard") -> tuple:
         return self._example
@@ -348,14 +329,7 @@ class GenericContract(Contract):
         return (self._dynamic,)  # the wrapper takes *inputs: one positional entry holding them all
 
     def to_meta(self) -> dict:
-        return {"model": self.model_name}
-
-
-def _auto_dynamic(example: tuple) -> tuple:
-    """Every axis dynamic where tracing allows (torch.export's Dim.AUTO): an axis the model ties to a
-    weight (a feature width) stays static, batch and sequence axes stay free. AUTO specialises a
-    size of 0 or 1, so give example inputs of batch >= 2."""
-    return tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in example)
+        return {"model": self.model_name, **self._call.to_meta()}
 
 
 def _dynamic_axes(spec, rank: int) -> set[int]:
@@ -415,17 +389,18 @@ def family_contract(model_or_cfg) -> Contract:
 
 
 def contract_for(model: torch.nn.Module, example_inputs=None, dynamic_shapes=None,
-                 input_names: list[str] | None = None) -> Contract:
+                 input_names: list[str] | None = None, example_kwargs: dict | None = None) -> Contract:
     """A shipped family's contract when the model is one (and no example inputs are given), else the
     generic contract derived from the model and its example inputs."""
     cfg = getattr(model, "cfg", None)
     load_families()
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         if getattr(cfg, "family", None) in FAMILIES:
             return family_contract(cfg)
         raise InputError("example_inputs are needed to export a model of your own (a tuple with one tensor per "
                          "forward argument, batch >= 2)")
-    return GenericContract.from_model(model, example_inputs, dynamic_shapes, input_names)
+    return GenericContract.from_model(model, () if example_inputs is None else example_inputs, dynamic_shapes,
+                                      input_names, example_kwargs)
 
 
 def load_families() -> None:

@@ -6,7 +6,9 @@ statistics in fp32, as Core ML's CPU and GPU kernels are believed to; `accumulat
 the worst case, everything in fp16 (runtimes/fp16.py), which is what a package that may run on the
 Neural Engine must survive. This is a MIL reference evaluation, not the Core ML runtime: it proves
 the saved program computes what the eager model computes; it does not prove how Core ML schedules
-it. Every op our packages contain has an evaluator here; an op without one fails loudly, by name.
+it. The ops of adaptex's lowerings have their evaluators here, ordinary layers' ops in
+runtimes/coreml_mil_layers.py, and any other op falls back to coremltools' own value inference; an
+op none of them computes is listed by `unevaluable`, and a check reports it rather than evaluating.
 """
 from __future__ import annotations
 
@@ -285,6 +287,10 @@ class MilReferenceRunner(Runner):
         return canonical_outputs(self.meta, run(self.program, coreml_feeds(self.meta, feeds), on_op=watch,
                                                 accumulate=self.accumulate, ranges=self.ranges))
 
+    def unevaluable(self) -> list[str]:
+        """The op types this evaluation cannot compute ('lstm (2 ops)'); a check lists them and stops."""
+        return unevaluable(self.program)
+
     def findings(self) -> list[str]:
         found, self._found = self._found, []
         return found
@@ -362,7 +368,32 @@ def _last_uses(fn) -> dict[int, list[str]]:
     return drops
 
 
+def evaluator(op):
+    """The numpy evaluator of an op (here, or runtimes/coreml_mil_layers.py for ordinary layers' ops);
+    None where coremltools' value inference computes it instead. An op with neither raises."""
+    from adaptex.runtimes import coreml_mil_layers as layers
+
+    f = EVAL.get(op.op_type) or layers.EVAL.get(op.op_type)
+    if f is None and not layers.has_value_inference(op):
+        raise AdaptexError(f"MIL evaluation: op {op.op_type!r} ({op.name}) has {layers.UNEVALUABLE_NOTE}")
+    return f
+
+
+def unevaluable(program) -> list[str]:
+    """'op_type (count)' for each op of the program that the evaluation cannot compute."""
+    from adaptex.runtimes import coreml_mil_layers as layers
+
+    missing: dict[str, int] = {}
+    for op in program.functions["main"].operations:
+        if op.op_type != "const" and op.op_type not in EVAL and op.op_type not in layers.EVAL \
+                and not layers.has_value_inference(op):
+            missing[op.op_type] = missing.get(op.op_type, 0) + 1
+    return [f"{t} ({n} op{'s' if n > 1 else ''})" for t, n in missing.items()]
+
+
 def _run(program, feeds, on_op, ranges):
+    from adaptex.runtimes import coreml_mil_layers as layers
+
     fn = program.functions["main"]
     env = {name: np.asarray(feeds[name]) for name in fn.inputs}
     drops = _last_uses(fn)
@@ -380,15 +411,12 @@ def _run(program, feeds, on_op, ranges):
         if op.op_type == "const":
             env[op.outputs[0].name] = np.asarray(op.outputs[0].val)
             continue
-        f = EVAL.get(op.op_type)
-        if f is None:
-            raise AdaptexError(f"MIL evaluation: no numpy evaluator for op {op.op_type!r} ({op.name}); "
-                               "add one to runtimes/coreml_mil.py")
+        f = evaluator(op)
         args = {k: value(v) for k, v in op.inputs.items()}
         for k in _SCALAR_ARGS:
             if k in args and isinstance(args[k], np.ndarray) and args[k].ndim == 0:
                 args[k] = args[k].item()
-        out = f(**args)
+        out = f(**args) if f is not None else layers.infer(op, args)
         for var, o in zip(op.outputs, out if isinstance(out, list) else [out]):
             env[var.name] = np.asarray(o)
         if ranges is not None and env[op.outputs[0].name].dtype == np.float16:

@@ -5,6 +5,7 @@ from adaptex.exporter.metadata import state_hash
 from adaptex.graphs import checkpoint
 from adaptex.graphs.errors import AdaptexError
 from adaptex.graphs.family import FAMILIES, Contract, GenericContract, load_families, family_contract
+from adaptex.graphs.user_io import Call
 
 
 def load_source_model(meta: dict, model_arg: str | None):
@@ -73,4 +74,4 @@ def contract_of(meta: dict, model, example: tuple | None = None) -> Contract:
         raise AdaptexError("a model of your own needs its inputs to be checked: pass inputs=[...] "
                            "(or --inputs FILE.npz)")
     names = list(meta["inputs"])
-    return GenericContract.from_model(model, example, input_names=names)
+    return GenericContract.from_model(model, example, call=Call.from_meta(names, meta))

@@ -31,7 +31,8 @@ from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.coreml import lowerings  # noqa: F401  (registers the Core ML cells)
 from adaptex.exporter.targets.coreml import package
 from adaptex.exporter.targets.coreml import precision as policy
-from adaptex.exporter.targets.coreml.convert import convert, decompositions
+from adaptex.exporter.targets.coreml.convert import convert
+from adaptex.exporter.targets.coreml.decompose import decompositions
 from adaptex.exporter.targets.coreml.package import DEFAULT_MIN_TARGET, MIN_PAST, MIN_TARGETS  # noqa: F401
 from adaptex.exporter.trace import adaptex_nodes, io_specs, op_name, trace
 from adaptex.graphs import files
@@ -70,6 +71,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     inputs, outputs = package.coreml_io(*io_specs(ep, contract))
     policy.bool_ops_as_logical(ep)
     keep, between = policy.keep_fp32(ep, contract)
+    if prec == "fp16":
+        policy.saturate_fp16_constants(ep, keep)
     from adaptex.exporter.targets.coreml.mil_ops import register_translations
 
     register_translations(emitters)

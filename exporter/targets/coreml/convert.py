@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from adaptex.exporter.targets.coreml import package, precision
+from adaptex.exporter.targets.coreml.decompose import decompositions
 from adaptex.graphs import files
 from adaptex.exporter.trace import io_specs
 
@@ -82,17 +83,6 @@ def _quiet_progress():
         yield
 
 
-def decompositions() -> dict:
-    """What an exported program runs through before conversion: where(c, x, scalar) as where(c, x,
-    tensor) (TSA's router masks its gate so; coremltools translates neither that op nor the
-    prims.where of torch's own decomposition)."""
-    import torch
-
-    def where_scalar_other(cond, x, other):
-        return torch.where(cond, x, torch.full_like(x, other))
-    return {torch.ops.aten.where.ScalarOther: where_scalar_other}
-
-
 def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
                  min_target: str = package.DEFAULT_MIN_TARGET) -> Path:
     """The model's `mode` path (a contract's dense or naive counterpart mode) converted by stock
@@ -109,6 +99,8 @@ def export_stock(model, contract, out, mode: str, *, prec: str = "fp16",
     inputs, outputs = package.coreml_io(*io_specs(ep, contract, mode))
     precision.bool_ops_as_logical(ep)
     keep, between = precision.keep_fp32(ep, contract, adaptive=False)
+    if prec == "fp16":
+        precision.saturate_fp16_constants(ep, keep)
     with files.tempdir_for_libraries():  # coremltools' intermediate package lives there until saved
         mlmodel = convert(ep, inputs, outputs, prec, min_target, keep, between, contract.max_sequence or 4096)
         out = Path(out)

@@ -165,6 +165,41 @@ def bool_ops_as_logical(ep) -> None:
         ep.graph_module.recompile()
 
 
+FP16_MAX = 65504.0
+
+
+def saturate_fp16_constants(ep, keep: set[str]) -> int:
+    """Clamp the finite float constants of the ops an fp16 package computes in fp16 (every call not
+    in `keep` or named with an FP32_PREFIXES prefix) to fp16's range, ±65504: cast as they are, they
+    become ±inf, and Hugging Face's additive mask `(1 - mask) * torch.finfo(float32).min` then gives
+    0 * -inf = NaN on every real token. Saturated, the mask is -65504 on padding, which a softmax
+    still takes to 0. Infinities stay (-inf fills are exact in fp16). Returns how many changed."""
+    def clamp(a):
+        if isinstance(a, float) and np.isfinite(a) and abs(a) > FP16_MAX:
+            return float(np.copysign(FP16_MAX, a)), 1
+        if isinstance(a, (list, tuple)):
+            parts = [clamp(b) for b in a]
+            return type(a)(p for p, _ in parts), sum(c for _, c in parts)
+        return a, 0
+
+    changed = 0
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or n.name in keep or n.name.startswith(FP32_PREFIXES):
+            continue
+        args, c1 = clamp(tuple(n.args))
+        kwargs = {}
+        c2 = 0
+        for k, v in n.kwargs.items():
+            kwargs[k], c = clamp(v)
+            c2 += c
+        if c1 or c2:
+            n.args, n.kwargs = args, kwargs
+            changed += c1 + c2
+    if changed:
+        ep.graph_module.recompile()
+    return changed
+
+
 def keep_fp32(ep, contract, adaptive: bool = True) -> tuple[set[str], bool]:
     """(the FX/MIL names an fp16 package keeps fp32, whether ops between kept ops stay fp32 too) for
     a model's contract; adaptive=False (stock counterparts) keeps only the tails."""
