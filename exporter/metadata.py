@@ -96,7 +96,7 @@ SCHEMA = {
 
 
 # key -> the values it may take (a schema enum: a precision adaptex has no tolerance for is no precision)
-ENUMS = {"target": ("onnx", "coreml", "tensorrt"), "variant": ("sparse", "dense"), "precision": ("fp32", "fp16")}
+ENUMS = {"variant": ("sparse", "dense"), "precision": ("fp32", "fp16")}
 SHOWN = 60  # characters of a metadata value an error message quotes
 
 
@@ -120,7 +120,9 @@ def validate(meta, where) -> dict:
         if not isinstance(meta[key], kind) or (kind is int and isinstance(meta[key], bool)):
             raise AdaptexError(f"{where}: metadata {key!r} is a {type(meta[key]).__name__}, expected "
                                f"{kind.__name__}; re-export it with adaptex")
-    for key, allowed in ENUMS.items():
+    from adaptex.exporter import targets  # the registered targets (built in, and any a user registers)
+
+    for key, allowed in {"target": tuple(targets.names()), **ENUMS}.items():
         if meta[key] not in allowed:
             raise AdaptexError(f"{where}: metadata {key!r} is {shown(meta[key])}, not one of {', '.join(allowed)}; "
                                "re-export it with adaptex")

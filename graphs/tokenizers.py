@@ -150,8 +150,10 @@ def check_spec(spec, vocab_size: int | None, where: str) -> None:
     if not isinstance(spec, dict):
         raise bad(f"is a {type(spec).__name__}, not an object")
     kind = spec.get("kind")
-    if kind not in ("ids", "chars", "words", "wordpiece"):
-        raise bad(f"kind {str(kind)[:40]!r} is not one of ids, chars, words, wordpiece")
+    if kind not in ("ids", "chars", "words", "wordpiece", "tokenizer.json"):
+        raise bad(f"kind {str(kind)[:40]!r} is not one of ids, chars, words, wordpiece, tokenizer.json")
+    if kind == "tokenizer.json" and not isinstance(spec.get("json"), str):
+        raise bad("'json' must hold the tokenizer.json file's text")
     for key in ("pad", "unk"):
         if key in spec and not an_id(spec[key]):
             raise bad(f"{key} {str(spec[key])[:40]} is not an id of the vocabulary (0..{(vocab_size or 0) - 1})")

@@ -115,6 +115,10 @@ def validation_inputs(meta: dict, model, contract, example) -> list[dict[str, np
     if example is None:
         return None
     names = list(meta["inputs"])
+    try:  # the contract's example: one tensor per input in the artifact's order, keyword arguments included
+        example = contract.example_inputs()
+    except NotImplementedError:
+        pass
     return [f for f in derived_inputs(meta, example) if _runs_eagerly(model, contract, f, names)]
 
 

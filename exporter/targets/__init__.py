@@ -68,6 +68,11 @@ def load(name: str) -> Target:
     return _TABLE[name]
 
 
+def names() -> list[str]:
+    """Every target an artifact may name: the built-in ones and any registered since."""
+    return list(dict.fromkeys([*BUILTIN, *_TABLE]))
+
+
 def load_all() -> dict[str, Target]:
     for name in BUILTIN:
         load(name)

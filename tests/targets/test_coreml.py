@@ -139,7 +139,7 @@ def test_bad_coreml_export(tiny_checkpoint, tmp_path, capsys, argv, match, monke
 
 
 def test_bench_refuses_coreml_on_linux(packages, capsys):
-    assert main(["bench", str(packages["sparse"])]) == 2
+    assert main(["bench", str(packages["sparse"]), "--seq", "32"]) == 2  # within the tiny model's 64 positions
     assert "needs the Core ML runtime (macOS)" in capsys.readouterr().err
 
 
@@ -255,7 +255,7 @@ def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_che
 
 
 def test_compute_units_for_an_onnx_bench_is_a_clear_error(tiny_onnx, capsys):
-    assert main(["bench", str(tiny_onnx["sparse"]), "--compute-units", "cpu_only"]) == 2
+    assert main(["bench", str(tiny_onnx["sparse"]), "--seq", "32", "--compute-units", "cpu_only"]) == 2
     assert "--compute-units applies to Core ML packages" in capsys.readouterr().err
 
 

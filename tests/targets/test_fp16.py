@@ -74,7 +74,7 @@ def test_a_default_fp16_export_that_fails_the_audit_is_written_in_fp32(tmp_path)
     assert any("failed the fp16 audit" in m and "past fp16's 65504" in m and "writing fp32" in m for m in said), said
 
 
-def test_check_reports_fp16_ranges_and_the_worst_case(tiny_checkpoint, tmp_path, capsys):
+def test_check_reports_fp16_ranges_and_the_worst_case(tiny_checkpoint, tiny_onnx, tmp_path, capsys):
     path = tmp_path / "m.mlpackage"
     assert main(["export", str(tiny_checkpoint), "--target", "coreml", "--precision", "fp16", "-o", str(path)]) == 0
     capsys.readouterr()
@@ -84,7 +84,7 @@ def test_check_reports_fp16_ranges_and_the_worst_case(tiny_checkpoint, tmp_path,
     ranges = r["fp16_ranges"]
     assert ranges and all(v["max_abs"] < 65504 for v in ranges.values())
     assert any(v["partial_sum_bound"] for v in ranges.values() if v["op"] in ("linear", "matmul"))
-    assert main(["check", str(tmp_path / "nope.onnx"), "--fp16-accumulation", "fp16"]) == 2
+    assert main(["check", str(tiny_onnx["sparse"]), "--fp16-accumulation", "fp16"]) == 2
     assert "apply to Core ML packages" in capsys.readouterr().err
 
 
