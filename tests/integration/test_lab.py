@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "lab"
 
 
+# developers' measuring tools (lab/), not the product: make test-slow keeps them running
+pytestmark = pytest.mark.slow
+
 def test_compare_artifacts_times_artifacts_of_one_model_side_by_side(tiny_tsa_chars, tmp_path):
     """The script that measures a change to a lowering: every artifact in the same rounds, against the
     first, with the largest output difference; a malformed point is one line and exit 2."""

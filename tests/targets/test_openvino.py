@@ -105,7 +105,7 @@ def test_an_onnxruntime_artifact_computes_the_same_in_openvino_on_growing_calls(
 
 
 @pytest.mark.parametrize("variant", ["sparse", pytest.param("dense", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
+@pytest.mark.parametrize("family", ["bf"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("tsa", "el", "eldec")])
 def test_openvino_ir_of_every_family_passes_parity(artifacts, family, variant):
     path = artifacts(family, "openvino", variant)
     assert path.with_suffix(".bin").is_file()

@@ -49,7 +49,7 @@ def _ops(proto: onnx.ModelProto) -> set[str]:
     return {n.op_type for _, n in qz._all_nodes(proto)}
 
 
-@pytest.mark.parametrize("family", ["bf", "tsa", "el", pytest.param("eldec", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["bf"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("tsa", "el", "eldec")])
 def test_each_family_quantized_to_int8_passes_check(artifacts, family):
     path = artifacts(family, "onnx", quantize="int8")
     report = adaptex.check(path, samples=48)
