@@ -72,7 +72,7 @@ def timings(medians: dict) -> str:
 
 def interleaved_medians(models: dict, so, feeds: dict, rounds: int, rng) -> dict:
     """Each graph (a path or a serialized model) run once a round in a shuffled order; the median
-    seconds of each. The rounds fall into one block per graph, each with sessions created afresh in
+    seconds of each. The rounds fall into one block per graph, each sessions created afresh in
     the order of `models` rotated by one place a block: a session runs faster the later it was
     created in a process (compare_artifacts.py), so every graph takes every place once. `so`: the
     session options, or a dict of them by graph."""
