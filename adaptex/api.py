@@ -62,8 +62,8 @@ def export(model, example_inputs=None, path=None, target: str = "onnx", variant:
     validate (default True): the written artifact is checked against the eager model before it takes
     its name (runtimes/validation.py: a shipped model's generated inputs, or your example inputs and
     variations of their batch, lengths and padding); a mismatch raises ValidationFailed with the
-    report and keeps the artifact as `<stem>.failed<suffix>`. A TensorRT engine is not validated (it
-    needs TensorRT: check it with `adaptex check` where it runs). The model's training mode (every
+    report and keeps the artifact as `<stem>.failed<suffix>`. A TensorRT engine, OpenVINO IR and a
+    target of your own are not validated (check them with `adaptex check` where they run). The model's training mode (every
     submodule's) is as it was when export returns or raises."""
     modes = [(m, m.training) for m in model.modules()] if hasattr(model, "modules") else []
     try:
@@ -89,7 +89,11 @@ def _export_model(model, example_inputs, path, target, variant, precision, dynam
         return _write(model, example_inputs, out, t.name, variant, precision, prec, dynamic_shapes, contract,
                       fp16_audit, say, options)
 
-    if not validate or (t.name == "tensorrt" and not options.get("onnx_only")):
+    # validated where adaptex runs the artifact here: ONNX in ONNX Runtime (TensorRT-bound ONNX too) and
+    # Core ML by MIL evaluation; an engine, OpenVINO IR (`check --runtime openvino` checks it) or a
+    # target of your own is written as it is
+    checkable = t.name in ("onnx", "coreml") or (t.name == "tensorrt" and options.get("onnx_only"))
+    if not validate or not checkable:
         return write(path)
     return _validated(write, t, model, example_inputs, path, contract, say, options)
 

@@ -11,15 +11,14 @@ Triton reports the model ready, and stops it on Ctrl-C or SIGTERM.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from adaptex.graphs import files
 from adaptex.graphs.errors import AdaptexError
 
 SERVE_ENV = ".venv-serve"
@@ -65,15 +64,15 @@ class Server:
             instances, threads
         self.python, self.say, self.log, self._name, self._meta = python, say, log, name, meta
         self.proc: subprocess.Popen | None = None
-        self._tmp: contextlib.ExitStack | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
         self.name = ""
 
     def start(self) -> "Server":
         from adaptex.runtimes.triton import repository
 
         python = serving_python(self.python)
-        self._tmp = contextlib.ExitStack()
-        work = self._tmp.enter_context(files.temp_dir("serve"))  # adaptex's own, removed on stop
+        self._tmp = tempfile.TemporaryDirectory(prefix="adaptex-serve-")  # removed on stop
+        work = Path(self._tmp.name)
         model_dir = repository.write(self.artifact, work, max_batch=self.max_batch, instances=self.instances,
                                      name=self._name, meta=self._meta)
         self.name = model_dir.name
@@ -116,7 +115,7 @@ class Server:
             self._log.close()
             self._log = None
         if self._tmp is not None:
-            self._tmp.close()
+            self._tmp.cleanup()
             self._tmp = None
 
     def __enter__(self) -> "Server":
