@@ -197,3 +197,17 @@ def decoder_inputs(model: MixedDecoder, n: int, seed: int = 0) -> list[tuple]:
 
 def patch_classifier_example() -> tuple:
     return torch.randn(3, 10, 12), torch.ones(3, 10, dtype=torch.bool)
+
+
+class ReadmeTiny(nn.Module):
+    """The README's model ("Bring your own model"), at its sizes: features (B, T, 16) and a mask (B, T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 64)
+        self.attn = ann.BudgetedAttention(64, num_heads=8)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, features, mask):
+        x = self.embed(features)
+        return self.head((x + self.attn(x, mask)).mean(1))

@@ -139,18 +139,7 @@ def test_a_users_model_exports_and_checks_in_openvino(tmp_path):
     """The README's own model (adaptex.nn.BudgetedAttention in a module of the user's)."""
     import torch
 
-    import adaptex.nn as ann
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Linear(16, 64)
-            self.attn = ann.BudgetedAttention(64, num_heads=8)
-            self.head = torch.nn.Linear(64, 3)
-
-        def forward(self, features, mask):
-            x = self.embed(features)
-            return self.head((x + self.attn(x, mask)).mean(1))
+    from tests.support.user_models import ReadmeTiny as Tiny
 
     torch.manual_seed(0)
     model = Tiny().eval()

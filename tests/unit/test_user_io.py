@@ -10,20 +10,10 @@ from torch.export import Dim
 import adaptex
 import adaptex.nn as ann
 from adaptex.graphs.errors import InputError
+from tests.support.user_models import ReadmeTiny
 
 
-class Tiny(torch.nn.Module):
-    """The README's model ("Bring your own model"), at its sizes."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(16, 64)
-        self.attn = ann.BudgetedAttention(64, num_heads=8)
-        self.head = torch.nn.Linear(64, 3)
-
-    def forward(self, features, mask):
-        x = self.embed(features)
-        return self.head((x + self.attn(x, mask)).mean(1))
+Tiny = ReadmeTiny  # the README's model (tests/support/user_models.py)
 
 
 class Nested(torch.nn.Module):
