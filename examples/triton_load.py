@@ -57,12 +57,11 @@ def _fastest_dense(artifact: Path, meta: dict, workdir: Path, length: int) -> Pa
 def _drive(port: int, name: str, requests: list[dict], concurrency: int, outputs: list[str]) -> dict:
     import tritonclient.http as th
 
+    from adaptex.runtimes.triton.server import http_inputs
+
     def one(feeds):
         client = th.InferenceServerClient(f"127.0.0.1:{port}")
-        inputs = []
-        for k, v in feeds.items():
-            inputs.append(th.InferInput(k, v.shape, "INT64"))
-            inputs[-1].set_data_from_numpy(v)
+        inputs = http_inputs(feeds)
         t0 = time.perf_counter()
         client.infer(name, inputs, outputs=[th.InferRequestedOutput(o) for o in outputs])
         return time.perf_counter() - t0

@@ -123,3 +123,15 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def http_inputs(feeds: dict) -> list:
+    """tritonclient HTTP InferInputs holding `feeds` ({name: numpy array}), each with its Triton dtype."""
+    import tritonclient.http as th
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in feeds.items():
+        inputs.append(th.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype)))
+        inputs[-1].set_data_from_numpy(value)
+    return inputs

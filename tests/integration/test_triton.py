@@ -75,17 +75,28 @@ def test_repositories_of_every_shipped_model_parse(tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return port if port <= 65533 else 18000
+    """An HTTP port whose next two (gRPC, metrics) are free too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 65533:
+            continue
+        try:
+            for p in (port, port + 1, port + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    return 18000
 
 
 @pytest.mark.triton
 def test_serve_answers_concurrent_clients_as_the_artifact_does(artifacts):
     import tritonclient.http as th
 
-    from adaptex.runtimes.triton.server import Server
+    from adaptex.runtimes.triton.server import Server, http_inputs
 
     art = artifacts("bf")
     meta = read_metadata(art)
@@ -105,11 +116,7 @@ def test_serve_answers_concurrent_clients_as_the_artifact_does(artifacts):
     with Server(art, port=_free_port(), max_batch=8, instances=2) as server:
         def ask(feeds):
             client = th.InferenceServerClient(f"127.0.0.1:{server.port}")
-            inputs = []
-            for k, v in feeds.items():
-                inputs.append(th.InferInput(k, v.shape, "INT64"))
-                inputs[-1].set_data_from_numpy(v)
-            r = client.infer(server.name, inputs)
+            r = client.infer(server.name, http_inputs(feeds))
             return {n: r.as_numpy(n) for n in names}
 
         with ThreadPoolExecutor(8) as pool:
