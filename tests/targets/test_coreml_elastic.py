@@ -99,7 +99,6 @@ def test_sparse_program_gathers_modes_and_blocks(elastic):
     assert sum(shapes[f"elastic_attention{s}_sa_pairs"][0] for s in ("", "_1")) > 0
 
 
-@pytest.mark.xfail(reason="a router op of the default fp16 elastic package computes in fp16 since the Core ML rewrites of exporter/targets/coreml/decompose.py (suspected: its clamp_min/clamp_max rewrite drops the routers' fp32 naming); a known precision defect, to be fixed", strict=False)
 def test_default_fp16_package_keeps_routing_fp32(elastic):
     from coremltools.converters.mil.mil import types
 

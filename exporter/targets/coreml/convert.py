@@ -39,7 +39,8 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
             def between(op) -> bool:
                 ins = [v.op for v in op.inputs.values() if not isinstance(v, (list, tuple))
                        and v.op is not None and v.op.op_type != "const"]
-                outs = [c for v in op.outputs for c in v.child_ops]
+                # a shape op reads no values (F.normalize's clamp_min feeds expand_as's shape)
+                outs = [c for v in op.outputs for c in v.child_ops if c.op_type != "shape"]
                 return bool(ins and outs) and all(kept(o) for o in ins + outs)
 
             compute = ct.transform.FP16ComputePrecision(
