@@ -56,16 +56,7 @@ def _artifact(artifacts, family: str, target: str):
     return artifacts(family, target, **(alone if (family, target) == ("eldec", "onnx") else {}))
 
 
-def _known(cases, family_target=("eldec", "onnx")):
-    """The cases, those of `family_target` marked as a known gap."""
-    gap = pytest.mark.xfail(reason=_ELDEC_GAP, strict=False)
-    return [pytest.param(*c, marks=gap) if tuple(c[:2]) == family_target else c for c in cases]
-
-
-_ELDEC_GAP = ("the planted-bug helpers (tests/support/planted.py) do not find the elastic decoder's mode choice since its program Ifs' outputs are copied (exporter/targets/onnx/portable.py); to be adapted")
-
-
-@pytest.mark.parametrize("family, target, fname, bug", _known(VALUE_BUGS),
+@pytest.mark.parametrize("family, target, fname, bug", VALUE_BUGS,
                          ids=[f"{f}-{t}-{b.__name__}" for f, t, _, b in VALUE_BUGS])
 def test_right_decisions_computed_wrong_fail_on_values(artifacts, family, target, fname, bug, tmp_path, capsys):
     clean = _artifact(artifacts, family, target)
@@ -81,7 +72,7 @@ def test_right_decisions_computed_wrong_fail_on_values(artifacts, family, target
     assert code == 0 and r["outputs"][main_out]["needed_atol"] < atol
 
 
-@pytest.mark.parametrize("family, target, bug, decision", _known(DECISION_BUGS),
+@pytest.mark.parametrize("family, target, bug, decision", DECISION_BUGS,
                          ids=[f"{f}-{t}-{b.__name__}" for f, t, b, _ in DECISION_BUGS])
 def test_a_wrong_decision_fails_with_unexcused_flips(artifacts, family, target, bug, decision, tmp_path, capsys):
     proto = bug(planted.general(_artifact(artifacts, family, target)))

@@ -18,17 +18,18 @@ def load(path) -> onnx.ModelProto:
 
 
 def general(path) -> onnx.ModelProto:
-    """The artifact at `path`, or where it holds a large-call program too (a decoder's, exported with
-    no other dispatch) its general program, the one every call these tests make runs, as an artifact
-    of its own: the file's metadata without the large-call entry."""
+    """The artifact at `path`, or where it holds other programs too (metadata `programs`: a
+    decoder's large-call, short-call or decode-step program) its general program as an artifact of
+    its own, with the file's metadata less the other programs' guards."""
     from adaptex.exporter.metadata import read_onnx_metadata
     from adaptex.exporter.targets.onnx import programs, stamp
 
     proto, meta = load(path), read_onnx_metadata(path)
-    if not meta.get("large_call"):
+    names = [p["name"] for p in meta.get("programs") or []]
+    if len(names) < 2:
         return proto
-    program = programs.program(proto, (False,))
-    stamp(program, {k: v for k, v in meta.items() if k != "large_call"}, proto.doc_string)
+    program = programs.program(proto, programs.path_of(names.index("general"), len(names)))
+    stamp(program, {k: v for k, v in meta.items() if k != "programs"}, proto.doc_string)
     return program
 
 
