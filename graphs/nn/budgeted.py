@@ -72,7 +72,7 @@ class BudgetedAttention(AdaptiveLayer, nn.Module):
                 sched: RoutingSchedule | None = None, force_mask: Tensor | None = None,
                 return_decisions: bool = False):
         """y (B, T, d); with return_decisions, (y, decisions) (the shipped BudgetFormer's call)."""
-        check_inputs(type(self).__name__, x, mask, self.qkv.in_features)
+        check_inputs(type(self).__name__, x, mask, self.qkv.in_features, weights=self.qkv.weight)
         if mask is None:
             mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
         y, dec = self._attend(x, mask.bool(), self.resolve_mode(mode), sched, force_mask)

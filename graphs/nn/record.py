@@ -194,11 +194,12 @@ class AdaptiveLayer:
 
 
 def check_inputs(layer: str, x: Tensor, mask: Tensor | None, width: int | None, rank: int = 3,
-                 names: tuple[str, str] = ("x", "mask"), finite: bool = True) -> None:
+                 names: tuple[str, str] = ("x", "mask"), finite: bool = True, weights=None) -> None:
     """One InputError for what a layer cannot take, before torch meets it (eager calls only: traced
     and exported calls see fake tensors, whose shapes the export already checked): a feature tensor
     not floating point, of another rank or width, a mask that does not match its leading axes, or
-    NaN/Inf features (routing ranks and gathers on them, and a NaN index crashes)."""
+    NaN/Inf features (routing ranks and gathers on them, and a NaN index crashes), or features of
+    another floating dtype than `weights` (a tensor of the layer's)."""
     import torch
 
     if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
@@ -206,6 +207,9 @@ def check_inputs(layer: str, x: Tensor, mask: Tensor | None, width: int | None, 
     xn, mn = names
     if not x.is_floating_point():
         raise InputError(f"{layer}: {xn} has dtype {x.dtype}; pass floating-point features (e.g. x.float())")
+    if weights is not None and x.dtype != weights.dtype:
+        raise InputError(f"{layer}: {xn} has dtype {x.dtype} and the layer's weights {weights.dtype}; pass "
+                         f"{xn}.to({weights.dtype}) or convert the model with .to({x.dtype})")
     if x.dim() != rank or (width is not None and x.shape[-1] != width):
         want = ", ".join(["B", "T", "H", "dh"][:rank - 1] + [str(width) if width is not None else "d"])
         raise InputError(f"{layer}: {xn} has shape {list(x.shape)}; this layer takes ({want})")

@@ -92,7 +92,8 @@ class Server:
                 if "_recursion_count" in text:
                     raise AdaptexError(f"{python} is not the Python build that Triton's Python backend links "
                                        f"(the model failed to load); {FIX}")
-                tail = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
+                lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) > 2]
+                tail = [ln for ln in lines if "rror" in ln or "failed" in ln][-1:] or lines[-1:] or ["no output"]
                 why = "exited" if self.proc is None or self.proc.poll() is not None else "was not ready in time"
                 raise AdaptexError(f"the Triton server {why} ({tail[0][:200]}); see its log, or pass --port for a "
                                    "free port")

@@ -75,13 +75,13 @@ def test_repositories_of_every_shipped_model_parse(tmp_path):
 
 
 def _free_port() -> int:
-    """An HTTP port whose next two (gRPC, metrics) are free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 65533:
-            continue
+    """An HTTP port whose next two (gRPC, metrics) are free too, below Linux's ephemeral range (32768
+    and up), where another process's outgoing connection could take one of them meanwhile."""
+    import random
+
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
         try:
             for p in (port, port + 1, port + 2):
                 with socket.socket() as s:
@@ -89,7 +89,7 @@ def _free_port() -> int:
             return port
         except OSError:
             continue
-    return 18000
+    raise AssertionError("no three consecutive free ports between 20000 and 32000")
 
 
 @pytest.mark.triton
