@@ -114,6 +114,7 @@ def test_fit_memory_keeps_the_artifact_then_the_fastest_dense_candidates():
         fit_memory([Timing("adaptive", "a", dense=False), Timing("fast", "f")], warm, need, 450.0)
 
 
+@pytest.mark.slow
 def test_a_point_too_large_for_memory_warms_up_one_session_at_a_time(tiny_checkpoint, tiny_onnx, monkeypatch):
     """The memory of each session is faked (procfs readings computed from the sessions alive that
     have run): the artifact's first run grows the process enough to take the bounded way, the

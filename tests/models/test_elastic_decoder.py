@@ -156,6 +156,7 @@ def test_export_and_parity_on_every_target(artifacts, capsys, target, variant, s
         assert tensorrt_rules.lint(onnx.load(str(out))) == []
 
 
+@pytest.mark.slow
 def test_bench_times_elastic_against_full_attention(artifacts, capsys):
     out = artifacts("eldec")
     capsys.readouterr()

@@ -170,8 +170,9 @@ def test_grouped_query_attention_routes_per_kv_head(dirs):
 
 # LLaMA: a larger step moves its routers off the all-FA start within 5 steps, so that the exported
 # graphs are checked with both head modes (in one layer or across the two) under grouped-query attention
-@pytest.mark.parametrize("layout, extra", [("gpt2", ()), ("llama", ("--lr", "0.3", "--target-sparsity", "0.5")),
-                                           ("roberta", ())])
+@pytest.mark.parametrize("layout, extra", [
+    pytest.param("gpt2", (), marks=pytest.mark.slow),
+    pytest.param("llama", ("--lr", "0.3", "--target-sparsity", "0.5"), marks=pytest.mark.slow), ("roberta", ())])
 def test_elastic_routers_from_a_text_file_export_and_check(dirs, corpus, tmp_path, capsys, layout, extra):
     ckpt = tmp_path / "routers"
     assert main(["train", "elastic", "--backbone", str(dirs[layout]), "--data", str(corpus), "--steps", "5",

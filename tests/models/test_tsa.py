@@ -253,6 +253,7 @@ def test_cli_trains_a_tsa_checkpoint(tmp_path, capsys):
     assert "unknown task 'graded' for tsa; choose one of copy, sort, charlm" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_reproduction_script_prints_the_table(capsys):
     from examples.tsa_reproduce import main
 

@@ -24,6 +24,11 @@ TARGETS = [("onnx", "sparse", {}, ".onnx"), ("onnx", "dense", {}, ".onnx"),
 IDS = ["onnx-sparse", "onnx-dense", "coreml-fp32", "coreml-fp16", "tensorrt-onnx"]
 
 
+def _slow_but(keep: set[str]) -> list:
+    """TARGETS, those whose id is not in `keep` marked slow (make test-slow runs them)."""
+    return [t if i in keep else pytest.param(*t, marks=pytest.mark.slow, id=i) for t, i in zip(TARGETS, IDS)]
+
+
 @pytest.fixture(scope="module")
 def patch_model():
     return um.patch_classifier()
@@ -46,7 +51,7 @@ def _export_and_check(model, example, inputs, tmp_path, target, variant, options
     return meta, report
 
 
-@pytest.mark.parametrize("target, variant, options, suffix", TARGETS, ids=IDS)
+@pytest.mark.parametrize("target, variant, options, suffix", _slow_but(set(IDS) - {"coreml-fp32"}), ids=IDS)
 def test_patch_classifier_on_every_target(patch_model, tmp_path, target, variant, options, suffix):
     """(a): float patches and a mask in, budgeted attention in two of three blocks, a custom head."""
     example = (np.random.default_rng(0).normal(size=(3, 10, 12)).astype(np.float32), np.ones((3, 10), bool))
@@ -66,7 +71,7 @@ def test_patch_classifier_on_every_target(patch_model, tmp_path, target, variant
     assert len(seen) >= 2  # the inputs exercise the budget
 
 
-@pytest.mark.parametrize("target, variant, options, suffix", TARGETS, ids=IDS)
+@pytest.mark.parametrize("target, variant, options, suffix", _slow_but({"onnx-sparse", "coreml-fp16"}), ids=IDS)
 def test_mixed_decoder_on_every_target(decoder, tmp_path, target, variant, options, suffix):
     """(b): TSA blocks and elastic layers alternating, a stacked KV cache, prefill and decode steps."""
     meta, report = _export_and_check(decoder, um.decoder_example(), um.decoder_inputs(decoder, 200), tmp_path,

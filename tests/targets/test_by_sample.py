@@ -158,6 +158,7 @@ def test_a_tsa_artifact_runs_its_attention_by_sample_with_the_same_outputs(tmp_p
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=o.name)
 
 
+@pytest.mark.slow
 def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path):
     """--dense-rows N: the dense branch runs calls of at most N token rows, whose scores are at most
     N x heads x the longest sequence; below the threshold its If would only cost (a decode step)."""

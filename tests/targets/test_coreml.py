@@ -229,6 +229,7 @@ def test_bench_counterparts_convert_on_linux_and_compute_the_dense_model(tiny_ch
         assert np.abs(out["logits"] - ref.numpy()).max() < 1e-4, name
 
 
+@pytest.mark.slow
 def test_bench_coreml_path_with_the_mil_evaluator_standing_in(packages, tiny_checkpoint, monkeypatch):
     """The macOS bench path run end to end with the MIL evaluator in place of MLModel.predict: this
     proves the plumbing (counterparts, interleaved timing, decisions, report), not any latency."""

@@ -149,8 +149,8 @@ def test_the_short_call_graph_computes_what_the_general_graph_does(decoders, bat
     (1, 11, 0, None),     # one token past the reach
     (3, 40, 5, None),     # left padding
     (2, 128, 0, None),    # every position
-    (2, 60, 3, "sa"),     # every head streaming (the routers' biases set)
-    (2, 30, 0, "fa"),     # every head full
+    pytest.param(2, 60, 3, "sa", marks=pytest.mark.slow),  # every head streaming (the routers' biases set)
+    pytest.param(2, 30, 0, "fa", marks=pytest.mark.slow),  # every head full
     (64, 128, 7, None),   # a sample at a time, left padding
 ])
 def test_the_masked_short_call_graph_computes_what_the_general_graph_does(decoders, family_checkpoints, tmp_path,

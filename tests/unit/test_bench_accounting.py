@@ -333,6 +333,7 @@ def test_counterparts_compute_the_model(artifacts, shared_counterparts, family, 
     assert contract.decisions(contract.counterpart_modes["naive"]) == contract.decisions("hard")
 
 
+@pytest.mark.slow
 def test_a_dense_decoder_benches_at_flop_ratio_one(tmp_path, capsys):
     """A TSA decoder without routers (charlm-dense's kind) has no keep decisions: bench accounts it as
     computing everything, and runs."""
