@@ -188,10 +188,15 @@ class ElasticTrainConfig:
 
 
 def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: ElasticTrainConfig, session=None):
-    """Routers only (the backbone is frozen): min over the routers, max over λ1, λ2 (gradient ascent)."""
+    """Routers only (the backbone is frozen): min over the routers, max over λ1, λ2 (gradient ascent).
+    Data-parallel under torchrun (session.dp): the cosine and the SA fraction are global-batch means, so
+    λ moves alike in every process."""
+    from adaptex.graphs.nn.elastic import sparsity_per_row
     from adaptex.graphs.recipes.session import Session, seed_everything
 
     session = session or Session()
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
     seed_everything(tc.seed)
     rng = np.random.default_rng(tc.seed)
     params = [p for p in model.routers.parameters()]
@@ -199,15 +204,20 @@ def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: Elasti
     state = {"lam1": 0.0, "lam2": 0.0}
     t = model.cfg.target_sparsity
     model.train()
+    net = dp.wrap(model)
     for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
         lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
-        ids, mask = tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens)
+        ids, mask = (dp.mine(t) for t in tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens))
         with torch.no_grad():
             full, _ = model(ids, mask, mode="full")
-        emb, decisions = model(ids, mask, mode="soft", tau=tau)
-        cos = F.cosine_similarity(emb, full, dim=-1).mean()
-        omega = sparsity(decisions)
+        with dp.step():
+            emb, decisions = net(ids, mask, mode="soft", tau=tau)
+        if dp.world == 1:  # one process computes exactly what it computes without torchrun
+            cos, omega = F.cosine_similarity(emb, full, dim=-1).mean(), sparsity(decisions)
+        else:
+            cos = dp.mean_rows(F.cosine_similarity(emb, full, dim=-1))
+            omega = dp.mean_rows(sparsity_per_row(decisions))
         gap = omega - t
         loss = (1 - cos) + lam1 * gap + lam2 * gap ** 2
         opt.zero_grad(set_to_none=True)

@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
     s.add_argument("--resume", action="store_true",
                    help="continue the run that --save-every left at -o, bit for bit (same options and threads)")
     s.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="budgetformer, tsa: train data-parallel in N processes on this machine (torchrun with "
+                   help="train data-parallel in N processes on this machine (torchrun with "
                         "DistributedDataParallel: gloo on CPU, nccl on CUDA); --batch-size is the global batch. "
                         "Under your own torchrun, leave it out (docs/training.md)")
     s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
@@ -118,9 +118,6 @@ def _train(args, out, parent, dp) -> int:
     from adaptex.graphs.recipes import TrainOptions, train
     from adaptex.graphs.recipes.session import SUMMARY, Session
 
-    if dp.world > 1 and args.family not in DISTRIBUTED:
-        raise UsageError(f"adaptex train {args.family} runs in one process; data-parallel training (torchrun, "
-                         f"--nproc) covers {' and '.join(DISTRIBUTED)}")
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
     quiet = args.quiet or args.json or not dp.main  # progress and notes on rank 0 only
     note = (lambda msg: None) if quiet else say
@@ -150,9 +147,6 @@ def _train(args, out, parent, dp) -> int:
     return 0
 
 
-DISTRIBUTED = ("budgetformer", "tsa")  # the recipes whose losses reduce over processes (recipes/parallel.py)
-
-
 def _launch(args) -> int:
     """--nproc N: this command again under torch.distributed.run (torchrun), N processes on this machine."""
     import subprocess
@@ -160,8 +154,6 @@ def _launch(args) -> int:
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: give at least 1 process")
-    if args.family not in DISTRIBUTED:
-        raise UsageError(f"adaptex train {args.family} runs in one process; --nproc covers {' and '.join(DISTRIBUTED)}")
     rest, argv = [], list(args.argv)
     while argv:
         a = argv.pop(0)

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaptex.graphs.parallel import batch_noise
 from adaptex.graphs.nn.record import SOFT_MODES, AdaptiveLayer, Recorder, check_inputs, control_flow_traced
 from adaptex.graphs.ops import elastic_attention as ea
 
@@ -194,7 +195,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
             return ea.elastic_attention_dense_reference(q, kq, vq, fa, key_mask, self.sink, self.window, self.causal), {}
         if mode in SOFT_MODES:
             logits = self.route(k, key_mask)  # (B, Hkv, 2)
-            g = F.gumbel_softmax(logits, tau=tau or self.tau, hard=True)[..., 1]  # (B, Hkv): 1 = SA, ST gradient
+            g = _gumbel_hard(logits, tau or self.tau)[..., 1]  # (B, Hkv): 1 = SA, straight-through gradient
             sa = g > 0.5
             fa_o, sa_o = (ea.elastic_attention_dense_reference(q, kq, vq, self._groups(torch.full_like(sa, m)),
                                                                key_mask, self.sink, self.window, self.causal)
@@ -302,6 +303,23 @@ def _choice(logits: Tensor) -> Tensor:
     """SA where its logit is the larger, [FA, SA] -> (B, H) bool (a tie is FA): two kernels in a
     graph (ArgMax, Equal), where comparing the two slices takes five."""
     return logits.argmax(-1) == 1
+
+
+def _gumbel_hard(logits: Tensor, tau: float) -> Tensor:
+    """A one-hot Gumbel-softmax sample over the last axis whose gradient is the relaxed sample's
+    (straight-through). The Gumbel noise is drawn as F.gumbel_softmax draws it, through
+    parallel.batch_noise: in data-parallel training a sample's noise is the same for any number of
+    processes."""
+    noise = batch_noise(tuple(logits.shape), lambda s: -torch.empty(s, dtype=logits.dtype,
+                                                                    device=logits.device).exponential_().log())
+    soft = ((logits + noise) / tau).softmax(-1)
+    hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0)
+    return hard - soft.detach() + soft
+
+
+def sparsity_per_row(decisions) -> Tensor:
+    """Omega of each sample (B,): its fraction of SA heads over every ElasticAttention (soft)."""
+    return torch.stack([d["g"].float().reshape(d["g"].shape[0], -1).mean(1) for d in decisions]).mean(0)
 
 
 def sparsity(rec_or_decisions) -> Tensor:

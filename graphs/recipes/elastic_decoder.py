@@ -27,31 +27,46 @@ class ElasticDecoderTrainConfig:
 
 def _kl(full_logits: Tensor, logits: Tensor) -> Tensor:
     """Mean over tokens of KL(full || elastic) between next-token distributions."""
+    return _kl_terms(full_logits, logits).mean()
+
+
+def _kl_terms(full_logits: Tensor, logits: Tensor) -> Tensor:
+    """KL(full || elastic) of each position (N,)."""
     lp_full = full_logits.log_softmax(-1)
-    return (lp_full.exp() * (lp_full - logits.log_softmax(-1))).sum(-1).mean()
+    return (lp_full.exp() * (lp_full - logits.log_softmax(-1))).sum(-1)
 
 
 def train_elastic_decoder(model: ElasticDecoder, task, tc: ElasticDecoderTrainConfig, session=None) -> ElasticDecoder:
     """Routers only, by distillation from the frozen backbone's full attention: min over the routers,
-    max over lambda1, lambda2."""
+    max over lambda1, lambda2. Data-parallel under torchrun (session.dp): the KL is a mean over the
+    global batch's real tokens and the SA fraction over its samples, so lambda moves alike in every
+    process."""
+    from adaptex.graphs.nn.elastic import sparsity_per_row
     from adaptex.graphs.recipes.session import Session, seed_everything
 
     session = session or Session()
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
     seed_everything(tc.seed)
     rng = np.random.default_rng(tc.seed)
     opt = torch.optim.AdamW(model.routers.parameters(), lr=tc.lr, weight_decay=0.0)
     state, t = {"lam1": 0.0, "lam2": 0.0}, model.cfg.target_sparsity
     model.train()
+    net = dp.wrap(model)
     for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
         lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
-        b = task.sample(tc.batch_size, rng)
+        b = dp.rows(task.sample(tc.batch_size, rng))
         with torch.no_grad():
             full, _, _ = model(b.input_ids, b.attention_mask, mode="full")
-        logits, decisions, _ = model(b.input_ids, b.attention_mask, mode="soft", tau=tau)
+        with dp.step():
+            logits, decisions, _ = net(b.input_ids, b.attention_mask, mode="soft", tau=tau)
         m = b.loss_mask
-        kl = _kl(full[m], logits[m])
-        omega = sparsity(decisions)
+        if dp.world == 1:  # one process computes exactly what it computes without torchrun
+            kl, omega = _kl(full[m], logits[m]), sparsity(decisions)
+        else:
+            kl = dp.ratio(_kl_terms(full[m], logits[m]).sum(), m.sum().float())
+            omega = dp.mean_rows(sparsity_per_row(decisions))
         gap = omega - t
         loss = kl + lam1 * gap + lam2 * gap ** 2
         opt.zero_grad(set_to_none=True)

@@ -51,19 +51,19 @@ class DataParallel:
             raise AdaptexError(f"--batch-size {batch_size} does not split over {self.world} processes; give a "
                                f"multiple of {self.world} (the global batch, the same for any number of processes)")
 
+    def mine(self, v):
+        """This process's rows of `v` (a tensor of the global batch, batch first); anything else as it is."""
+        if self.world == 1 or not torch.is_tensor(v) or v.dim() == 0:
+            return v
+        self.check_batch(v.shape[0])
+        b = v.shape[0] // self.world
+        return v[self.rank * b:(self.rank + 1) * b]
+
     def rows(self, batch):
         """This process's rows of a global batch (a dataclass of tensors with the batch first)."""
         if self.world == 1:
             return batch
-        self.check_batch(len(next(v for v in vars(batch).values() if torch.is_tensor(v))))
-
-        def mine(v):
-            if not torch.is_tensor(v) or v.dim() == 0:
-                return v
-            b = v.shape[0] // self.world
-            return v[self.rank * b:(self.rank + 1) * b]
-
-        return dataclasses.replace(batch, **{k: mine(v) for k, v in vars(batch).items()
+        return dataclasses.replace(batch, **{k: self.mine(v) for k, v in vars(batch).items()
                                              if not k.startswith("_")})
 
     def wrap(self, model: torch.nn.Module):

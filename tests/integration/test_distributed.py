@@ -79,7 +79,26 @@ def test_a_global_batch_that_does_not_split_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_families_without_a_data_parallel_recipe_are_refused(tmp_path, capsys):
-    assert main(["train", "elastic", "-o", str(tmp_path / "e"), "--nproc", "2"]) == 2
-    assert "runs in one process" in capsys.readouterr().err
+@pytest.mark.parametrize("layout", ["roberta", "gpt2"])
+def test_elastic_routers_train_in_two_processes_as_in_one(tmp_path, layout):
+    """Elastic's Gumbel samples (drawn for the global batch and sliced), its cosine or KL and its SA
+    fraction (global-batch means, which move the Lagrangian's lambdas alike in every process): an
+    encoder's routers and a decoder's, on Hugging Face backbones of the tests."""
+    from tests.support import hf_dirs
+
+    backbone = hf_dirs.make(layout, tmp_path / "hf")
+    corpus = hf_dirs.corpus(tmp_path / "corpus.txt")
+    args = ["elastic", "--backbone", str(backbone), "--data", str(corpus), "--steps", "6", "--batch-size", "4",
+            "--max-tokens", "40", "--window", "8", "--sink", "2", "--eval-size", "16", "--threads", "1",
+            "--save-dtype", "float32", "--quiet"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", *args, "-o", str(one)]) == 0
+    r = _adaptex("train", *args, "-o", str(two), "--nproc", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _max_diff(one, two) < TOL
+    a, b = (json.loads((p / SUMMARY).read_text()) for p in (one, two))
+    assert b["processes"] == 2
+    for phase, metrics in a["metrics"].items():
+        for k, v in (metrics or {}).items():
+            assert b["metrics"][phase][k] == pytest.approx(v, abs=1e-4), (phase, k)
     assert torch.distributed.is_available()
