@@ -1,6 +1,4 @@
 """`python -m adaptex`: the command line."""
-import sys
+from adaptex.launch import run
 
-from adaptex.cli import main
-
-sys.exit(main())
+run()

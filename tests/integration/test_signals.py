@@ -1,5 +1,5 @@
-"""Signals: a cleanup finishes although a second signal arrives during it, a SIGTERM after the work
-exits 143 without a traceback, and a Core ML export killed at random points over an existing package
+"""Signals: a signal during start-up exits quietly, a cleanup finishes although a second signal
+arrives during it, a SIGTERM after the work exits 143 without a traceback, and a Core ML export killed at random points over an existing package
 leaves the old or the new package whole, and nothing else."""
 from __future__ import annotations
 
@@ -57,6 +57,18 @@ def test_a_sigterm_after_the_work_exits_143_without_a_traceback():
     assert p.stdout.strip().startswith("[")  # the work's output came out whole first
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_start_up_exits_quietly(sig, code):
+    """Before the command line's handlers are in place (its imports take seconds): 128 + the signal,
+    no import traceback (adaptex/launch.py)."""
+    p = subprocess.Popen([sys.executable, "-m", "adaptex", "models"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    time.sleep(0.3)
+    p.send_signal(sig)
+    assert p.wait(timeout=60) == code
+    assert "Traceback" not in p.stderr.read().decode()
+
+
 def _package_ok(out):
     from adaptex.exporter.targets.coreml.package import read_package_meta
 
@@ -65,8 +77,9 @@ def _package_ok(out):
 
 def _kill_exports(ckpt, tmp_path, kills: int, seed: int, ways=("term", "term2", "int", "kill")):
     """Export Core ML packages over one another and kill them at random points (SIGTERM, a second SIGTERM
-    soon after, Ctrl-C or SIGKILL); after each, the package is whole and nothing else is left once a
-    run has swept."""
+    soon after, Ctrl-C or SIGKILL); after each, the package is whole and a run that was not SIGKILLed
+    left nothing of its own; after a last whole run (which sweeps what SIGKILLed runs left), nothing
+    else is there."""
     rng = random.Random(seed)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -97,7 +110,9 @@ def _kill_exports(ckpt, tmp_path, kills: int, seed: int, ways=("term", "term2", 
         if how != "kill":
             assert code in (0, 130, 143, -2, -15), (how, code, err)
             near = [q.name for q in tmp_path.iterdir() if q.name.startswith(".m.mlpackage.")]
-            far = [q.name for q in tmp.glob("adaptex-*")]
+            # its own temp directory gone (a SIGKILLed run's stays until a later run reaches its sweep,
+            # which an export interrupted early does not)
+            far = [q.name for q in tmp.glob(f"adaptex-{p.pid}-*")]
             assert near == [] and far == [], (how, near, far)
     if "kill" in ways:
         assert run("dense").wait(timeout=600) == 0  # sweeps what a SIGKILL left
