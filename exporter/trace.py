@@ -9,7 +9,7 @@ import torch
 import adaptex.graphs  # noqa: F401  (registers the adaptex ops)
 from adaptex.exporter.errors import ExportError
 from adaptex.graphs.family import Contract
-from adaptex.graphs.nn.record import traced_control_flow, traced_decode_step, traced_short_call
+from adaptex.graphs.nn.record import traced_control_flow
 
 
 def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = "hard",
@@ -20,7 +20,7 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
     control_flow: layers may skip work behind a torch.cond (an ONNX `If`; graphs.nn.traced_control_flow).
     step: a decoder's decode-step program (one new token after a non-empty cache; the contract's
     step shapes), which serves those calls only. short: a decoder's short-call program (prefills of
-    at most the contract's short_call_keys() tokens: graphs.nn.record.traced_short_call), likewise;
+    at most the contract's short_call_keys() tokens), likewise;
     with masked, its masked short-call program (at most masked_call_keys() tokens)."""
     if contract is None:
         from adaptex.graphs.family import family_contract
@@ -35,14 +35,16 @@ def trace(model: torch.nn.Module, contract: Contract | None = None, mode: str = 
         raise ExportError("this model has no masked short-call program (an elastic decoder's, where its general "
                           "body attends a prefill masked beyond the streaming heads' reach)")
     model.eval()
-    wrapper = contract.wrapper(model, mode)
+    program = "masked" if masked else "short" if short else "step" if step else None
+    # the model shapes these calls' traces itself (an elastic decoder: no router at a step, dense attention
+    # within the reach); for the others a program is the general trace at the program's shapes
+    wrapper = contract.wrapper(model, mode, program if program in contract.traced_programs else None)
     shapes = {"step": True} if step else {}
     example = contract.example_inputs(mode, **shapes)
     if float_bools:
         example = tuple(t.float() if t.dtype == torch.bool else t for t in example)
     try:
-        with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow), \
-                traced_decode_step(step), traced_short_call(short, masked):
+        with torch.no_grad(), warnings.catch_warnings(), traced_control_flow(control_flow):
             warnings.simplefilter("ignore")
             return torch.export.export(wrapper, example, dynamic_shapes=contract.dynamic_shapes(mode, **shapes))
     except Exception as e:  # torch.export raises many types; the first line is the useful one

@@ -44,7 +44,6 @@ from adaptex.graphs.errors import AdaptexError, CheckpointError, InputError
 from adaptex.graphs.decoding import DecoderContract
 from adaptex.graphs.family import ADAPTIVE_MODES, RecordedOutput, register_family
 from adaptex.graphs.nn import ElasticAttention, sparsity  # noqa: F401  (re-exported)
-from adaptex.graphs.nn.record import decode_step_traced, masked_call_traced, short_call_traced
 from adaptex.graphs.nn.elastic import given_mode_logits, route_layers
 from adaptex.graphs.ops.elastic_attention import NEG, runs_masked
 from adaptex.graphs.ops.policy import DEFAULT, OrtPolicy
@@ -52,6 +51,9 @@ from adaptex.graphs.tsa import TSAConfig, TSADecoder
 
 MODES = ("soft", "hard", "hard_dense", "full")
 BACKBONES = ("tsa", "hf")
+
+# the programs the exporter traces this model for, beside the general one (None)
+PROGRAMS = (None, "step", "short", "masked")
 
 
 @dataclass
@@ -213,13 +215,22 @@ class ElasticDecoder(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 past: list[tuple[Tensor, Tensor]] | None = None, head_modes: list[Tensor] | None = None,
-                mode: str = "hard", tau: float = 1.0, force_sa: list[Tensor | None] | None = None):
+                mode: str = "hard", tau: float = 1.0, force_sa: list[Tensor | None] | None = None,
+                program: str | None = None):
         """Returns logits (B, T, V), decisions (per layer {"sa": (B, Hkv) bool, "logits": (B, Hkv, 2) fp32,
         "g": (B, Hkv) the SA weight used}) and presents (per layer (key, value), (B, Hkv, P+T, dh)).
 
         head_modes: per layer (B, Hkv) bool, used when the cache is non-empty (decode steps); the
         routers decide at prefill. mode: soft (Gumbel, straight-through; training), hard (the op),
-        hard_dense (hard decisions, dense reference kernel), full (every head FA: the backbone)."""
+        hard_dense (hard decisions, dense reference kernel), full (every head FA: the backbone).
+
+        program: the call this forward is traced for when the exporter traces one of its programs
+        (its contract's PROGRAMS): "step", a decode step (one new token after a non-empty cache:
+        the given modes, no router); "short", a prefill within the streaming heads' reach (dense
+        attention, one bias for every layer); "masked", a prefill a little longer (a second bias hides
+        the keys outside the streaming heads' reach). None: any call."""
+        if program not in PROGRAMS:
+            raise ValueError(f"unknown program {program!r}; choose one of {', '.join(map(str, PROGRAMS))}")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "full":
@@ -239,8 +250,7 @@ class ElasticDecoder(nn.Module):
         # mask (P + T columns), never on the cache, whose slices are empty at prefill (Core ML may
         # refuse a zero-size tensor). A decode-step program (traced for calls after a non-empty
         # cache) traces no choice: the given modes, and no router at all
-        step_program = torch.compiler.is_exporting() and decode_step_traced()
-        short_program = torch.compiler.is_exporting() and short_call_traced()
+        step_program, short_program = program == "step", program in ("short", "masked")
         has_past = None if step_program or short_program else torch.ones_like(attention_mask[:1]).sum() > T
         h, ctx = bb.embed_new(input_ids, attention_mask, P)
         # a short-call program (traced for prefills of at most sink + window tokens, where every
@@ -253,7 +263,7 @@ class ElasticDecoder(nn.Module):
             key_ok = key_ok[:, -T:]
         bias = _dense_bias(key_ok, T) if short_program else None
         far = torch.cat([bias, bias + _outside_reach(T, cfg.sink, cfg.window, key_ok.device)], 1) \
-            if short_program and masked_call_traced() else None
+            if program == "masked" else None
         modes_of, logits_of = _given_decisions(head_modes) if step_program and head_modes else (head_modes, None)
         # within the reach no decision changes the output: the routers run after the last layer, at once
         route_after = bias is not None and far is None
@@ -357,6 +367,7 @@ class ElasticDecoderFamily(DecoderContract):
     family = "elastic_decoder"
     config_cls, model_cls = ElasticDecoderConfig, ElasticDecoder
     decode_graph = True  # ONNX Runtime: a decode-step graph beside the general one (no router, the step's bodies)
+    traced_programs = PROGRAMS[1:]  # ElasticDecoder.forward's program=
     counterpart_modes = {"dense": "full", "naive": "hard_dense"}
 
     @property
@@ -376,9 +387,9 @@ class ElasticDecoderFamily(DecoderContract):
         return [RecordedOutput(f"decisions.layer{i}.{f}", f"routers.{i}", f)
                 for i in range(self.cfg.num_layers) for f in ("sa", "logits")]
 
-    def call(self, model, inputs, mode):
+    def call(self, model, inputs, mode, program: str | None = None):
         ids, mask, past, modes = self.split_inputs(inputs)
-        logits, _, presents = model(ids, mask, past=past, head_modes=modes or None, mode=mode)
+        logits, _, presents = model(ids, mask, past=past, head_modes=modes or None, mode=mode, program=program)
         return (logits, *[t for kv in presents for t in kv])
 
     def short_call_keys(self) -> int | None:

@@ -89,6 +89,8 @@ class Contract:
     config_cls = model_cls = None  # a shipped family's config dataclass and model (checkpoints load them)
     decoder = False  # prefill then decode steps over a KV cache
     decode_graph = False  # ONNX exports of a decoder: a decode-step graph too by default (--decode-graph)
+    # the programs (calls of one kind) whose trace the model shapes itself, given `program=` in call()
+    traced_programs: tuple[str, ...] = ()
     recipe: str | None = None  # its module in graphs/recipes/: `adaptex train FAMILY` runs it (recipes())
     counterpart_modes = {"dense": "dense", "naive": "naive"}  # bench: the mode each counterpart exports
     ort_model_type = "bert"  # bench: the model_type ONNX Runtime's transformer optimizer tries on the dense graph
@@ -142,8 +144,9 @@ class Contract:
         return {}
 
     # --- what the exporter traces, and what parity compares against ----------------------------------
-    def wrapper(self, model: torch.nn.Module, mode: str = "hard") -> torch.nn.Module:
-        return ContractWrapper(model, self, mode).eval()
+    def wrapper(self, model: torch.nn.Module, mode: str = "hard", program: str | None = None) -> torch.nn.Module:
+        """The module torch.export traces; program (one of traced_programs): the call kind it is traced for."""
+        return ContractWrapper(model, self, mode, program).eval()
 
     @torch.no_grad()
     def reference(self, model: torch.nn.Module, feeds: dict[str, np.ndarray], mode: str = "hard",
@@ -171,12 +174,12 @@ class Contract:
 
     # --- family knowledge (a user model has none of these) -------------------------------------------
     def short_call_keys(self) -> int | None:
-        """Decoders with a short-call program (graphs.nn.record.traced_short_call): the most tokens a
+        """Decoders with a short-call program (traced_programs' "short"): the most tokens a
         prefill may have to run it; None for models without one."""
         return None
 
     def masked_call_keys(self, policy=None) -> int | None:
-        """Decoders with a masked short-call program (traced_short_call's masked): the most tokens a
+        """Decoders with a masked short-call program (traced_programs' "masked"): the most tokens a
         prefill may have to run it at any batch (more than short_call_keys()); None for models without one."""
         return None
 
@@ -248,14 +251,17 @@ def _recorded(rec, r: RecordedOutput) -> Tensor:
 class ContractWrapper(torch.nn.Module):
     """A model with flat tensors in and out, in its contract's order: what torch.export traces."""
 
-    def __init__(self, model: torch.nn.Module, contract: Contract, mode: str = "hard"):
+    def __init__(self, model: torch.nn.Module, contract: Contract, mode: str = "hard", program: str | None = None):
         super().__init__()
-        self.model, self.contract, self.mode = model, contract, mode
+        if program is not None and program not in contract.traced_programs:
+            raise AdaptexError(f"a {contract.family} model has no {program!r} program to trace")
+        self.model, self.contract, self.mode, self.program = model, contract, mode, program
         name_layers(model)
 
     def forward(self, *inputs: Tensor):
+        program = {} if self.program is None else {"program": self.program}
         with record_decisions() as rec:
-            outs = self.contract.call(self.model, inputs, self.mode)
+            outs = self.contract.call(self.model, inputs, self.mode, **program)
         return tuple(outs) + tuple(_recorded(rec, r) for r in self.contract.recorded(self.mode))
 
 

@@ -237,7 +237,7 @@ class ElasticAttention(AdaptiveLayer, HeadRouter):
         planes (0.94 to 0.97 of a Where between the two, whole artifact, T = 128;
         docs/benchmarking.md#short-calls). The router still decides: its decisions are outputs, and
         the decode steps after this call read them. Returns (o, decisions) as the hard
-        op path does. The exporter's masked short-call program (graphs.nn.record.traced_short_call)
+        op path does. The exporter's masked short-call program (ElasticDecoder.forward's program "masked")
         runs it; the plain one, whose output no decision changes, runs attend_biased and routes
         every layer at once after the last (route_layers). The op computes the same on such calls
         (tests/models/test_elastic_decoder.py, and the artifact's graphs against each other in

@@ -120,48 +120,7 @@ def control_flow_traced() -> bool:
     return _top(_CONTROL_FLOW)
 
 
-@contextlib.contextmanager
-def traced_decode_step(enabled: bool = True) -> Iterator[None]:
-    """Inside the block, a decoder being traced is traced for its decode steps only (one new token
-    after a non-empty cache: the exporter's decode-step program), so it may leave out what only a
-    prefill runs (an elastic decoder's routers)."""
-    with _pushed(_DECODE_STEP, enabled):
-        yield
-
-
-def decode_step_traced() -> bool:
-    """Whether the model traced now is a decoder's decode-step program (see traced_decode_step)."""
-    return _top(_DECODE_STEP)
-
-
-@contextlib.contextmanager
-def traced_short_call(enabled: bool = True, masked: bool = False) -> Iterator[None]:
-    """Inside the block, a decoder being traced is traced for its short calls only: prefills (an
-    empty cache) whose every key lies within each streaming head's sinks and window (at most
-    sink + window tokens), where streaming attention computes what full attention does. An elastic
-    decoder then attends every head as dense attention does and keeps its routers (their decisions
-    are outputs). masked: prefills a little longer (the contract's masked_call_keys()), where an
-    elastic decoder's streaming heads attend through one bias that hides the keys outside their
-    sinks and window, made once for every layer."""
-    with _pushed(_SHORT_CALL, "masked" if enabled and masked else enabled):
-        yield
-
-
-def short_call_traced() -> bool:
-    """Whether the model traced now is a decoder's short-call program, masked or not (see
-    traced_short_call)."""
-    return _top(_SHORT_CALL)
-
-
-def masked_call_traced() -> bool:
-    """Whether the model traced now is a decoder's masked short-call program (traced_short_call's
-    masked)."""
-    return bool(_SHORT_CALL) and _SHORT_CALL[-1] == "masked"
-
-
 _CONTROL_FLOW: list[bool] = []
-_DECODE_STEP: list[bool] = []
-_SHORT_CALL: list[bool | str] = []
 
 MODES = ("soft", "st", "hard", "naive", "dense", "eager")
 # the shipped families' older names: hard decisions computed densely, and no routing at all
