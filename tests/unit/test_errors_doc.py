@@ -116,6 +116,7 @@ TRIGGERS = {
     "patches: the example has batch 0": lambda tmp: _export(tmp, (0, 6)),
     "patches: the example has batch 1": lambda tmp: _export(tmp, (1, 6)),
     "BudgetedAttention: x holds NaN": lambda tmp: _layer(torch.full((2, 5, 16), float("nan"))),
+    "BudgetedAttention: x has dtype torch.float64": lambda tmp: _layer(torch.randn(2, 5, 16, dtype=torch.float64)),
     "BudgetedAttention: x has dtype": lambda tmp: _layer(torch.ones(2, 5, 16, dtype=torch.int64)),
     "BudgetedAttention: x has shape": lambda tmp: _layer(torch.randn(2, 5, 8)),
     "'input_id': not an input": lambda tmp: (lambda: __import__("adaptex.api", fromlist=["_feeds"])._feeds(
