@@ -208,7 +208,7 @@ def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: Elasti
     for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
         lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))
-        ids, mask = (dp.mine(t) for t in tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens))
+        ids, mask = (dp.mine(x) for x in tokenizer.encode(text.sample(tc.batch_size, rng), max_length=tc.max_tokens))
         with torch.no_grad():
             full, _ = model(ids, mask, mode="full")
         with dp.step():
