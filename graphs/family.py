@@ -297,7 +297,16 @@ class GenericContract(Contract):
         model.eval()
         name_layers(model)
         with torch.no_grad(), adaptive_mode("hard"), record_decisions() as rec:
-            out = call(model, example)
+            try:
+                out = call(model, example)
+            except AdaptexError:
+                raise
+            except Exception as e:  # the model's own code refused the example: the inputs' fault, not a bug
+                shapes = ", ".join(f"{n} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                                   for n, t in zip(call.names, example) if isinstance(t, Tensor))
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise InputError(f"the model's forward raised {type(e).__name__} ({first}) on the example inputs "
+                                 f"({shapes}); give example inputs of the shapes and dtypes it takes") from e
         names, _ = flatten_outputs(out)
         recorded = [RecordedOutput(f"decisions.{p}.{f}", p, f) for p, fields in rec.decisions.items() for f in fields]
         clash = set(names) & {r.name for r in recorded}

@@ -37,6 +37,12 @@ def _export(tmp, shape):
                                   tmp / "m.onnx")
 
 
+class _TwoAxes(torch.nn.Module):
+    def forward(self, x):
+        B, T = x.shape
+        return x.sum(-1)
+
+
 def _layer(x):
     import adaptex.nn as ann
 
@@ -119,6 +125,8 @@ TRIGGERS = {
     "BudgetedAttention: x has dtype torch.float64": lambda tmp: _layer(torch.randn(2, 5, 16, dtype=torch.float64)),
     "BudgetedAttention: x has dtype": lambda tmp: _layer(torch.ones(2, 5, 16, dtype=torch.int64)),
     "BudgetedAttention: x has shape": lambda tmp: _layer(torch.randn(2, 5, 8)),
+    "the model's forward raised": lambda tmp: (lambda: __import__("adaptex").export(
+        _TwoAxes(), (torch.ones(2, 5, 1),), tmp / "m.onnx")),
     "'input_id': not an input": lambda tmp: (lambda: __import__("adaptex.api", fromlist=["_feeds"])._feeds(
         [{"input_id": [[1]]}], ["input_ids", "attention_mask"])),
     "--inputs in.npz: input_ids has shape [2, 0]": lambda tmp: _npz(

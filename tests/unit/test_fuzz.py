@@ -216,6 +216,7 @@ def cli_world(artifacts, tiny_coreml, tmp_path_factory):
     paths["seeds"] = [["check", bf, "--samples", "100000000000"], ["check", bf, "--samples", "1e11"],
                       ["bench", bf, "--seq", "100000000"], ["bench", bf, "--seq", "64", "--batch", "1e12"],
                       *(["check", bf, "--inputs", str(d / n)] for n in ("len0.npz", "rank3.npz", "pickled.npz")),
+                      ["export", "--target", "onnx", "-o", str(d / "out.onnx"), "--inputs", str(d / "rank3.npz")],
                       *(["check", str(d / n)] for n in relabelled), ["inspect", str(d / "huge.onnx")],
                       ["check", bf, "--max-memory", "lots"]]
     yield paths
