@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from adaptex.graphs import files
+from adaptex.graphs import files, parallel
 from adaptex.graphs.errors import CheckpointError
 from adaptex.graphs.family import FAMILIES, load_families
 
@@ -137,6 +137,7 @@ def is_checkpoint_dir(path: Path) -> bool:
 def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Round the parameters to what a `dtype` checkpoint stores, in place (evaluate after this)."""
     if dtype == "float16":
+        parallel.reshard(net)  # a sharded model: its shards are its weights
         with torch.no_grad():
             for t in net.state_dict().values():
                 if t.is_floating_point():
@@ -146,10 +147,11 @@ def round_weights(net: torch.nn.Module, dtype: str) -> torch.nn.Module:
 
 def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = None,
          dtype: str = "float32", texts: dict[str, str] | None = None,
-         tensors: dict[str, dict] | None = None) -> Path:
+         tensors: dict[str, dict] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors into `path` atomically (temp dir, then rename), with
     `files` (relative path -> text) and `tensors` (relative path -> a safetensors file's tensors)
-    beside them: the training summary and state.
+    beside them: the training summary and state. `state`: the weights, when not the net's own (a
+    sharded model's, gathered whole); the net gives the config and which of them a checkpoint holds.
 
     dtype="float16" stores the weights at half size; they load back as float32 (round_weights
     first, so that what was evaluated is exactly what is stored)."""
@@ -169,8 +171,9 @@ def save(path: str | os.PathLike, net: torch.nn.Module, extra: dict | None = Non
             (tmp / CONFIG).write_text(json.dumps(info, indent=2) + "\n")
             cast = torch.float16 if dtype == "float16" else torch.float32
             own = net.checkpoint_state() if hasattr(net, "checkpoint_state") else net.state_dict()
-            state = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in own.items()}
-            save_file(state, str(tmp / WEIGHTS))
+            whole = own if state is None else {k: state[k] for k in own}
+            weights = {k: (v.to(cast) if v.is_floating_point() else v).detach().contiguous() for k, v in whole.items()}
+            save_file(weights, str(tmp / WEIGHTS))
             written = [CONFIG, WEIGHTS]
             for rel, text in (texts or {}).items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

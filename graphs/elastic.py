@@ -199,12 +199,12 @@ def train_elastic(model: ElasticEncoder, tokenizer, text: StdlibText, tc: Elasti
     dp.check_batch(tc.batch_size)
     seed_everything(tc.seed)
     rng = np.random.default_rng(tc.seed)
+    net = dp.wrap(model)  # before the optimiser: sharding replaces the parameters
     params = [p for p in model.routers.parameters()]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
     state = {"lam1": 0.0, "lam2": 0.0}
     t = model.cfg.target_sparsity
     model.train()
-    net = dp.wrap(model)
     for step in session.steps("elastic", model, opt, None, rng, tc.steps, state):
         lam1, lam2 = state["lam1"], state["lam2"]
         tau = tc.tau_start * (tc.tau_end / tc.tau_start) ** ((step - 1) / max(1, tc.steps - 1))

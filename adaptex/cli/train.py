@@ -75,6 +75,10 @@ def add_parser(sub) -> None:
                    help="train data-parallel in N processes on this machine (torchrun with "
                         "DistributedDataParallel: gloo on CPU, nccl on CUDA); --batch-size is the global batch. "
                         "Under your own torchrun, leave it out (docs/training.md)")
+    s.add_argument("--fsdp", action="store_true",
+                   help="with --nproc or under torchrun: shard the model's parameters, gradients and optimiser "
+                        "state over the processes (FSDP) instead of a whole copy in each (DDP), for a backbone "
+                        "that does not fit one device; the same results (docs/training.md)")
     s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (also written to -o/summary.json)")
     add_memory_flag(s)
@@ -101,8 +105,11 @@ def run(args) -> int:
     existing = next(p for p in (parent, *parent.parents) if p.exists())  # -o creates the missing directories
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise UsageError(f"{out}: {existing} is not a writable directory; choose another -o")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise UsageError("--fsdp shards the model over the processes of a data-parallel run; add --nproc N "
+                         "(N >= 2), or run the command under torchrun")
     set_threads(args.threads)
-    dp = DataParallel.from_env()
+    dp = DataParallel.from_env(shard=args.fsdp)
     try:
         return _train(args, out, parent, dp)
     finally:
@@ -121,8 +128,9 @@ def _train(args, out, parent, dp) -> int:
     opts = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
     quiet = args.quiet or args.json or not dp.main  # progress and notes on rank 0 only
     note = (lambda msg: None) if quiet else say
+    options = {**opts.__dict__, **({"fsdp": True} if dp.sharded else {})}  # a sharded run resumes sharded
     session = Session(out=out, save_every=args.save_every, resume=args.resume, quiet=quiet, family=args.family,
-                      options=dict(opts.__dict__), save_dtype=args.save_dtype, dp=dp)
+                      options=options, save_dtype=args.save_dtype, dp=dp)
     t0 = time.perf_counter()
     result = train(args.family, opts, note, session=session)
     model, extra = result.model, result.extra
@@ -134,10 +142,11 @@ def _train(args, out, parent, dp) -> int:
                "metrics": extra.get("evaluation"), "seconds": round(time.perf_counter() - t0, 1),
                "checkpoint": str(out)}
     text = json.dumps(summary, indent=2) + "\n"
+    state = dp.gather(model) if dp.sharded else None  # every process takes part; rank 0 holds it
     if not dp.main:  # rank 0 writes the checkpoint and the summary; every rank holds the same weights
         return 0
     parent.mkdir(parents=True, exist_ok=True)  # only now: a failed run leaves nothing behind
-    checkpoint.save(out, model, extra, dtype=args.save_dtype, texts={SUMMARY: text})
+    checkpoint.save(out, model, extra, dtype=args.save_dtype, texts={SUMMARY: text}, state=state)
     if args.json:
         sys.stdout.write(text)
     else:

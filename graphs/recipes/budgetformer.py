@@ -66,12 +66,12 @@ def train_model(cfg: BudgetFormerConfig, task, tc: TrainConfig, desc: str = "tra
         missing, unexpected = model.load_state_dict(init, strict=False)
         if unexpected or any(".router." not in k for k in missing):
             raise ValueError(f"init weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
+    net = dp.wrap(model)  # before the optimiser: sharding replaces the parameters
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     lr_at = lambda step: tc.lr * min(1.0, (step + 1) / tc.warmup) * 0.5 * (1 + np.cos(np.pi * step / tc.steps))
     model.train()
-    dp = session.dp
-    dp.check_batch(tc.batch_size)
-    net = dp.wrap(model)
     for step1 in session.steps(phase or desc.strip(), model, opt, None, rng, tc.steps, desc=desc):
         step = step1 - 1
         t = step / tc.steps

@@ -19,11 +19,37 @@ from adaptex.graphs import parallel
 from adaptex.graphs.errors import AdaptexError
 
 
-class DataParallel:
-    """The process group of a torchrun launch, or a single process (world 1) that changes nothing."""
+def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """What FSDP gathers as one: each block of a layer stack (an nn.ModuleList's items). FSDP gathers
+    a unit when its forward is called, so a block that is only a container (no forward of its own:
+    the model calls its layers one by one, as the Hugging Face decoders' wrappers do) is replaced by
+    its children, by the same rule."""
+    def split(m: torch.nn.Module) -> list[torch.nn.Module]:
+        if next(m.parameters(), None) is None:
+            return []
+        if type(m).forward is not torch.nn.Module.forward:
+            return [m]
+        return [u for c in m.children() for u in split(c)]
 
-    def __init__(self, world: int = 1, rank: int = 0, device: str = "cpu"):
+    units = [u for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m for u in split(b)]
+    return list({id(u): u for u in units}.values())  # a stack within a container's children: once
+
+
+class DataParallel:
+    """The process group of a torchrun launch, or a single process (world 1) that changes nothing.
+
+    shard: FSDP (torch.distributed.fsdp.fully_shard) instead of DDP. Each process then holds 1/N of
+    every parameter (and of its gradient and optimiser state), gathered block by block for the
+    forward and backward passes; the model's state is gathered whole, in CPU memory and on rank 0
+    only, where a checkpoint is written."""
+
+    def __init__(self, world: int = 1, rank: int = 0, device: str = "cpu", shard: bool = False):
         self.world, self.rank, self.device = world, rank, device
+        self.shard = shard and world > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard
 
     @property
     def main(self) -> bool:
@@ -31,7 +57,7 @@ class DataParallel:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> "DataParallel":
+    def from_env(cls, shard: bool = False) -> "DataParallel":
         """torchrun's WORLD_SIZE, RANK and LOCAL_RANK; a single process without them."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
@@ -44,7 +70,7 @@ class DataParallel:
             torch.cuda.set_device(local)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if cuda else "gloo")
-        return cls(world, rank, f"cuda:{local}" if cuda else "cpu")
+        return cls(world, rank, f"cuda:{local}" if cuda else "cpu", shard)
 
     def check_batch(self, batch_size: int) -> None:
         if batch_size % self.world:
@@ -67,12 +93,60 @@ class DataParallel:
                                              if not k.startswith("_")})
 
     def wrap(self, model: torch.nn.Module):
-        """The module to call for training steps: DDP around `model` across processes, else `model`."""
+        """The module to call for training steps: DDP around `model` across processes, `model` itself
+        sharded in place (FSDP) with shard, else `model`. Make the optimiser after this: sharding
+        replaces the parameters."""
         if self.world == 1:
+            return model
+        if self.shard:
+            from torch.distributed.fsdp import fully_shard
+
+            for unit in reversed(_units(model)):  # innermost first, then the rest of the model
+                fully_shard(unit)
+            fully_shard(model)
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model)  # the training modes use every trainable parameter in every step
+
+    # --- a sharded model's state, whole ----------------------------------------------------------
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole state dict: with shard, gathered from every process (call it in all of
+        them) into CPU tensors on rank 0, empty elsewhere; else its own state dict."""
+        if not self.shard:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        parallel.reshard(model)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor]):
+        """Whole tensors (the same in every process) into the model, sharded as it is; strict=False,
+        returning (missing, unexpected) as load_state_dict does."""
+        if not self.shard:
+            return model.load_state_dict(state, strict=False)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        parallel.reshard(model)  # torch distributes the dict it is given in place: give it a copy
+        return set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def optimizer_state(self, model: torch.nn.Module, opt) -> dict:
+        """The optimiser's state dict; with shard its whole state keyed by parameter name, on rank 0."""
+        if not self.shard:
+            return opt.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        parallel.reshard(model)
+        return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer(self, model: torch.nn.Module, opt, state: dict) -> None:
+        if not self.shard:
+            opt.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        parallel.reshard(model)
+        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
 
     def step(self):
         """The block of one training step: layers that draw noise draw this process's rows of it."""

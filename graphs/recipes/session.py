@@ -45,9 +45,13 @@ class ResumeError(AdaptexError):
     """--resume cannot continue the run it finds, named with the fix."""
 
 
-def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a model trains and a checkpoint stores (a frozen backbone is left out), in fp32."""
+def trained_state(model: torch.nn.Module, dp=None) -> dict[str, torch.Tensor]:
+    """What a model trains and a checkpoint stores (a frozen backbone is left out), in fp32. A model
+    sharded by dp (FSDP) is gathered: call it in every process; rank 0 gets the tensors, the others {}."""
     own = model.checkpoint_state() if hasattr(model, "checkpoint_state") else model.state_dict()
+    if dp is not None and dp.sharded:
+        whole = dp.gather(model)
+        return {k: whole[k].detach().clone() for k in own if k in whole}
     return {k: v.detach().clone() for k, v in own.items()}
 
 
@@ -154,7 +158,7 @@ class Session:
         loaded = self._loaded
         if loaded is not None and name in loaded["done"]:
             self._load_weights(model, loaded["tensors"], f"done.{name}.")
-            self.done[name] = trained_state(model)
+            self.done[name] = trained_state(model, self.dp)
             return
         if loaded is not None and loaded["current"] and loaded["current"]["name"] == name:
             cur = loaded["current"]
@@ -164,7 +168,7 @@ class Session:
             self._load_weights(model, loaded["tensors"], "model.")
             t = loaded["tensors"]
             if opt is not None:
-                opt.load_state_dict(_unflatten(cur["opt"], t))
+                self.dp.load_optimizer(model, opt, _unflatten(cur["opt"], t))
             if sched is not None and cur.get("sched") is not None:
                 sched.load_state_dict(_unflatten(cur["sched"], t))
             rng.bit_generator.state = cur["numpy_rng"]
@@ -186,7 +190,7 @@ class Session:
             if bar is not None:
                 bar.close()
             self._bar = None
-        self.done[name] = trained_state(model)
+        self.done[name] = trained_state(model, self.dp)
 
     def show(self, **fields) -> None:
         """Numbers beside the progress bar (loss, keep rate...)."""
@@ -211,28 +215,39 @@ class Session:
         """The checkpoint directory with the state to resume from, atomically (graphs/files.py)."""
         from adaptex.graphs import checkpoint
 
-        if self.out is None or not self.dp.main:  # rank 0 writes; every rank holds the same state
+        dp = self.dp
+        if self.out is None or not (dp.main or dp.sharded):  # rank 0 writes; every rank holds the same state
+            return
+        # a sharded model's state is gathered by every process, then written by rank 0
+        weights, opt_state = trained_state(model, dp), dp.optimizer_state(model, opt) if opt is not None else None
+        product = dp.gather(self.product) if dp.sharded else None
+        if not dp.main:
             return
         tensors: dict[str, torch.Tensor] = {}
-        for phase, weights in self.done.items():
-            tensors.update({f"done.{phase}.{k}": v for k, v in weights.items()})
-        tensors.update({f"model.{k}": v for k, v in trained_state(model).items()})
+        for phase, done in self.done.items():
+            tensors.update({f"done.{phase}.{k}": v for k, v in done.items()})
+        tensors.update({f"model.{k}": v for k, v in weights.items()})
         tensors["torch_rng"] = torch.get_rng_state()
         current = {"name": name, "step": step, "steps": total,
-                   "opt": _flatten(opt.state_dict(), "opt", tensors) if opt is not None else None,
+                   "opt": _flatten(opt_state, "opt", tensors) if opt is not None else None,
                    "sched": _flatten(sched.state_dict(), "sched", tensors) if sched is not None else None,
                    "numpy_rng": rng.bit_generator.state, "python_rng": _flatten(random.getstate(), "py", tensors),
                    "state": dict(state)}
         meta = {"version": STATE_VERSION, "family": self.family, "options": self.options, "record": self.record(),
                 "done": list(self.done), "current": current}
-        snapshot = copy.deepcopy(self.product)  # rounded for the checkpoint; training goes on in fp32
-        checkpoint.round_weights(snapshot, self.save_dtype)
+        if product is None:
+            snapshot = copy.deepcopy(self.product)  # rounded for the checkpoint; training goes on in fp32
+            checkpoint.round_weights(snapshot, self.save_dtype)
+        else:  # the sharded model stays as it is; its gathered weights are what gets written
+            snapshot = self.product
+            if self.save_dtype == "float16":
+                product = {k: v.half().float() if v.is_floating_point() else v for k, v in product.items()}
         extra = {**self.checkpoint_extra,
                  "training": {**(self.checkpoint_extra.get("training") or {}), **self.record(),
                               "status": f"in progress: phase {name}, step {step} of {total}"}}
         summary = {"status": "in progress", "phase": name, "step": step, "steps": total, **self.summary_base()}
         self.out.absolute().parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.save(self.out, snapshot, extra, dtype=self.save_dtype,
+        checkpoint.save(self.out, snapshot, extra, dtype=self.save_dtype, state=product,
                         texts={SUMMARY: json.dumps(summary, indent=2) + "\n",
                                f"{STATE_DIR}/{STATE_JSON}": json.dumps(meta) + "\n"},
                         tensors={f"{STATE_DIR}/{STATE_TENSORS}": tensors})
@@ -271,10 +286,9 @@ class Session:
         meta["tensors"] = tensors
         return meta
 
-    @staticmethod
-    def _load_weights(model: torch.nn.Module, tensors: dict, prefix: str) -> None:
+    def _load_weights(self, model: torch.nn.Module, tensors: dict, prefix: str) -> None:
         own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        missing, unexpected = model.load_state_dict(own, strict=False)
+        missing, unexpected = self.dp.load(model, own)
         if hasattr(model, "checkpoint_state"):
             missing = [k for k in missing if k in model.checkpoint_state()]
         if missing or unexpected:

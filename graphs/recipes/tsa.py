@@ -161,13 +161,13 @@ def train_tsa(cfg: TSAConfig, task, tc: TSATrainConfig, desc: str = "train",
             raise ValueError(f"init weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.adaptive and tc.router_init == "importance" and init is not None:
         init_routers_by_importance(model, task, rng, tc.target_keep if tc.target_keep is not None else 0.85)
+    dp = session.dp
+    dp.check_batch(tc.batch_size)
+    net = dp.wrap(model)  # before the optimiser: sharding replaces the parameters
     opt, sched = optimizer(model, tc)
     st_from = int(tc.steps * (1 - tc.st_frac))
     state = {"lambda": 0.0 if tc.target_keep is not None else tc.lambda_depth}
     model.train()
-    dp = session.dp
-    dp.check_batch(tc.batch_size)
-    net = dp.wrap(model)
     one = dp if dp.world > 1 else None  # one process computes exactly what it computes without torchrun
     for step in session.steps(phase or desc.strip(), model, opt, sched, rng, tc.steps, state, desc=desc):
         b = dp.rows(task.sample(tc.batch_size, rng))
