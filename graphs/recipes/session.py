@@ -275,9 +275,9 @@ class Session:
         diff = [k for k in sorted(set(meta["options"]) | set(self.options))
                 if meta["options"].get(k) != self.options.get(k)]
         if diff:
-            k = diff[0]
-            raise ResumeError(f"--resume: --{k.replace('_', '-')} {self.options.get(k)!r} differs from the interrupted "
-                              f"run's {meta['options'].get(k)!r}; pass the interrupted run's options (its "
+            k, shown = diff[0], (lambda v: "(not given)" if v is None else repr(v))
+            raise ResumeError(f"--resume: --{k.replace('_', '-')} {shown(self.options.get(k))} differs from the "
+                              f"interrupted run's {shown(meta['options'].get(k))}; pass the interrupted run's options (its "
                               f"{SUMMARY} lists them)")
         threads = meta["record"]["threads"]
         if threads != torch.get_num_threads():
