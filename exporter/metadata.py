@@ -96,7 +96,7 @@ SCHEMA = {
 
 
 # key -> the values it may take (a schema enum: a precision adaptex has no tolerance for is no precision)
-ENUMS = {"variant": ("sparse", "dense"), "precision": ("fp32", "fp16")}
+ENUMS = {"variant": ("sparse", "dense"), "precision": ("fp32", "fp16", "bf16")}
 SHOWN = 60  # characters of a metadata value an error message quotes
 
 

@@ -112,8 +112,10 @@ class Bench:
             self.graphs = [adaptive] + graphs
         elif self.kind == "openvino":
             from adaptex.runtimes.bench_openvino import openvino_graphs
+            from adaptex.runtimes.openvino import inference_precision
 
-            graphs, self.runtime = openvino_graphs(self.model, self.contract, self.tmp, self.say, self.cache)
+            graphs, self.runtime = openvino_graphs(self.model, self.contract, self.tmp, self.say, self.cache,
+                                                   inference_precision(self.meta))
             self.graphs = [adaptive] + graphs
         elif self.kind == "tensorrt":
             graphs, self._fns, self._clocks, self.runtime = tensorrt_graphs(self.model, self.contract, self.meta,
@@ -138,9 +140,10 @@ class Bench:
     def _fn(self, t: Timing, threads: int):
         if self.kind == "openvino":  # compiled for the point's thread count, as ONNX Runtime's sessions
             from adaptex.runtimes.bench_openvino import openvino_runner
+            from adaptex.runtimes.openvino import inference_precision
 
             if (t.name, threads) not in self._fns:
-                self._fns[(t.name, threads)] = openvino_runner(t.path, threads)
+                self._fns[(t.name, threads)] = openvino_runner(t.path, threads, inference_precision(self.meta))
             return self._fns[(t.name, threads)]
         if self.kind != "onnx":
             return self._fns.get((t.name, None))

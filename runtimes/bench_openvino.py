@@ -1,6 +1,7 @@
 """bench's OpenVINO graphs: an OpenVINO artifact (.xml, or an .onnx run with runtime openvino)
 against the dense candidates of the same weights, each run in OpenVINO at the artifact's precision
-(f32). The candidates are bench's ONNX ones (the stock exports, the original checkpoint's export;
+(f32, or bf16 for a bf16 artifact: the candidates then run wholly in bf16, the artifact with its
+routing in f32). The candidates are bench's ONNX ones (the stock exports, the original checkpoint's export;
 exporter/counterparts.py), without the softmax floor (an ONNX Runtime remedy); one that OpenVINO
 cannot load (an ONNX Runtime optimizer's contrib ops) is listed with the reason, not timed."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from adaptex.runtimes.timing import Timing
 
 
-def openvino_graphs(model, contract, tmp, say, cache: bool = True) -> tuple[list[Timing], str]:
+def openvino_graphs(model, contract, tmp, say, cache: bool = True, precision: str = "f32") -> tuple[list[Timing], str]:
     """(the dense candidates and the naive export as timings, runtime description)."""
     import openvino as ov
 
@@ -25,10 +26,10 @@ def openvino_graphs(model, contract, tmp, say, cache: bool = True) -> tuple[list
                 reason = f"OpenVINO cannot read it: {str(e).strip().splitlines()[-1][:160]}"
         out.append(Timing(g.name, g.path if reason is None else None, how=f"{g.how}, in OpenVINO", dense=g.dense,
                           reason=reason))
-    return out, f"openvino {ov.__version__.split('-')[0]} (CPU, f32 inference precision)"
+    return out, f"openvino {ov.__version__.split('-')[0]} (CPU, {precision} inference precision)"
 
 
-def openvino_runner(path: str, threads: int):
+def openvino_runner(path: str, threads: int, precision: str = "f32"):
     """A callable from feeds to outputs by name: the file compiled for OpenVINO's CPU device with
     `threads` threads (an .onnx file's adaptex functions inlined first), one inference request."""
     from pathlib import Path
@@ -40,7 +41,7 @@ def openvino_runner(path: str, threads: int):
 
     core = ov.Core()
     model = core.read_model(_inlined_onnx(Path(path)), b"") if path.endswith(".onnx") else core.read_model(path)
-    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    config = {"INFERENCE_PRECISION_HINT": precision}
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     compiled = core.compile_model(model, "CPU", config)

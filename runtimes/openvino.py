@@ -3,7 +3,8 @@
 An ONNX file is read with its adaptex functions inlined first (OpenVINO's ONNX frontend does not
 expand a custom domain's model-local functions), so an ONNX Runtime artifact runs here too, as a
 user who inlines it would run it. Every call is one inference request, whole: no programs, no chunks
-(an IR is one graph). Inference precision is f32, as the artifact's metadata states.
+(an IR is one graph). Inference precision is the one the artifact's metadata states: f32, or bf16
+with the routing layers in f32 (the IR marks them; exporter/targets/openvino).
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _inlined_onnx(path: Path) -> bytes:
         else proto.SerializeToString()
 
 
+
+def inference_precision(meta: dict) -> str:
+    """OpenVINO's inference precision hint for an artifact's stated precision."""
+    return "bf16" if meta.get("precision") == "bf16" else "f32"
+
 class OpenVINORunner(Runner):
     name = "openvino"
 
@@ -51,7 +57,7 @@ class OpenVINORunner(Runner):
         except ImportError as e:
             raise AdaptexError(f"--runtime openvino needs the openvino package ({e}); pip install openvino") from None
         core = ov.Core()
-        config = {"INFERENCE_PRECISION_HINT": "f32"}
+        config = {"INFERENCE_PRECISION_HINT": inference_precision(self.meta)}
         if self.threads:
             config["INFERENCE_NUM_THREADS"] = self.threads
         try:

@@ -363,12 +363,14 @@ def _compare_values(report: ParityReport, name: str, a: np.ndarray, r: np.ndarra
         need = float(np.max(err - tol["rtol"] * np.abs(r))) if finite else float("inf")
         rel = float((err / np.maximum(np.abs(r), 1e-12)).max()) if finite else float("inf")
         if tol.get("of_largest") and finite:  # a quantized artifact's: atol as a fraction of the largest |value|
-            need /= max(float(np.abs(r).max()), 1e-12)
+            # an error within the absolute floor passes whatever the values' size (bf16: a score near 0)
+            need = 0.0 if need <= tol.get("floor", 0.0) else need / max(float(np.abs(r).max()), 1e-12)
     if err.max() > st.max_abs_err:
         st.max_abs_err, st.worst_input = float(err.max()), where
     st.max_rel_err = max(st.max_rel_err, rel)
     st.needed_atol = max(st.needed_atol, need)
     if need > tol["atol"]:
         of = " of the largest |value|" if tol.get("of_largest") else ""
+        of += f" (or {tol['floor']:g})" if tol.get("floor") else ""
         report.failures.append(f"{name}: error {err.max():.3e} at {where} exceeds atol={tol['atol']:g}{of} "
                                f"rtol={tol['rtol']:g}; the smallest atol that passes is {need:.3e}{of}")

@@ -14,18 +14,23 @@ from adaptex.graphs.ops.facts import margin_units, margins
 # ("of_largest"), as int8 rounding error scales with the values it rounds; the activations' one
 # scale per call (DynamicQuantizeLinear) rounds at 1/255 of their range at every MatMul, and
 # budgetformer-graded's logits (fp32 routers, every decision agreeing) move by 0.030 of their largest.
+# A bf16 artifact's (OpenVINO) the same way: bf16 keeps 8 bits of mantissa, and the dense charlm
+# decoder alone needs 0.24 of the largest |value| in its KV cache under OpenVINO's bf16 hint. An
+# error within `floor` (fp16's atol) passes too: a router's score near 0 (TSA's p of 1e-8 in a batch
+# that drops every token) has no largest value to scale by.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2},
+              "bf16": {"atol": 0.3, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
               "int8": {"atol": 0.05, "rtol": 0.0, "of_largest": True},
               "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True}}
-# A quantized artifact's decisions may flip where int8 noise moves a score across its boundary: each
+# A quantized or bf16 artifact's decisions may flip where its noise moves a score across its boundary: each
 # flip is counted and replayed, and the check fails when the flip rate (1 - agreement over every
 # decision compared) passes this bound.
-FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02}
+FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02, "bf16": 0.01}
 # Decision margins by decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS): a flip is
 # excused only when the reference was closer than this to the boundary, in the kind's own unit. A
 # quantized artifact's margins are fp32's (its routers are fp32; a flip past them is counted).
 MARGINS = margins()
-MARGINS.update({"int8": MARGINS["fp32"], "int4": MARGINS["fp32"]})
+MARGINS.update({"int8": MARGINS["fp32"], "int4": MARGINS["fp32"], "bf16": MARGINS["fp32"]})
 # What each kind's margin measures, for failure messages
 MARGIN_UNITS = margin_units()
 
@@ -123,13 +128,14 @@ class ParityReport:
 
     def format(self) -> str:
         tol = self.tolerance
-        scaled = " (atol: a fraction of each output's largest |value|)" if tol.get("of_largest") else ""
+        scaled = " (atol: a fraction of each output's largest |value|" if tol.get("of_largest") else ""
+        scaled += (f", or {tol['floor']:g}" if tol.get("floor") else "") + (")" if scaled else "")
         lines = [f"parity: {self.artifact} on {self.runtime} against {self.reference}",
                  f"  {self.samples} sequences in {self.batches} batches; {self.precision} tolerance "
                  f"atol={tol['atol']:g} rtol={tol['rtol']:g}{scaled}"]
         if self.flip_bound is not None:
-            lines.append(f"  quantized: each flipped decision is counted and replayed; the check fails past a flip "
-                         f"rate of {self.flip_bound:g} (this run: {self.flip_rate:.4f})")
+            lines.append(f"  {self.precision}: each flipped decision is counted and replayed; the check fails past "
+                         f"a flip rate of {self.flip_bound:g} (this run: {self.flip_rate:.4f})")
         if self.note:
             lines.append(f"  note: {self.note}")
         need = "needs atol" if not scaled else "needs frac"

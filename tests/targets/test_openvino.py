@@ -1,7 +1,7 @@
 """The OpenVINO target and runtime: the If-output copy that keeps a file right in OpenVINO's CPU
 plugin (its cause, docs/openvino.md#the-if-output-buffer), export to IR and parity in OpenVINO for
-every family and variant, the ONNX Runtime artifacts run in OpenVINO, a user's model, and the
-refusals. OpenVINO is a pip package (make test installs it): nothing here skips."""
+every family and variant, the ONNX Runtime artifacts run in OpenVINO, a user's model, bf16 with its
+routing kept in f32, and the refusals. OpenVINO is a pip package (make test installs it): nothing here skips."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import adaptex
 from adaptex.cli import main
 from adaptex.exporter.targets.onnx.portable import if_outputs_copied
+from adaptex.exporter.targets.openvino import read_meta
 from adaptex.runtimes.onnxruntime import OnnxRuntimeRunner
 from adaptex.runtimes.openvino import OpenVINORunner
 
@@ -151,10 +152,47 @@ def test_a_users_model_exports_and_checks_in_openvino(tmp_path):
     assert report.passed, report.format()
 
 
+def _precision_by_layer(xml) -> dict[str, set[str]]:
+    """What the CPU plugin runs each compiled MatMul or FullyConnected at: {"routing": {...}, "rest": {...}}."""
+    from adaptex.exporter.targets.tensorrt.plan import ROUTE_MARK
+
+    runner = OpenVINORunner(xml, threads=1)
+    runner.activate()
+    seen = {"routing": set(), "rest": set()}
+    for n in runner.compiled.get_runtime_model().get_ops():
+        rt = n.get_rt_info()
+        if rt["layerType"].astype(str) in ("MatMul", "FullyConnected"):
+            names = rt["originalLayersNames"].astype(str)
+            seen["routing" if ROUTE_MARK in names else "rest"].add(rt["runtimePrecision"].astype(str))
+    return seen
+
+
+def test_a_bf16_ir_runs_its_routing_in_f32_and_passes_check(tmp_path, capsys):
+    """The cause of bf16's right decisions: the routing layers' `precise` mark. Without it the CPU
+    plugin runs the routers' MatMuls in bf16 under the hint; with it, in f32, while the rest runs in
+    bf16. Then check passes at bf16's tolerance with >= 99% decision agreement."""
+    ir = tmp_path / "bf16.xml"
+    assert main(["export", "budgetformer-graded", "--target", "openvino", "--precision", "bf16", "-o", str(ir)]) == 0
+    assert read_meta(ir)["precision"] == "bf16"
+    kept = _precision_by_layer(ir)
+    assert kept["routing"] == {"f32"} and "bf16" in kept["rest"], kept
+    assert main(["check", str(ir), "--samples", "24", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "bf16 tolerance" in out
+    bare = tmp_path / "bare.xml"  # the same IR without the marks
+    bare.write_text(ir.read_text().replace('<attribute name="precise" version="0" />', ""))
+    (tmp_path / "bare.bin").write_bytes(ir.with_suffix(".bin").read_bytes())
+    assert "bf16" in _precision_by_layer(bare)["routing"]
+
+
 def test_refusals_are_one_line(tmp_path, capsys, artifacts):
     assert main(["export", "budgetformer-graded", "--target", "openvino", "--precision", "bf16",
+                 "-o", str(tmp_path / "m.onnx")]) != 0
+    assert "a bf16 OpenVINO artifact is IR (.xml)" in capsys.readouterr().err
+    assert main(["export", "budgetformer-graded", "--target", "openvino", "--precision", "fp16",
                  "-o", str(tmp_path / "m.xml")]) != 0
-    assert "precision 'bf16' is not supported for the openvino target" in capsys.readouterr().err
+    assert "precision 'fp16' is not supported for the openvino target; use fp32 or bf16" in \
+        capsys.readouterr().err
     assert main(["export", "budgetformer-graded", "--target", "openvino", "-o", str(tmp_path / "m.bin")]) != 0
     assert "must end in .xml or .onnx" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

@@ -116,7 +116,7 @@ def test_routers_stay_fp32_unless_asked(artifacts):
 def test_quantized_routers_are_checked_by_their_flips(artifacts):
     report = adaptex.check(artifacts("bf", "onnx", quantize="int8", quantize_routers=True), samples=48)
     assert report.flip_bound == 0.01
-    assert "flip rate" in report.format() and "quantized: each flipped decision" in report.format()
+    assert "flip rate" in report.format() and "int8: each flipped decision" in report.format()
     assert report.passed == (report.flip_rate <= 0.01 and not [f for f in report.failures if "flipped" not in f])
 
 

@@ -22,7 +22,7 @@ def _meta(**change):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"precision": "fp8"}, "metadata 'precision' is 'fp8', not one of fp32, fp16; re-export it with adaptex"),
+    ({"precision": "fp8"}, "metadata 'precision' is 'fp8', not one of fp32, fp16, bf16; re-export it with adaptex"),
     ({"target": "tflite"}, "metadata 'target' is 'tflite', not one of onnx, coreml, tensorrt"),
     ({"variant": "fast"}, "metadata 'variant' is 'fast', not one of sparse, dense"),
     ({"max_sequence": -5}, "metadata 'max_sequence' is -5, not a length (at least 1)"),

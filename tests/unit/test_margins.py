@@ -20,7 +20,7 @@ import torch
 
 from adaptex.graphs.family import family_contract
 from adaptex.runtimes.parity import check
-from adaptex.runtimes.report import MARGIN_UNITS, MARGINS, TOLERANCES
+from adaptex.runtimes.report import FLIP_BOUNDS, MARGIN_UNITS, MARGINS, TOLERANCES
 from adaptex.runtimes.torch_ref import TorchRunner
 from tests.support import zoo
 
@@ -226,6 +226,14 @@ def test_the_published_margins_and_tolerances_are_the_codes():
     for precision, atol, rtol in _table(text, "| precision | atol | rtol |"):
         tolerances[precision.split()[0]] = {"atol": float(atol), "rtol": float(rtol)}
     assert tolerances == {p: dict(TOLERANCES[p]) for p in ("fp32", "fp16")}
+    scaled, bounds = {}, {}
+    for scheme, atol, bound in _table(text, "| scheme | atol (of the largest"):
+        atol, _, floor = atol.partition(" (or ")  # "0.3 (or 0.01)": a fraction, or an absolute floor
+        scaled[scheme] = {"atol": float(atol), "rtol": 0.0, "of_largest": True,
+                          **({"floor": float(floor.rstrip(")"))} if floor else {})}
+        bounds[scheme] = float(bound)
+    assert scaled == {p: dict(TOLERANCES[p]) for p in scaled} and set(scaled) == set(FLIP_BOUNDS)
+    assert bounds == FLIP_BOUNDS
     assert set(MARGINS["fp32"]) == set(MARGINS["fp16"]) == set(MARGIN_UNITS)
     for precision, distance in FIXED.items():
         assert max(MARGINS[precision].values()) < distance

@@ -10,9 +10,9 @@ If-output buffer). The routing nodes are named with ROUTE_MARK (tensorrt/plan.py
 keeps in its nodes' names. The metadata rides in the IR's rt_info under `adaptex` (in an .onnx, its
 metadata properties, as the ONNX target's).
 
-fp32 only: under the bf16 inference precision hint the CPU plugin runs the routers' MatMuls in bf16,
-and neither a disable_fp16_compression rt_info entry set from Python nor one written into the IR
-kept them in f32 (OpenVINO 2026.4.1), so a decision could move; docs/openvino.md#precision.
+bf16 (an IR only): the artifact is an f32 IR that its runner compiles under OpenVINO's bf16
+inference precision hint, with every routing layer marked to run in f32 (openvino/bf16.py): the
+routers compute their decisions in f32 from bf16 features, as TensorRT's fp16 engines do.
 """
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ from adaptex.exporter.targets import Target, register_target
 from adaptex.exporter.targets import onnx as onnx_target
 from adaptex.exporter.targets.onnx import bodies as fx
 from adaptex.exporter.targets.onnx import portable
+from adaptex.exporter.targets.openvino.bf16 import biases_in_weights, keep_routing_f32
 from adaptex.exporter.targets.tensorrt.plan import ROUTE_MARK, mark_routing
 
 NAME = "openvino"
 SUFFIXES = (".xml", ".onnx")
 META_KEY = metadata.META_KEY
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16")
 
 
 def _register_cells() -> None:
@@ -95,10 +96,12 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
     """Write OpenVINO IR at `out` (.xml, its weights in the .bin beside it) or the inlined ONNX (.onnx)."""
     precision = precision or "fp32"
     if precision not in PRECISIONS:
-        raise ExportError(f"precision {precision!r} is not supported for the openvino target: under OpenVINO's "
-                          "bf16 hint its routers would run in bf16 and decisions could move; use fp32 "
-                          "(docs/openvino.md#precision)")
+        raise ExportError(f"precision {precision!r} is not supported for the openvino target; use one of "
+                          f"{', '.join(PRECISIONS)}")
     out = Path(out)
+    if precision == "bf16" and out.suffix == ".onnx":
+        raise ExportError(f"{out}: a bf16 OpenVINO artifact is IR (.xml): its routing layers carry the mark that "
+                          "keeps them f32, which an .onnx cannot hold; write -o with .xml")
     TARGET.check_output(out, {})
     metadata.check_writable(out, is_ours)
     ov = requires_openvino()  # before the export's minutes, not after
@@ -109,6 +112,8 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         with metadata.atomic_path(out) as tmp:
             onnx.save_model(proto, str(tmp))
         return meta
+    if precision == "bf16":
+        biases_in_weights(proto)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as work:
         src = Path(work) / "model.onnx"
         onnx.save_model(proto, str(src))
@@ -118,6 +123,11 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
             raise ExportError(f"OpenVINO cannot convert the inlined ONNX ({str(e).strip().splitlines()[0]})") from e
         ir.set_rt_info(json.dumps(meta), [META_KEY])
         ov.save_model(ir, str(Path(work) / "model.xml"), compress_to_fp16=False)
+        if precision == "bf16":
+            kept = keep_routing_f32(Path(work) / "model.xml")
+            if not kept and meta["decisions"]:
+                raise ExportError("no routing layer found in the IR to keep in f32; the bf16 artifact could move "
+                                  "decisions, so nothing was written (export fp32)")
         bin_out = out.with_suffix(".bin")
         metadata.check_writable(bin_out, lambda p: is_ours(p.with_suffix(".xml")))
         with metadata.atomic_path(bin_out) as tmp:  # the weights first: an .xml in place always has its .bin
