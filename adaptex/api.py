@@ -89,10 +89,10 @@ def _export_model(model, example_inputs, path, target, variant, precision, dynam
         return _write(model, example_inputs, out, t.name, variant, precision, prec, dynamic_shapes, contract,
                       fp16_audit, say, options)
 
-    # validated where adaptex runs the artifact here: ONNX in ONNX Runtime (TensorRT-bound ONNX too) and
-    # Core ML by MIL evaluation; an engine, OpenVINO IR (`check --runtime openvino` checks it) or a
-    # target of your own is written as it is
-    checkable = t.name in ("onnx", "coreml") or (t.name == "tensorrt" and options.get("onnx_only"))
+    # validated where adaptex runs the artifact here: ONNX in ONNX Runtime (TensorRT-bound ONNX too),
+    # OpenVINO IR and ONNX in OpenVINO, and Core ML by MIL evaluation; an engine or a target of your
+    # own is written as it is
+    checkable = t.name in ("onnx", "coreml", "openvino") or (t.name == "tensorrt" and options.get("onnx_only"))
     if not validate or not checkable:
         return write(path)
     return _validated(write, t, model, example_inputs, path, contract, say, options)
@@ -108,6 +108,9 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
         raise ExportError("export needs a path to write, e.g. adaptex.export(model, inputs, 'model.onnx')")
     t.check_output(path, options)
     check_writable(path, _is_artifact)
+    beside = t.companions(Path(path))
+    for c in beside:  # an IR's weights: replaced only beside an adaptex artifact of that name
+        check_writable(c, lambda _: _is_artifact(path))
     tell = say or (lambda m: None)
     with validation.staged(path) as work:
         meta = write(work)
@@ -116,18 +119,19 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
         n = f"{len(inputs)} inputs derived from the example" if inputs is not None else f"{samples} generated sequences"
         tell(f"validating the artifact against the eager model on {n} (--no-validate skips this) ...")
         try:
-            report = check(work, model, inputs, samples=samples)
+            report = check(work, model, inputs, samples=samples,  # an OpenVINO-bound .onnx in OpenVINO too
+                           runtime="openvino" if t.name == "openvino" else None)
         except AdaptexError as e:  # the check could not run (an op the MIL evaluation lacks, say)
-            failed = validation.reject(work, path)
+            failed = validation.reject(work, path, beside)
             raise validation.ValidationFailed(
                 f"{path}: the artifact could not be checked ({e}); it is kept as {failed} and {path} is "
                 "unchanged; pass --no-validate (validate=False) to write it unchecked", None, failed) from e
         if report.passed:
-            validation.promote(work, path)
+            validation.promote(work, path, beside)
             tell(f"validated: {report.samples} sequences, max abs error {report.max_abs_err:.2g}, "
                  f"{report.unexcused_flips} unexcused flips")
             return meta
-        failed = validation.reject(work, path)
+        failed = validation.reject(work, path, beside)
     report.artifact = str(failed)
     first = (report.failures or ["see the report"])[0]
     raise validation.ValidationFailed(

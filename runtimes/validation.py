@@ -26,7 +26,7 @@ from adaptex.graphs.errors import AdaptexError
 
 # A shipped model's generated sequences, by target: about 10% of the export's CPU time (budgetformer-graded
 # ONNX: 1.4 s of 11 s; elastic-minilm Core ML, whose MIL evaluation is numpy: 32 took 16 s of 65 s)
-VALIDATION_SAMPLES = {"onnx": 32, "tensorrt": 32, "coreml": 16}
+VALIDATION_SAMPLES = {"onnx": 32, "tensorrt": 32, "coreml": 16, "openvino": 32}
 
 
 class ValidationFailed(AdaptexError):
@@ -146,14 +146,20 @@ def _swap(new: Path, out: Path) -> None:
         os.replace(new, out)
 
 
-def promote(staged_path: Path, out: str | os.PathLike) -> None:
-    """The checked artifact (and a TensorRT engine's sidecar) into place at `out`."""
+def promote(staged_path: Path, out: str | os.PathLike, beside: tuple[Path, ...] = ()) -> None:
+    """The checked artifact into place at `out`, the files it brings beside it (an IR's weights)
+    first: an artifact in place always has them."""
     out = Path(out).absolute()
+    for c in beside:
+        _swap(staged_path.with_name(Path(c).name), Path(c).absolute())
     _swap(staged_path, out)
 
 
-def reject(staged_path: Path, out: str | os.PathLike) -> Path:
-    """The artifact that failed its check to `failed_name(out)`; returns that path."""
+def reject(staged_path: Path, out: str | os.PathLike, beside: tuple[Path, ...] = ()) -> Path:
+    """The artifact that failed its check to `failed_name(out)` (and the files beside it to theirs);
+    returns that path."""
     failed = failed_name(Path(out).absolute())
+    for c in beside:
+        _swap(staged_path.with_name(Path(c).name), failed_name(Path(c).absolute()))
     _swap(staged_path, failed)
     return failed

@@ -41,6 +41,9 @@ class Target:
     default_precision: Callable  # default_precision(contract) -> str
     description: str = ""
     options: tuple[Option, ...] = field(default_factory=tuple)
+    # the files an artifact at a path brings beside it (OpenVINO IR's weights): written, checked,
+    # moved and refused with it
+    companions: Callable[[Path], tuple[Path, ...]] = lambda out: ()
 
     def check_output(self, out: str | Path, options: dict) -> None:
         """A one-line error when `out`'s suffix does not fit this target (naming the right one)."""

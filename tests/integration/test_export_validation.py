@@ -2,7 +2,8 @@
 variations derived from them (batch, lengths, padded tails of every input that reaches an adaptex
 layer's key mask) before it takes its name; a mismatch fails the export with the report and keeps the
 artifact as NAME.failed.SUFFIX. The divergence is planted by swapping a Core ML lowering for one that
-ignores the key mask: right on the (unpadded) example, wrong on padded rows."""
+ignores the key mask: right on the (unpadded) example, wrong on padded rows; for OpenVINO IR (two
+files), by shifting a bias."""
 from __future__ import annotations
 
 from functools import partial
@@ -99,3 +100,44 @@ def test_a_wrong_coreml_package_fails_export_with_the_report(tmp_path, capsys):
     with registry.override(PLANTED):  # --no-validate writes it, unchecked
         assert main(["export", spec, "--target", "coreml", "--precision", "fp32", "-o", str(out), "--no-validate"]) == 0
     assert next(out.rglob("model.mlmodel")).read_bytes() != before
+
+
+def test_an_openvino_ir_that_computes_otherwise_is_kept_as_failed_with_its_weights(tmp_path, monkeypatch):
+    """An IR is two files: validated together, kept as NAME.failed.xml with NAME.failed.bin on a
+    mismatch, and an IR already at the name (both files) stays as it was."""
+    from onnx import numpy_helper
+
+    from adaptex.exporter.targets import openvino as ov_target
+    from adaptex.runtimes.validation import ValidationFailed
+
+    model, example = classifier()
+    out = tmp_path / "m.xml"
+    adaptex.export(model, example, out, target="openvino")  # validated in OpenVINO, then named
+    before = out.read_bytes(), out.with_suffix(".bin").read_bytes()
+    right = ov_target.inlined_onnx
+
+    def shifted(*args, **kwargs):  # the classifier's head bias off by 1: wrong on every input
+        proto, meta = right(*args, **kwargs)
+        bias = next(i for i in proto.graph.initializer if i.name.endswith("head.bias"))
+        bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) + 1, bias.name))
+        return proto, meta
+
+    monkeypatch.setattr(ov_target, "inlined_onnx", shifted)
+    with pytest.raises(ValidationFailed) as e:
+        adaptex.export(model, example, out, target="openvino")
+    assert (out.read_bytes(), out.with_suffix(".bin").read_bytes()) == before
+    failed = failed_name(out)
+    assert e.value.failed_path == failed and failed.with_suffix(".bin").is_file()
+    assert not adaptex.check(failed, model, inputs=[example]).passed  # it loads: its weights came along
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin", "m.failed.bin", "m.failed.xml", "m.xml"]
+
+
+def test_an_ir_is_never_written_over_weights_adaptex_did_not_write(tmp_path):
+    model, example = classifier()
+    (tmp_path / "m.bin").write_bytes(b"someone's weights")
+    from adaptex.graphs.errors import AdaptexError
+
+    with pytest.raises(AdaptexError, match="m.bin"):
+        adaptex.export(model, example, tmp_path / "m.xml", target="openvino")
+    assert (tmp_path / "m.bin").read_bytes() == b"someone's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]

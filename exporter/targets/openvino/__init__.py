@@ -163,4 +163,5 @@ def read_meta(path: str | Path) -> dict:
 TARGET = register_target(Target(
     name=NAME, suffixes=SUFFIXES, precisions=PRECISIONS, export=export,
     default_precision=lambda contract: "fp32",
-    description="OpenVINO IR (.xml + .bin), or the ONNX it is made from, functions inlined (.onnx)"))
+    description="OpenVINO IR (.xml + .bin), or the ONNX it is made from, functions inlined (.onnx)",
+    companions=lambda out: (Path(out).with_suffix(".bin"),) if Path(out).suffix == ".xml" else ()))
