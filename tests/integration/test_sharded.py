@@ -37,6 +37,7 @@ def test_sharded_processes_train_what_one_trains(tmp_path, family):
     assert main(["check", str(art), "--samples", "8"]) == 0
 
 
+@pytest.mark.slow  # as its DDP counterpart (test_distributed.py)
 def test_a_sharded_run_resumes_sharded(tmp_path):
     """The interrupted run's weights and optimiser state, gathered whole from the shards, load back
     into the shards of the resumed run: it ends where an uninterrupted run ends."""

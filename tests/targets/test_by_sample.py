@@ -181,7 +181,7 @@ def test_a_dense_branch_whose_calls_stay_small_gets_no_by_sample_if(tmp_path):
         assert ifs == [dense_ifs, dense_ifs, 1, 1], rows
 
 
-@pytest.mark.parametrize("modes", ["mixed", "fa"])
+@pytest.mark.parametrize("modes", ["mixed", pytest.param("fa", marks=pytest.mark.slow)])
 def test_an_elastic_decoders_full_attention_runs_by_sample_with_the_same_outputs(modes, tmp_path):
     """ElasticAttention's FA paths (every pair as it is; the gathered FA pairs of a mixed call) run a
     sample (a pair) at a time where the call is large; forced here (by_sample_from = 1, no masked
