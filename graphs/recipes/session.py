@@ -45,12 +45,13 @@ class ResumeError(AdaptexError):
     """--resume cannot continue the run it finds, named with the fix."""
 
 
-def trained_state(model: torch.nn.Module, dp=None) -> dict[str, torch.Tensor]:
+def trained_state(model: torch.nn.Module, dp=None, whole: dict | None = None) -> dict[str, torch.Tensor]:
     """What a model trains and a checkpoint stores (a frozen backbone is left out), in fp32. A model
-    sharded by dp (FSDP) is gathered: call it in every process; rank 0 gets the tensors, the others {}."""
+    sharded by dp (FSDP) is gathered (or `whole`, its state gathered already, is read): call it in
+    every process; rank 0 gets the tensors, the others {}."""
     own = model.checkpoint_state() if hasattr(model, "checkpoint_state") else model.state_dict()
     if dp is not None and dp.sharded:
-        whole = dp.gather(model)
+        whole = dp.gather(model) if whole is None else whole
         return {k: whole[k].detach().clone() for k in own if k in whole}
     return {k: v.detach().clone() for k, v in own.items()}
 
@@ -219,8 +220,9 @@ class Session:
         if self.out is None or not (dp.main or dp.sharded):  # rank 0 writes; every rank holds the same state
             return
         # a sharded model's state is gathered by every process, then written by rank 0
-        weights, opt_state = trained_state(model, dp), dp.optimizer_state(model, opt) if opt is not None else None
-        product = dp.gather(self.product) if dp.sharded else None
+        product = dp.gather(self.product) if dp.sharded else None  # the first phase's: often `model` itself
+        weights = trained_state(model, dp, product if self.product is model else None)
+        opt_state = dp.optimizer_state(model, opt) if opt is not None else None
         if not dp.main:
             return
         tensors: dict[str, torch.Tensor] = {}

@@ -25,14 +25,18 @@ from adaptex.exporter.targets.tensorrt.plan import ROUTE_MARK
 PRECISE = "precise"  # the IR name of OpenVINO's DisablePrecisionConversion runtime attribute
 
 
-def _linears(graph: onnx.GraphProto) -> list[tuple[int, int | None, np.ndarray, np.ndarray]]:
-    """The routing Linears with constant weights and bias: (node index, index of its bias Add or
-    None for a Gemm, W as (in, out), b as (out,))."""
-    inits = {i.name: i for i in graph.initializer}
+def _uses(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """Value name -> the indices of the nodes that read it."""
     uses: dict[str, list[int]] = {}
     for i, n in enumerate(graph.node):
         for v in n.input:
             uses.setdefault(v, []).append(i)
+    return uses
+
+
+def _linears(graph: onnx.GraphProto, inits: dict, uses: dict) -> list[tuple[int, int | None, np.ndarray, np.ndarray]]:
+    """The routing Linears with constant weights and bias: (node index, index of its bias Add or
+    None for a Gemm, W as (in, out), b as (out,))."""
     outputs = {o.name for o in graph.output}
     found = []
     for i, n in enumerate(graph.node):
@@ -82,14 +86,10 @@ def biases_in_weights(proto: onnx.ModelProto) -> int:
     that follows it folded in too (the plugin folds that into the layer as well, and the layer loses
     its mark the same way); returns how many."""
     g = proto.graph
-    found = _linears(g)
+    inits, uses = {i.name: i for i in g.initializer}, _uses(g)
+    found = _linears(g, inits, uses)
     if not found:
         return 0
-    inits = {i.name: i for i in g.initializer}
-    uses: dict[str, list[int]] = {}
-    for k, n in enumerate(g.node):
-        for v in n.input:
-            uses.setdefault(v, []).append(k)
     replace, drop = {}, set()
     for i, j, w, b in found:
         out = g.node[i].output[0] if j is None else g.node[j].output[0]
