@@ -88,15 +88,20 @@ class Server:
         while not _ready(self.port, self.name):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 text = log.read_text(errors="replace")
+                why = "exited" if self.proc.poll() is not None else "was not ready in time"
+                if not self.log:  # the default log lives in the work directory stop() removes: keep a copy
+                    fd, kept = tempfile.mkstemp(prefix="adaptex-serve-", suffix=".log")
+                    with os.fdopen(fd, "w") as f:
+                        f.write(text)
+                    log = Path(kept)
                 self.stop()
                 if "_recursion_count" in text:
                     raise AdaptexError(f"{python} is not the Python build that Triton's Python backend links "
                                        f"(the model failed to load); {FIX}")
                 lines = [ln.strip() for ln in text.splitlines() if len(ln.strip()) > 2]
                 tail = [ln for ln in lines if "rror" in ln or "failed" in ln][-1:] or lines[-1:] or ["no output"]
-                why = "exited" if self.proc is None or self.proc.poll() is not None else "was not ready in time"
-                raise AdaptexError(f"the Triton server {why} ({tail[0][:200]}); see its log, or pass --port for a "
-                                   "free port")
+                raise AdaptexError(f"the Triton server {why} ({tail[0][:200]}); see its log {log}, or pass --port "
+                                   "for a free port")
             time.sleep(0.5)
         self.say(f"serving {self.name}: http://127.0.0.1:{self.port}/v2/models/{self.name}/infer "
                  f"(gRPC {self.port + 1}, metrics {self.port + 2}); Ctrl-C stops it")

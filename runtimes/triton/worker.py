@@ -17,6 +17,11 @@ import json
 import sys
 from pathlib import Path
 
+# PyTriton's first instance of a model opens a unix socket from which the others read their config. An
+# instance that connects between the socket's bind and its listen is refused, and the model fails to load
+# (ConnectionRefusedError in get_config_from_handshake_server). A fresh start of Triton clears it.
+HANDSHAKE_RACE = "get_config_from_handshake_server"
+LOAD_ATTEMPTS = 3
 NUMPY = {"bool": "bool_", "uint8": "uint8", "int8": "int8", "int32": "int32", "int64": "int64",
          "float16": "float16", "float32": "float32", "float64": "float64"}
 
@@ -80,13 +85,22 @@ def main(argv=None) -> int:
     model_config = ModelConfig(max_batch_size=args.max_batch if with_batch else 0,
                                batcher=DynamicBatcher(max_queue_delay_microseconds=args.queue_delay_us),
                                batching=with_batch)
-    with Triton(config=config) as triton:
-        triton.bind(model_name=args.name, infer_func=[_infer_fn(s, outputs) for s in sessions],
-                    inputs=_tensors(meta["inputs"], with_batch), outputs=_tensors(meta["outputs"], with_batch),
-                    config=model_config, strict=False)
-        print(f"adaptex-serve: ready {args.name} http://127.0.0.1:{args.http_port}", flush=True)
-        triton.serve()
-    return 0
+    for attempt in range(1, LOAD_ATTEMPTS + 1):
+        with Triton(config=config) as triton:
+            try:
+                triton.bind(model_name=args.name, infer_func=[_infer_fn(s, outputs) for s in sessions],
+                            inputs=_tensors(meta["inputs"], with_batch),
+                            outputs=_tensors(meta["outputs"], with_batch), config=model_config, strict=False)
+            except Exception as e:  # tritonclient's InferenceServerException carries the stub's traceback
+                if HANDSHAKE_RACE not in str(e) or attempt == LOAD_ATTEMPTS:
+                    raise
+                print(f"adaptex-serve: instance handshake refused (attempt {attempt} of {LOAD_ATTEMPTS}); "
+                      "restarting Triton", flush=True)
+                continue
+            print(f"adaptex-serve: ready {args.name} http://127.0.0.1:{args.http_port}", flush=True)
+            triton.serve()
+            return 0
+    return 1
 
 
 if __name__ == "__main__":

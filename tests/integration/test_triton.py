@@ -2,6 +2,7 @@
 answers concurrent clients exactly as the artifact does when run directly."""
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -130,3 +131,27 @@ def test_serve_answers_concurrent_clients_as_the_artifact_does(artifacts):
                 np.testing.assert_array_equal(got[n], w, err_msg=n)
             else:
                 np.testing.assert_allclose(got[n], w, rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+@pytest.mark.triton
+def test_a_server_that_cannot_start_says_why_and_keeps_its_log(artifacts, tmp_path):
+    from adaptex.runtimes.triton.server import Server
+
+    art = artifacts("bf")
+    import onnx
+    from onnx import TensorProto, helper
+
+    broken = tmp_path / "broken.onnx"  # the metadata of a real artifact, a graph ONNX Runtime cannot load
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"], domain="nowhere")], "g", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), broken)
+    with pytest.raises(AdaptexError) as e:
+        Server(broken, port=_free_port(), meta=read_metadata(art)).start()
+    said = str(e.value)
+    assert "\n" not in said and "the Triton server exited" in said
+    log = said.split("see its log ")[1].split(",")[0]
+    try:
+        assert "Traceback" in open(log).read()
+    finally:
+        os.remove(log)
