@@ -292,7 +292,7 @@ def check(path, model=None, inputs: Iterable | None = None, *, samples: int = 20
                              f"({other.meta.get('source')} vs {runner.meta.get('source')}); compare artifacts of "
                              "one checkpoint")
         reference = ArtifactReference(other, reference)
-        loosest = ["fp32", "fp16", "bf16", "int8", "int4"]
+        loosest = ["fp32", "fp16", "bf16", "int8", "int4", "palettize6", "palettize4"]
         theirs = (other.meta.get("quantize") or {}).get("scheme") or other.meta.get("precision", "fp32")
         if theirs in loosest and precision in loosest:  # the looser of the two (printed in the report)
             precision = max(precision, theirs, key=loosest.index)

@@ -368,12 +368,20 @@ def _last_uses(fn) -> dict[int, list[str]]:
     return drops
 
 
-def evaluator(op):
-    """The numpy evaluator of an op (here, or runtimes/coreml_mil_layers.py for ordinary layers' ops);
-    None where coremltools' value inference computes it instead. An op with neither raises."""
+def _own(op_type: str):
+    """adaptex's numpy evaluator of an op type: adaptex's lowerings' ops here, ordinary layers' ops in
+    runtimes/coreml_mil_layers.py, compressed weights in runtimes/coreml_mil_constexpr.py; else None."""
+    from adaptex.runtimes import coreml_mil_constexpr as constexpr
     from adaptex.runtimes import coreml_mil_layers as layers
 
-    f = EVAL.get(op.op_type) or layers.EVAL.get(op.op_type)
+    return EVAL.get(op_type) or layers.EVAL.get(op_type) or constexpr.EVAL.get(op_type)
+
+
+def evaluator(op):
+    """The numpy evaluator of an op (_own); None where coremltools' value inference computes it instead. An op with neither raises."""
+    from adaptex.runtimes import coreml_mil_layers as layers
+
+    f = _own(op.op_type)
     if f is None and not layers.has_value_inference(op):
         raise AdaptexError(f"MIL evaluation: op {op.op_type!r} ({op.name}) has {layers.UNEVALUABLE_NOTE}")
     return f
@@ -385,8 +393,7 @@ def unevaluable(program) -> list[str]:
 
     missing: dict[str, int] = {}
     for op in program.functions["main"].operations:
-        if op.op_type != "const" and op.op_type not in EVAL and op.op_type not in layers.EVAL \
-                and not layers.has_value_inference(op):
+        if op.op_type != "const" and _own(op.op_type) is None and not layers.has_value_inference(op):
             missing[op.op_type] = missing.get(op.op_type, 0) + 1
     return [f"{t} ({n} op{'s' if n > 1 else ''})" for t, n in missing.items()]
 

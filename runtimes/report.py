@@ -21,16 +21,18 @@ from adaptex.graphs.ops.facts import margin_units, margins
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2},
               "bf16": {"atol": 0.3, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
               "int8": {"atol": 0.05, "rtol": 0.0, "of_largest": True},
-              "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True}}
+              "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True},
+              "palettize6": {"atol": 0.15, "rtol": 0.0, "of_largest": True},
+              "palettize4": {"atol": 0.3, "rtol": 0.0, "of_largest": True}}
 # A quantized or bf16 artifact's decisions may flip where its noise moves a score across its boundary: each
 # flip is counted and replayed, and the check fails when the flip rate (1 - agreement over every
 # decision compared) passes this bound.
-FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02, "bf16": 0.01}
+FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02, "bf16": 0.01, "palettize6": 0.02, "palettize4": 0.03}
 # Decision margins by decision kind, as the ops declare them (graphs/ops/<op>.py, FACTS): a flip is
 # excused only when the reference was closer than this to the boundary, in the kind's own unit. A
 # quantized artifact's margins are fp32's (its routers are fp32; a flip past them is counted).
 MARGINS = margins()
-MARGINS.update({"int8": MARGINS["fp32"], "int4": MARGINS["fp32"], "bf16": MARGINS["fp32"]})
+MARGINS.update({k: MARGINS["fp32"] for k in ("int8", "int4", "bf16", "palettize6", "palettize4")})
 # What each kind's margin measures, for failure messages
 MARGIN_UNITS = margin_units()
 

@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
                         "returns the model alone")
     for option, names in targets.all_options():
         kwargs = {"action": option.action} if option.action else {"default": option.default}
-        s.add_argument(option.flag, help=f"{'/'.join(names)}: {option.help}", **kwargs)
+        named = option.help.startswith(f"{names[0]}: ")  # each target's own help, named (targets.all_options)
+        s.add_argument(option.flag, help=option.help if named else f"{'/'.join(names)}: {option.help}", **kwargs)
     s.set_defaults(run=run)
 
 

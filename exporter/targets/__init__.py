@@ -9,7 +9,7 @@ still exports ONNX. Adding a target is one package under this one plus its name 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,9 +83,16 @@ def load_all() -> dict[str, Target]:
 
 
 def all_options() -> list[tuple[Option, list[str]]]:
-    """Every target option with the targets that take it (for the CLI's export parser)."""
-    seen: dict[str, tuple[Option, list[str]]] = {}
+    """Every target option with the targets that take it (for the CLI's export parser). A flag several
+    targets take with different meanings has each target's help, named."""
+    seen: dict[str, list[tuple[str, Option]]] = {}
     for t in load_all().values():
         for o in t.options:
-            seen.setdefault(o.flag, (o, []))[1].append(t.name)
-    return list(seen.values())
+            seen.setdefault(o.flag, []).append((t.name, o))
+    out = []
+    for takers in seen.values():
+        option, names = takers[0][1], [name for name, _ in takers]
+        if len({o.help for _, o in takers}) > 1:
+            option = replace(option, help="; ".join(f"{name}: {o.help}" for name, o in takers))
+        out.append((option, names))
+    return out

@@ -373,7 +373,7 @@ def _weights_made_per_call(path: str, tmp_path: Path) -> list[str]:
     return scan(zoo.ort_loaded(path, tmp_path / f"loaded-{Path(path).name}").graph, set(), set(), "")
 
 
-@pytest.mark.parametrize("family", ["bf", "tsa", "el", "eldec"])
+@pytest.mark.parametrize("family", ["bf"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("tsa", "el", "eldec")])
 def test_no_dense_export_prepares_its_weights_at_every_call(family, artifacts, tmp_path):
     """The yardstick is the fastest dense graph a user could ship: a dense export that re-slices or
     rescales its weights at every call (the legacy exporter keeps a Shape where the model reads a
@@ -574,6 +574,7 @@ def test_bench_prints_candidates_and_the_yardstick(tiny_onnx, capsys):
     assert " pays here (keep it)" in floor or "costs here (export with --softmax-floor off" in floor, floor
 
 
+@pytest.mark.slow
 def test_the_original_checkpoint_is_a_candidate_and_computes_the_same_embedding(tmp_path):
     """An elastic encoder on a Hugging Face directory: the directory's own transformers model,
     exported both ways, is timed beside the dense graphs, and it is the same function."""

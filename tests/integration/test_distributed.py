@@ -80,7 +80,7 @@ def test_a_global_batch_that_does_not_split_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("layout", ["roberta", "gpt2"])
+@pytest.mark.parametrize("layout", [pytest.param("roberta", marks=pytest.mark.slow), "gpt2"])
 def test_elastic_routers_train_in_two_processes_as_in_one(tmp_path, layout):
     elastic_in_two_processes(tmp_path, layout)
 

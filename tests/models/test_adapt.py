@@ -125,7 +125,8 @@ def _train(model, ref, kind: str, steps: int = 3) -> None:
     assert all(torch.equal(p, backbone[n]) for n, p in model.named_parameters() if n in backbone)
 
 
-@pytest.mark.parametrize("layout, kind", CASES)
+@pytest.mark.parametrize("layout, kind", [c if c in (("bert", "budgeted"), ("llama", "elastic")) else
+                                          pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 def test_routers_train_then_the_model_exports_and_passes_check(dirs, layout, kind, tmp_path):
     ref, model = _pretrained(dirs[layout], layout)
     ann.adapt(model, kind, **ROUTER)

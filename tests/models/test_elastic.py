@@ -384,7 +384,7 @@ def test_export_and_parity(artifacts, capsys, variant):
     assert seen["SA"] > 0 and seen["FA"] > 0
 
 
-@pytest.mark.parametrize("up_to", [None, 0, "excess"])
+@pytest.mark.parametrize("up_to", [None] + [pytest.param(u, marks=pytest.mark.slow) for u in (0, "excess")])
 def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(elastic_ckpt, tmp_path, capsys, up_to):
     """An encoder's ONNX Runtime calls read what every layer derives alike from the key mask
     (fx.ENCODER_SHARED: the reach and padding tests, the pairs' key mask, a masked call's bias planes)
@@ -437,7 +437,7 @@ def test_onnx_encoder_layers_read_what_they_derive_alike_from_one_computation(el
     _checked(capsys, path)
 
 
-@pytest.mark.parametrize("sink,window", [(0, 3), (3, 1), (4, 64)])
+@pytest.mark.parametrize("sink,window", [(3, 1)] + [pytest.param(*c, marks=pytest.mark.slow) for c in ((0, 3), (4, 64))])
 def test_onnx_encoder_block_local_passes_parity_for_any_sink_and_window(tmp_path, capsys, sink, window):
     """An encoder's artifact, its calls reading what every layer derives alike (fx.ENCODER_SHARED),
     with SA pairs block-local in every call (the masked threshold at 0): no sink and an odd window, a

@@ -321,6 +321,7 @@ def test_the_softmax_floor_goes_where_prefills_run(decoders, artifacts):
     assert one[1] == one[0] > 0
 
 
+@pytest.mark.slow
 def test_softmax_floor_off_leaves_it_out_of_every_program_and_keeps_the_outputs(artifacts, family_checkpoints):
     """--softmax-floor off (for a CPU whose Softmax takes masked scores at full speed): no program of
     the file floors a Softmax, the metadata says so, and the outputs are the floored file's (a masked

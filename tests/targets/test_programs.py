@@ -160,6 +160,7 @@ def test_an_artifact_without_dispatch_runs_in_one_session(artifacts):
     assert runner.programs is None and runner.session is not None
 
 
+@pytest.mark.slow
 def test_bench_times_the_runners_way_and_the_file_in_one_session(artifacts, family_checkpoints, tmp_path):
     """bench's adaptive row is the runner's (a session per program); the file in one session, what an
     app that loads it itself runs, is timed beside it and reported against it."""

@@ -80,7 +80,8 @@ def test_every_op_has_a_core_ml_translation_and_its_mil_ops_an_evaluator(tmp_pat
     for i, (model, example, dyn) in enumerate(models):
         for variant in registry.VARIANTS:
             path = tmp_path / f"m{i}{variant}.mlpackage"
-            adaptex.export(model, example, path, target="coreml", variant=variant, dynamic_shapes=dyn)
+            adaptex.export(model, example, path, target="coreml", variant=variant, dynamic_shapes=dyn,
+                           validate=False)  # the op types are what this reads
             seen |= {o.op_type for o in MilReferenceRunner(path).program.functions["main"].operations}
     assert seen - {"const"} <= set(EVAL), f"MIL ops without an evaluator: {sorted(seen - set(EVAL) - {'const'})}"
 

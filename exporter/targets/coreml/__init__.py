@@ -31,6 +31,7 @@ from adaptex.exporter.targets import Option, Target, register_target
 from adaptex.exporter.targets.coreml import lowerings  # noqa: F401  (registers the Core ML cells)
 from adaptex.exporter.targets.coreml import package
 from adaptex.exporter.targets.coreml import precision as policy
+from adaptex.exporter.targets.coreml import quantize as cq
 from adaptex.exporter.targets.coreml.convert import convert
 from adaptex.exporter.targets.coreml.decompose import decompositions
 from adaptex.exporter.targets.coreml.package import DEFAULT_MIN_TARGET, MIN_PAST, MIN_TARGETS  # noqa: F401
@@ -45,9 +46,12 @@ def default_precision(contract) -> str:
 
 
 def export(model, contract, out, *, variant: str = "sparse", precision: str | None = None, source: dict,
-           tokenizer: dict | None = None, min_target: str | None = None, say=None) -> dict:
-    """Convert to an ML program package at `out` (a directory, written atomically)."""
+           tokenizer: dict | None = None, min_target: str | None = None, quantize=None, quantize_routers=None,
+           say=None) -> dict:
+    """Convert to an ML program package at `out` (a directory, written atomically). quantize: int8,
+    palettize4 or palettize6 weights, the routers float unless quantize_routers (quantize.py)."""
     prec = precision or default_precision(contract)
+    scheme = cq.scheme_option(quantize, bool(quantize_routers))
     min_target = min_target or DEFAULT_MIN_TARGET
     if prec not in PRECISIONS:
         raise ExportError(f"precision {prec!r} is not supported for the coreml target; use fp16 or fp32")
@@ -82,14 +86,21 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExportError(f"coremltools conversion failed: {first}") from e
+        quantized = None
+        if scheme is not None:
+            if say:
+                say(f"quantizing the weights ({scheme.name}, routers {'too' if scheme.routers else 'float'}) ...")
+            mlmodel, quantized = cq.quantize(mlmodel, scheme)
         meta = _describe_and_save(mlmodel, contract, out, variant, prec, notes, inputs, outputs, source, tokenizer,
-                                  min_target)
+                                  min_target, quantized)
     return meta
 
 
 def _describe_and_save(mlmodel, contract, out, variant, prec, notes, inputs, outputs, source, tokenizer,
-                       min_target) -> dict:
+                       min_target, quantized=None) -> dict:
     extra = {"routing_precision": "fp32", "min_target": min_target}
+    if quantized is not None:
+        extra["quantize"] = quantized
     if contract.decoder:
         extra["min_past_sequence"] = MIN_PAST
     if "residual_stream" in contract.coreml_fp32_roles:
@@ -110,4 +121,9 @@ TARGET = register_target(Target(
     name="coreml", suffixes=(".mlpackage",), precisions=PRECISIONS, export=export,
     default_precision=default_precision, description="Core ML ML program package (iOS, macOS)",
     options=(Option("--min-target", f"minimum deployment target ({', '.join(MIN_TARGETS)}; default "
-                                    f"{DEFAULT_MIN_TARGET})"),)))
+                                    f"{DEFAULT_MIN_TARGET})"),
+             Option("--quantize", "int8: weights stored int8, one scale per output channel; palettize4 / "
+                                  "palettize6: a k-means table of 16 / 64 values per tensor; Core ML expands them "
+                                  "when it loads the package; routers stay float (docs/quantization.md)"),
+             Option("--quantize-routers", "with --quantize: the routers' weights too (check reports the "
+                                          "decisions that flip)", action="store_true"))))

@@ -23,7 +23,7 @@ def convert(ep, inputs: dict, outputs: dict, prec: str, min_target: str, keep_fp
     import coremltools as ct
 
     logging.getLogger("coremltools").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), _quiet_progress():
+    with warnings.catch_warnings(), quiet_progress():
         warnings.simplefilter("ignore")
         if prec == "fp16":
             # coremltools names the MIL op of an unsuffixed FX node "linear" as "linear_0"
@@ -77,7 +77,7 @@ def _fresh_op_names():
 
 
 @contextlib.contextmanager
-def _quiet_progress():
+def quiet_progress():
     """coremltools draws a tqdm bar for every pass of every conversion (on stderr, which tqdm looks up
     when a bar starts); adaptex reports its own progress. Failures still raise."""
     with contextlib.redirect_stderr(io.StringIO()):

@@ -19,13 +19,14 @@ stay fp32 unless `routers=True`: a router's score near its boundary flips under 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from adaptex.exporter.errors import ExportError
+from adaptex.exporter.quantize import Scheme
+from adaptex.exporter.quantize import scheme_option as _scheme_option
 from adaptex.exporter.targets.onnx.passes import subgraphs
 
 SCHEMES = ("int8", "int4")
@@ -34,30 +35,9 @@ MS_DOMAIN = "com.microsoft"
 _CLASS_KEY = "pkg.torch.onnx.class_hierarchy"
 
 
-@dataclass
-class Scheme:
-    """What a quantized artifact stores: `bits` for the matrices (8, or 4 with `block` rows a scale),
-    and whether the routers are quantized too."""
-    name: str
-    routers: bool = False
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.name == "int4" else 8
-
-
 def scheme_option(value, routers=None) -> Scheme | None:
     """The quantize option as a Scheme (None: not quantized); a one-line error for a bad value."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none")):
-        if routers:
-            raise ExportError("--quantize-routers quantizes the routers of a quantized artifact; give --quantize "
-                              f"{' or '.join(SCHEMES)} too")
-        return None
-    name = str(value).strip().lower()
-    if name not in SCHEMES:
-        raise ExportError(f"--quantize {value!r}: the onnx target quantizes to {' or '.join(SCHEMES)}; "
-                          "choose one (or leave it out for fp32)")
-    return Scheme(name, bool(routers))
+    return _scheme_option(value, routers, "onnx", SCHEMES)
 
 
 # --- which initializers ---------------------------------------------------------------------------------
