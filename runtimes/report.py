@@ -14,6 +14,8 @@ from adaptex.graphs.ops.facts import margin_units, margins
 # ("of_largest"), as int8 rounding error scales with the values it rounds; the activations' one
 # scale per call (DynamicQuantizeLinear) rounds at 1/255 of their range at every MatMul, and
 # budgetformer-graded's logits (fp32 routers, every decision agreeing) move by 0.030 of their largest.
+# A palettized Core ML package's more: 64 or 16 values (one k-means table per tensor) stand for every
+# weight of a matrix.
 # A bf16 artifact's (OpenVINO) the same way: bf16 keeps 8 bits of mantissa, and the dense charlm
 # decoder alone needs 0.24 of the largest |value| in its KV cache under OpenVINO's bf16 hint. An
 # error within `floor` (fp16's atol) passes too: a router's score near 0 (TSA's p of 1e-8 in a batch
