@@ -17,15 +17,15 @@ from adaptex.graphs.ops.facts import margin_units, margins
 # A palettized Core ML package's more: 64 or 16 values (one k-means table per tensor) stand for every
 # weight of a matrix.
 # A bf16 artifact's (OpenVINO) the same way: bf16 keeps 8 bits of mantissa, and the dense charlm
-# decoder alone needs 0.24 of the largest |value| in its KV cache under OpenVINO's bf16 hint. An
-# error within `floor` (fp16's atol) passes too: a router's score near 0 (TSA's p of 1e-8 in a batch
-# that drops every token) has no largest value to scale by.
+# decoder alone needs 0.24 of the largest |value| in its KV cache under OpenVINO's bf16 hint. For
+# each of these an error within `floor` (fp16's atol) passes too: a router's score near 0 (TSA's p of
+# 1e-8 in a batch that drops every token) has no largest value to scale by.
 TOLERANCES = {"fp32": {"atol": 1e-4, "rtol": 1e-3}, "fp16": {"atol": 1e-2, "rtol": 1e-2},
               "bf16": {"atol": 0.3, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
-              "int8": {"atol": 0.05, "rtol": 0.0, "of_largest": True},
-              "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True},
-              "palettize6": {"atol": 0.15, "rtol": 0.0, "of_largest": True},
-              "palettize4": {"atol": 0.3, "rtol": 0.0, "of_largest": True}}
+              "int8": {"atol": 0.05, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
+              "int4": {"atol": 0.15, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
+              "palettize6": {"atol": 0.15, "rtol": 0.0, "of_largest": True, "floor": 1e-2},
+              "palettize4": {"atol": 0.3, "rtol": 0.0, "of_largest": True, "floor": 1e-2}}
 # A quantized or bf16 artifact's decisions may flip where its noise moves a score across its boundary: each
 # flip is counted and replayed, and the check fails when the flip rate (1 - agreement over every
 # decision compared) passes this bound.

@@ -75,7 +75,9 @@ def packages(tmp_path_factory):
     out = {}
     for name, options in [("fp32", {}), ("int8", {"quantize": "int8"}),
                           ("int8-routers", {"quantize": "int8", "quantize_routers": True}),
-                          ("palettize4", {"quantize": "palettize4"})]:
+                          ("palettize4", {"quantize": "palettize4"}),
+                          ("int8-iOS18", {"quantize": "int8", "min_target": "iOS18"}),
+                          ("palettize6-iOS18", {"quantize": "palettize6", "min_target": "iOS18"})]:
         out[name] = root / f"{name}.mlpackage"
         adaptex.export(zoo.tiny_model(), None, out[name], target="coreml", precision="fp32", validate=False,
                        **options)
@@ -90,17 +92,21 @@ def _size(path):
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("scheme, kernel", [("int8", "constexpr_affine_dequantize"),
-                                            ("palettize4", "constexpr_lut_to_dense")])
-def test_a_quantized_package_passes_check_within_its_bounds(packages, scheme, kernel):
-    path = packages[scheme]
+@pytest.mark.parametrize("package, kernel", [("int8", "constexpr_affine_dequantize"),
+                                             ("palettize4", "constexpr_lut_to_dense"),
+                                             ("int8-iOS18", "constexpr_blockwise_shift_scale"),
+                                             ("palettize6-iOS18", "constexpr_lut_to_dense")])
+def test_a_quantized_package_passes_check_within_its_bounds(packages, package, kernel):
+    """iOS16/17 and iOS18 packages write different constexpr ops (iOS18's tables per 16 channels)."""
+    path, scheme = packages[package], package.split("-")[0]
     report = adaptex.check(path, zoo.tiny_model(), samples=48)
     assert report.passed, report.format()
     assert report.precision == scheme and report.flip_bound is not None and report.decisions_vary
     q = read_metadata(path)["quantize"]
+    assert ("per 16 output channels" in q["weights"]) == (package == "palettize6-iOS18")
     assert q["scheme"] == scheme and q["routers"] == "fp32" and q["kernels"] == [kernel]
     compressed = [op for op in _ops(path) if op.op_type == kernel]
-    assert len(compressed) == q["quantized"]["tensors"] >= 8
+    assert len(compressed) == q["quantized"]["tensors"] >= 6
     assert _size(path) < 0.7 * _size(packages["fp32"])
 
 

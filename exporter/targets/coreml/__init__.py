@@ -90,7 +90,7 @@ def export(model, contract, out, *, variant: str = "sparse", precision: str | No
         if scheme is not None:
             if say:
                 say(f"quantizing the weights ({scheme.name}, routers {'too' if scheme.routers else 'float'}) ...")
-            mlmodel, quantized = cq.quantize(mlmodel, scheme)
+            mlmodel, quantized = cq.quantize(mlmodel, scheme, min_target)
         meta = _describe_and_save(mlmodel, contract, out, variant, prec, notes, inputs, outputs, source, tokenizer,
                                   min_target, quantized)
     return meta

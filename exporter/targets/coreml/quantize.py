@@ -3,8 +3,8 @@ or 6 bits, through coremltools.optimize.coreml, the routers' weights left float 
 
 - int8: linear_quantize_weights, symmetric, one scale per output channel (the weight's first axis),
   written as constexpr_affine_dequantize (iOS16/17) or constexpr_blockwise_shift_scale (iOS18);
-- palettize4 / palettize6: palettize_weights, k-means, one lookup table of 16 / 64 values per tensor,
-  written as constexpr_lut_to_dense.
+- palettize4 / palettize6: palettize_weights, k-means, a lookup table of 16 / 64 values per tensor
+  (iOS16/17), or per GROUP output channels (iOS18, macOS15), written as constexpr_lut_to_dense.
 
 Core ML expands the weights when it loads the package; the ops compute at the package's precision
 (fp16 or fp32) as before. So the saving is size on disk and in the app bundle, not arithmetic.
@@ -24,6 +24,10 @@ from adaptex.exporter.quantize import scheme_option as _scheme_option
 
 SCHEMES = ("int8", "palettize4", "palettize6")
 MIN_ELEMENTS = 256
+# iOS18 / macOS15 packages take a lookup table per group of output channels (iOS18's
+# constexpr_lut_to_dense); older targets one table per tensor
+GROUPED_TARGETS = ("iOS18", "macOS15")
+GROUP = 16
 ROUTE = "route_"
 _COMPRESSED = ("constexpr_affine_dequantize", "constexpr_blockwise_shift_scale", "constexpr_lut_to_dense")
 
@@ -42,7 +46,7 @@ def _read_by_routing(const) -> bool:
                for c in const.outputs[0].child_ops)
 
 
-def quantize(mlmodel, scheme: Scheme):
+def quantize(mlmodel, scheme: Scheme, min_target: str):
     """(the compressed MLModel, the metadata's "quantize" record)."""
     import coremltools.optimize.coreml as cto
 
@@ -56,10 +60,16 @@ def quantize(mlmodel, scheme: Scheme):
         op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
                                                 weight_threshold=MIN_ELEMENTS)
         compress, how = cto.linear_quantize_weights, "int8 symmetric, one scale per output channel"
+    elif min_target in GROUPED_TARGETS:
+        op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=scheme.bits, granularity="per_grouped_channel",
+                                           group_size=GROUP, weight_threshold=MIN_ELEMENTS)
+        compress = cto.palettize_weights
+        how = f"{scheme.bits}-bit k-means lookup table of {2 ** scheme.bits} values per {GROUP} output channels"
     else:
         op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=scheme.bits, granularity="per_tensor",
                                            weight_threshold=MIN_ELEMENTS)
-        compress, how = cto.palettize_weights, f"{scheme.bits}-bit k-means lookup table of {2 ** scheme.bits} values per tensor"
+        compress = cto.palettize_weights
+        how = f"{scheme.bits}-bit k-means lookup table of {2 ** scheme.bits} values per tensor"
     with quiet_progress():
         out = compress(mlmodel, cto.OptimizationConfig(global_config=op_config, op_name_configs=left))
     ops = out._mil_program.functions["main"].operations
@@ -67,10 +77,10 @@ def quantize(mlmodel, scheme: Scheme):
     if not compressed:
         raise ExportError(f"--quantize {scheme.name}: this model has no weight of {MIN_ELEMENTS} values or more "
                           "outside its routers to quantize")
-    floats = {op.name for op in _float_consts(out._mil_program)}
-    if not scheme.routers and set(routers) - floats:  # a router weight must never be compressed silently
-        raise ExportError(f"--quantize {scheme.name}: coremltools compressed the router weights "
-                          f"{sorted(set(routers) - floats)[:3]}; this is a bug in adaptex, please report it")
+    leaked = [op.name for op in compressed if _read_by_routing(op)]
+    if leaked and not scheme.routers:  # a router weight must never be compressed silently
+        raise ExportError(f"--quantize {scheme.name}: coremltools compressed weights a router reads ({leaked[:3]}); "
+                          "this is a bug in adaptex, please report it")
     return out, {
         "scheme": scheme.name, "bits": scheme.bits, "weights": how,
         "activations": "float, at the package's precision (Core ML expands the weights when it loads the package)",
