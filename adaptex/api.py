@@ -134,10 +134,12 @@ def _validated(write, t, model, example, path, contract, say, options) -> dict:
         failed = validation.reject(work, path, beside)
     report.artifact = str(failed)
     first = (report.failures or ["see the report"])[0]
+    other = "another --quantize scheme (more bits) or none" if meta.get("quantize") else \
+        "another precision, variant or target"
     raise validation.ValidationFailed(
         f"{path}: the artifact does not compute what the eager model does ({first}); it is kept as {failed} "
-        f"and {path} is unchanged; export another precision, variant or target, or pass --no-validate "
-        "(validate=False) to write it unchecked", report, failed)
+        f"and {path} is unchanged; export {other}, or pass --no-validate (validate=False) to write it "
+        "unchecked", report, failed)
 
 
 def _is_artifact(path) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +49,9 @@ def row(name: str, scheme: str, work: Path, samples: int, target: str = "onnx") 
 
 
 def table(rows: list[dict], command: str) -> str:
-    cpu = platform.processor() or platform.machine()
+    from adaptex.runtimes.cpu import describe
+
+    cpu = describe()
     lines = [f"Generated {datetime.date.today().isoformat()} on {cpu} by `{command}`.", "",
              "| model | scheme | size (MB) | of unquantized | decision agreement | flip rate | largest error (of max) | check |",
              "|---|---|---|---|---|---|---|---|"]
