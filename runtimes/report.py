@@ -34,7 +34,7 @@ FLIP_BOUNDS = {"int8": 0.01, "int4": 0.02, "bf16": 0.01, "palettize6": 0.02, "pa
 # excused only when the reference was closer than this to the boundary, in the kind's own unit. A
 # quantized artifact's margins are fp32's (its routers are fp32; a flip past them is counted).
 MARGINS = margins()
-MARGINS.update({k: MARGINS["fp32"] for k in ("int8", "int4", "bf16", "palettize6", "palettize4")})
+MARGINS.update({k: MARGINS["fp32"] for k in FLIP_BOUNDS})
 # What each kind's margin measures, for failure messages
 MARGIN_UNITS = margin_units()
 

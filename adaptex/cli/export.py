@@ -28,10 +28,9 @@ def add_parser(sub) -> None:
     s.add_argument("--inputs", default=None,
                    help="MODULE:FUNCTION models: an .npz of example inputs by name (batch >= 2), if the function "
                         "returns the model alone")
-    for option, names in targets.all_options():
+    for option, _ in targets.all_options():
         kwargs = {"action": option.action} if option.action else {"default": option.default}
-        named = option.help.startswith(f"{names[0]}: ")  # each target's own help, named (targets.all_options)
-        s.add_argument(option.flag, help=option.help if named else f"{'/'.join(names)}: {option.help}", **kwargs)
+        s.add_argument(option.flag, help=option.help, **kwargs)
     s.set_defaults(run=run)
 
 

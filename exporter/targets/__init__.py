@@ -83,8 +83,8 @@ def load_all() -> dict[str, Target]:
 
 
 def all_options() -> list[tuple[Option, list[str]]]:
-    """Every target option with the targets that take it (for the CLI's export parser). A flag several
-    targets take with different meanings has each target's help, named."""
+    """Every target option with the targets that take it (for the CLI's export parser), its help
+    naming them: "onnx/coreml: ..." where they mean the same, each target's own help, named, where not."""
     seen: dict[str, list[tuple[str, Option]]] = {}
     for t in load_all().values():
         for o in t.options:
@@ -94,5 +94,7 @@ def all_options() -> list[tuple[Option, list[str]]]:
         option, names = takers[0][1], [name for name, _ in takers]
         if len({o.help for _, o in takers}) > 1:
             option = replace(option, help="; ".join(f"{name}: {o.help}" for name, o in takers))
+        else:
+            option = replace(option, help=f"{'/'.join(names)}: {option.help}")
         out.append((option, names))
     return out
